@@ -1,0 +1,1 @@
+"""TensorHub: reference-oriented storage for LLM weights."""
