@@ -294,4 +294,4 @@ def as_host_array(obj: Any, name: str) -> np.ndarray[Any, Any]:
 
 def byte_view(arr: np.ndarray[Any, Any]) -> memoryview:
     """A flat, writable-if-possible byte view of a C-contiguous array (no copy)."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]

@@ -1,0 +1,148 @@
+"""The ``tensorhub`` command: ``peer``, ``demo``, ``status``.
+
+User errors (bad options, a port in use, an unreachable seed) end with one line on
+stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from .config import PeerConfig
+from .errors import ConfigError, TensorHubError
+
+PRESETS = {"local": PeerConfig.local, "datacenter": PeerConfig.datacenter,
+           "cross_dc": PeerConfig.cross_dc}
+
+
+def _labels(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k or not v:
+            raise ConfigError(f"--label expects KEY=VALUE, got {item!r}")
+        out.append((k, v))
+    return tuple(out)
+
+
+def _config(args: argparse.Namespace, name: str) -> PeerConfig:
+    seeds = tuple(s for s in (args.join or "").split(",") if s)
+    extra: dict[str, Any] = {}
+    if getattr(args, "data_listen", None):
+        extra["data_listen"] = args.data_listen
+    return PRESETS[args.preset](name, listen=args.listen, join=seeds,
+                                labels=_labels(args.label or []), **extra)
+
+
+async def _run_peer(config: PeerConfig) -> None:
+    from .peer.node import open_peer
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_peer(config) as peer:
+            print(json.dumps({"event": "ready", "name": peer.info.name,
+                              "control": peer.info.control, "data": peer.info.data}),
+                  flush=True)
+            async for _ in signals:
+                break
+
+
+async def _status(config: PeerConfig, settle: float) -> dict[str, Any]:
+    from .peer.node import open_peer
+
+    async with open_peer(config) as peer:
+        await trio.sleep(settle)
+        members = {n: {"state": st, "labels": dict(info.labels), "control": info.control,
+                       "data": info.data}
+                   for n, (info, st) in peer.members().items() if n != config.name}
+        versions: dict[str, dict[str, Any]] = {}
+        for entry in peer.control.refs.origins():
+            for h in entry.holdings:
+                v = versions.setdefault(str(h.key), {"holders": {}})
+                v["holders"][entry.origin] = {
+                    "chunks": f"{h.count()}/{h.num_chunks}", "complete": h.complete,
+                    "publisher": h.publisher}
+        return {"members": members, "versions": versions}
+
+
+def _print_status(report: dict[str, Any]) -> None:
+    print(f"{'member':<20} {'state':<8} {'control':<26} labels")
+    for name, m in sorted(report["members"].items()):
+        labels = ",".join(f"{k}={v}" for k, v in m["labels"].items())
+        print(f"{name:<20} {m['state']:<8} {m['control']:<26} {labels}")
+    print()
+    print(f"{'version':<24} holders (chunks held)")
+    for key, v in sorted(report["versions"].items()):
+        holders = ", ".join(f"{n} ({h['chunks']})" for n, h in sorted(v["holders"].items()))
+        print(f"{key:<24} {holders}")
+
+
+def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
+    p.add_argument("--listen", default=listen, help="control address HOST:PORT")
+    p.add_argument("--join", default="", help="seed peers HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--label", action="append", metavar="KEY=VALUE",
+                   help="topology label (dc, rack, host, ...); repeatable")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="datacenter",
+                   help="timer preset (default: datacenter)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tensorhub", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("peer", help="run one peer until SIGINT/SIGTERM")
+    p.add_argument("--name", required=True)
+    _add_peer_options(p, "127.0.0.1:7700")
+    p.add_argument("--data-listen", default=None, help="data-plane HOST:PORT")
+
+    d = sub.add_parser("demo", help="spawn a local mesh on loopback and move weights")
+    from .demo import add_demo_options
+
+    add_demo_options(d)
+
+    s = sub.add_parser("status", help="print members and versions of a mesh")
+    _add_peer_options(s, "127.0.0.1:0")
+    s.add_argument("--settle", type=float, default=2.0,
+                   help="seconds to gossip before printing")
+    s.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "peer":
+            trio.run(_run_peer, _config(args, args.name))
+            return 0
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args)
+        if args.command == "status":
+            if not args.join:
+                raise ConfigError("status needs --join HOST:PORT")
+            import os
+
+            report = trio.run(_status, _config(args, f"status-{os.getpid()}"), args.settle)
+            if args.json:
+                print(json.dumps(report))
+            else:
+                _print_status(report)
+            return 0
+    except (TensorHubError, OSError) as exc:
+        print(f"tensorhub {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

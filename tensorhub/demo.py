@@ -1,0 +1,266 @@
+"""``tensorhub demo``: a real mesh of processes on loopback moving real weights.
+
+The driver spawns one trainer and N rollout processes (``python -m tensorhub.demo
+worker ...``), each a full peer.  Workers talk to the driver in JSON lines: the driver
+writes commands to a worker's stdin, the worker reports events on its stdout.  For each
+version the trainer publishes a synthetic model of realistic tensor shapes; every
+rollout waits for it, fetches it and reports where its bytes came from and a blake3 of
+what it received, which the driver compares with the trainer's.  Both trainer and
+rollouts double-buffer: version ``v`` lives in buffer set ``v % 2``, and the version
+that held that set before is unpublished (and drained) first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+import blake3
+import numpy as np
+import trio
+
+from .config import PeerConfig
+
+MODEL = "demo-llm"
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def model_specs(size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor names and fp16 shapes of a small transformer of about ``size`` bytes."""
+    hidden = 1024 if size >= 128 << 20 else 256
+    ffn, vocab = hidden * 11 // 4, min(32000, max(1000, size // 16 // hidden))
+    specs: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (vocab, hidden))]
+    layer = [("attn.qkv.weight", (3 * hidden, hidden)), ("attn.o.weight", (hidden, hidden)),
+             ("mlp.gate.weight", (ffn, hidden)), ("mlp.up.weight", (ffn, hidden)),
+             ("mlp.down.weight", (hidden, ffn)), ("ln1.weight", (hidden,)),
+             ("ln2.weight", (hidden,))]
+    per_layer = sum(int(np.prod(s)) * 2 for _, s in layer)
+    used = 2 * vocab * hidden * 2 + hidden * 2
+    for i in range(max(1, (size - used) // per_layer)):
+        specs += [(f"layers.{i}.{n}", s) for n, s in layer]
+    specs += [("norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return specs
+
+
+def allocate(specs: list[tuple[str, tuple[int, ...]]]) -> dict[str, np.ndarray[Any, Any]]:
+    out = {}
+    for name, shape in specs:
+        arr = np.empty(shape, dtype=np.float16)
+        arr.reshape(-1).view(np.uint8)[::4096] = 0  # pre-fault every page
+        out[name] = arr
+    return out
+
+
+def fill(arrays: dict[str, np.ndarray[Any, Any]], version: int) -> None:
+    block = np.random.default_rng(version).integers(0, 256, 1 << 20, dtype=np.uint8)
+    for i, arr in enumerate(arrays.values()):
+        flat = arr.reshape(-1).view(np.uint8)
+        start = (i * 4099) % len(block)
+        for off in range(0, len(flat), len(block)):
+            n = min(len(block), len(flat) - off)
+            head = min(n, len(block) - start)
+            flat[off:off + head] = block[start:start + head]
+            flat[off + head:off + n] = block[:n - head]
+
+
+def checksum(arrays: dict[str, np.ndarray[Any, Any]]) -> str:
+    h = blake3.blake3()
+    for arr in arrays.values():
+        h.update(memoryview(arr.reshape(-1).view(np.uint8)))
+    out: str = h.hexdigest()
+    return out
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+async def _worker(args: argparse.Namespace) -> None:
+    from .peer.node import open_peer
+
+    join = tuple(s for s in args.join.split(",") if s)
+    config = PeerConfig.local(args.name, listen=args.listen, join=join,
+                              labels=(("host", "localhost"), ("role", args.role)))
+    specs = model_specs(args.size)
+    buffers = [allocate(specs), allocate(specs)]
+    held: list[int | None] = [None, None]
+    async with open_peer(config) as peer:
+        while len(peer.control.membership.live_members()) < args.expect:
+            await trio.sleep(0.05)
+        _emit({"event": "ready", "name": args.name})
+        stdin = trio.wrap_file(sys.stdin)
+        last: int | None = None
+        while True:
+            line = (await stdin.readline()).strip()
+            if not line or line == "quit":
+                break
+            cmd, _, arg = line.partition(" ")
+            version = int(arg)
+            slot = buffers[version % 2]
+            if held[version % 2] is not None:
+                await peer.unpublish(MODEL, held[version % 2])  # type: ignore[arg-type]
+                held[version % 2] = None
+            if cmd == "publish":
+                fill(slot, version)
+                t0 = time.perf_counter()
+                await peer.publish(MODEL, version, slot)
+                _emit({"event": "published", "version": version, "checksum": checksum(slot),
+                       "seconds": time.perf_counter() - t0})
+            elif cmd == "fetch":
+                got = await peer.wait_for_version(MODEL, last)
+                fetched = await peer.fetch(MODEL, got, into=slot)
+                last = got
+                _emit({"event": "fetched", "version": got, "checksum": checksum(slot),
+                       "report": fetched.report.to_dict()})
+            held[version % 2] = version
+        # keep serving until the driver says quit (already read): leave cleanly
+        _emit({"event": "stats", "stats": {"bytes_served": peer.statistics().bytes_served}})
+
+
+class _Proc:
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, bufsize=1)
+
+    def send(self, line: str) -> None:
+        stdin: IO[str] = self.p.stdin  # type: ignore[assignment]
+        stdin.write(line + "\n")
+        stdin.flush()
+
+    def expect(self, event: str, timeout: float) -> dict[str, Any]:
+        stdout: IO[str] = self.p.stdout  # type: ignore[assignment]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name} exited (code {self.p.poll()})")
+            try:
+                obj: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if obj.get("event") == event:
+                return obj
+        raise TimeoutError(f"{self.name}: no {event!r} within {timeout}s")
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    size = parse_size(args.size)
+    n = args.rollouts
+    ports = _free_ports(n + 1)
+    seed = f"127.0.0.1:{ports[0]}"
+    base = [sys.executable, "-m", "tensorhub.demo", "worker", "--size", str(size),
+            "--expect", str(n + 1)]
+    procs = [_Proc("trainer", [*base, "--name", "trainer", "--role", "trainer",
+                               "--listen", seed])]
+    procs += [_Proc(f"rollout-{i}", [*base, "--name", f"rollout-{i}", "--role", "rollout",
+                                     "--listen", f"127.0.0.1:{ports[i + 1]}", "--join", seed])
+              for i in range(n)]
+    trainer, rollouts = procs[0], procs[1:]
+    summary: dict[str, Any] = {"model": MODEL, "size_bytes": size, "rollouts": n,
+                               "versions": [], "all_verified": False}
+    try:
+        for p in procs:
+            p.expect("ready", 60)
+        all_ok = True
+        for v in range(1, args.versions + 1):
+            trainer.send(f"publish {v}")
+            pub = trainer.expect("published", 120)
+            for r in rollouts:
+                r.send(f"fetch {v}")
+            rows = []
+            for r in rollouts:
+                ev = r.expect("fetched", 300)
+                rep = ev["report"]
+                ok = bool(rep["verified"]) and ev["checksum"] == pub["checksum"] \
+                    and ev["version"] == v
+                all_ok &= ok
+                rows.append({"rollout": r.name, "seconds": rep["seconds"],
+                             "mb_per_s": rep["mb_per_s"], "bytes": rep["bytes"],
+                             "bytes_by_source": rep["bytes_by_source"],
+                             "transport_by_source": rep["transport_by_source"],
+                             "verified": ok})
+            summary["versions"].append({"version": v, "publish_seconds": pub["seconds"],
+                                        "rollouts": rows})
+            if not args.json or args.table:
+                _print_version(v, size, rows)
+        summary["all_verified"] = all_ok
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                try:
+                    p.send("quit")
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in procs:
+            try:
+                p.p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.p.kill()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print("all verified" if summary["all_verified"] else "VERIFICATION FAILED")
+    return 0 if summary["all_verified"] else 1
+
+
+def _print_version(v: int, size: int, rows: list[dict[str, Any]]) -> None:
+    print(f"version {v}  ({size / (1 << 20):.0f} MiB)")
+    print(f"  {'rollout':<11} {'seconds':>8} {'MB/s':>8}  {'verified':<8} served by")
+    for r in rows:
+        src = ", ".join(f"{k} {b / (1 << 20):.1f} MiB"
+                        for k, b in sorted(r["bytes_by_source"].items()))
+        print(f"  {r['rollout']:<11} {r['seconds']:>8.3f} {r['mb_per_s']:>8.0f}  "
+              f"{'yes' if r['verified'] else 'NO':<8} {src}")
+    print(flush=True)
+
+
+def add_demo_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rollouts", type=int, default=4, help="rollout processes (default 4)")
+    p.add_argument("--size", default="256MiB", help="model size (default 256MiB)")
+    p.add_argument("--versions", type=int, default=3, help="versions to publish (default 3)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--table", action="store_true", help="with --json, print the tables too")
+
+
+def _worker_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="tensorhub.demo worker")
+    p.add_argument("--name", required=True)
+    p.add_argument("--role", choices=("trainer", "rollout"), required=True)
+    p.add_argument("--listen", required=True)
+    p.add_argument("--join", default="")
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--expect", type=int, required=True)
+    trio.run(_worker, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        _worker_main(sys.argv[2:])
+    else:
+        sys.exit("usage: python -m tensorhub.demo worker ...  (use `tensorhub demo`)")

@@ -1,0 +1,258 @@
+"""One fetch: pull every chunk of a version from holders, verify it, land it in place.
+
+A bounded window of workers (``PeerConfig.fetch_window``) each take the lowest
+unverified, unclaimed chunk and the best holder that has it: a holder other than the
+original publisher first, then the one we are reading least from.  Chunks land with
+``recv_into`` straight in the destination arrays and are checked against the manifest
+digest in a worker thread before they count; a verified chunk is served to others at
+once (partial-prefix serving) and never fetched again.  A holder that errors, refuses,
+stalls or sends bad bytes is dropped for this fetch and its chunk goes to another.  When
+no holder is left for some chunk the fetch raises :class:`VersionUnavailable` naming
+what is missing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from ..errors import (
+    IntegrityError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransportError,
+    VersionUnavailable,
+)
+from ..model import Manifest, PeerInfo, VersionKey, as_host_array, new_hasher
+from ..protocol.dataplane import NOT_YET
+from ..protocol.refs import Holding
+from ..transport.base import Connection, NotServing
+from .store import LocalVersion
+
+HolderView = Callable[[VersionKey], list[tuple[PeerInfo, Holding]]]
+Connector = Callable[[PeerInfo], Awaitable[Connection]]
+
+
+@dataclass
+class FetchReport:
+    """What one fetch did: where its bytes came from and how long it took."""
+
+    model: str
+    version: int
+    seconds: float = 0.0
+    bytes: int = 0
+    chunks: int = 0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    transport_by_source: dict[str, str] = field(default_factory=dict)
+    integrity_failures: dict[str, int] = field(default_factory=dict)
+    dropped_sources: dict[str, str] = field(default_factory=dict)
+    resourced_chunks: int = 0
+    verified: bool = False
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "version": self.version, "seconds": self.seconds,
+            "bytes": self.bytes, "chunks": self.chunks, "mb_per_s": self.mb_per_s,
+            "bytes_by_source": dict(self.bytes_by_source),
+            "transport_by_source": dict(self.transport_by_source),
+            "integrity_failures": dict(self.integrity_failures),
+            "dropped_sources": dict(self.dropped_sources),
+            "resourced_chunks": self.resourced_chunks, "verified": self.verified,
+        }
+
+
+def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, Any]]:
+    """Arrays to fetch into, in manifest order; checked before any byte moves."""
+    if into is None:
+        return [np.empty(t.shape, dtype=np.dtype(t.dtype)) for t in manifest.tensors]
+    if not hasattr(into, "keys"):
+        raise LocalProtocolError("into= must be a mapping of tensor name -> array")
+    names = {t.name for t in manifest.tensors}
+    extra = sorted(set(into.keys()) - names)
+    missing = sorted(names - set(into.keys()))
+    if extra or missing:
+        raise LocalProtocolError(
+            f"into= does not match {manifest.key}: missing {missing[:5]}, unknown {extra[:5]}")
+    out = []
+    for t in manifest.tensors:
+        arr = as_host_array(into[t.name], t.name)
+        if arr.shape != t.shape or arr.dtype != np.dtype(t.dtype):
+            raise LocalProtocolError(
+                f"into[{t.name!r}] is {arr.dtype}{list(arr.shape)}, "
+                f"{manifest.key} has {np.dtype(t.dtype)}{list(t.shape)}")
+        if not arr.flags.writeable:
+            raise LocalProtocolError(f"into[{t.name!r}] is read-only")
+        out.append(arr)
+    return out
+
+
+def _digest(algo: str, segments: Sequence[memoryview]) -> bytes:
+    h = new_hasher(algo)
+    for s in segments:
+        h.update(s)
+    out: bytes = h.digest()
+    return out
+
+
+class Fetch:
+    """The state of one fetch; :meth:`run` drives it to completion or failure."""
+
+    def __init__(self, *, me: str, local: LocalVersion, view: HolderView, connect: Connector,
+                 window: int, stall_timeout: float, on_progress: Callable[[], None]) -> None:
+        self.me = me
+        self.local = local
+        self.manifest = local.manifest
+        self.key = local.manifest.key
+        self.view = view
+        self.connect = connect
+        self.window = window
+        self.stall_timeout = stall_timeout
+        self.on_progress = on_progress
+        self.pending = [c for c in range(self.manifest.num_chunks) if not local.verified[c]]
+        self.claimed: dict[int, str] = {}
+        self.load: dict[str, int] = {}
+        self.dropped: dict[str, str] = {}
+        self.lacks: dict[str, set[int]] = {}
+        self.tried: set[int] = set()
+        self.report = FetchReport(self.key.model, self.key.version)
+        self.changed = trio.Event()
+
+    def poke(self) -> None:
+        """Gossip changed the holder view: wake workers waiting for a source."""
+        self.lacks.clear()
+        self.changed.set()
+
+    def _pick(self) -> tuple[int, PeerInfo] | None:
+        holders = [(p, h) for p, h in self.view(self.key)
+                   if p.name != self.me and p.name not in self.dropped]
+        for chunk in self.pending:
+            best: tuple[tuple[int, int, str], PeerInfo] | None = None
+            for peer, holding in holders:
+                if not holding.has(chunk) or chunk in self.lacks.get(peer.name, ()):
+                    continue
+                rank = (int(holding.publisher == peer.name), self.load.get(peer.name, 0),
+                        peer.name)
+                if best is None or rank < best[0]:
+                    best = (rank, peer)
+            if best is not None:
+                return chunk, best[1]
+        return None
+
+    def _missing(self) -> str:
+        names = sorted({
+            self.manifest.tensors[s.index].name
+            for c in self.pending
+            for s in self.manifest.segments(*self.manifest.chunk_range(c))
+        })
+        dropped = "; ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items()))
+        return (f"no live holder for {len(self.pending)} of {self.manifest.num_chunks} chunks "
+                f"(tensors {names[:8]}{' ...' if len(names) > 8 else ''})"
+                + (f"; dropped sources: {dropped}" if dropped else ""))
+
+    async def run(self) -> FetchReport:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.window):
+                nursery.start_soon(self._worker)
+        self.report.seconds = trio.current_time() - start
+        self.report.verified = self.local.complete
+        self.report.dropped_sources = dict(self.dropped)
+        return self.report
+
+    async def _worker(self) -> None:
+        conns: dict[str, Connection] = {}
+        try:
+            while self.pending or self.claimed:
+                job = self._pick()
+                if job is None:
+                    if not self.pending:
+                        return  # the rest is claimed by other workers
+                    await self._wait_for_source()
+                    continue
+                chunk, peer = job
+                self.pending.remove(chunk)
+                self.claimed[chunk] = peer.name
+                self.load[peer.name] = self.load.get(peer.name, 0) + 1
+                ok = False
+                try:
+                    ok = await self._read(conns, chunk, peer)
+                finally:
+                    self.load[peer.name] -= 1
+                    del self.claimed[chunk]
+                    if not ok:
+                        self.pending.append(chunk)
+                        self.pending.sort()
+                        self.changed.set()
+        finally:
+            for conn in conns.values():
+                await conn.aclose()
+
+    async def _wait_for_source(self) -> None:
+        if not self.claimed and not any(
+            not h.complete for p, h in self.view(self.key)
+            if p.name != self.me and p.name not in self.dropped
+        ):
+            # Nothing in flight and nobody still receiving: no holder can appear soon
+            # except through gossip, which had its chance during the stall timeout.
+            with trio.move_on_after(self.stall_timeout):
+                self.changed = trio.Event()
+                await self.changed.wait()
+                return
+            raise VersionUnavailable(self.key.model, self.key.version, self._missing())
+        self.changed = trio.Event()
+        with trio.move_on_after(self.stall_timeout):
+            await self.changed.wait()
+
+    async def _read(self, conns: dict[str, Connection], chunk: int, peer: PeerInfo) -> bool:
+        name = peer.name
+        dest = self.local.segments(chunk)
+        try:
+            conn = conns.get(name)
+            if conn is None:
+                conn = conns[name] = await self.connect(peer)
+            with trio.move_on_after(self.stall_timeout) as scope:
+                n = await conn.read_chunk(self.key, chunk, dest)
+            if scope.cancelled_caught:
+                raise TransportError(f"stalled for {self.stall_timeout:.1f}s on chunk {chunk}")
+            digest = await trio.to_thread.run_sync(_digest, self.manifest.digest_algo, dest)
+            if digest != self.manifest.chunk_digests[chunk]:
+                raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
+                                     source=name)
+        except NotServing as ns:
+            if ns.status == NOT_YET:
+                self.lacks.setdefault(name, set()).add(chunk)
+            else:
+                await self._drop(conns, name, f"refused: {ns.detail}")
+            return False
+        except IntegrityError as exc:
+            self.report.integrity_failures[name] = self.report.integrity_failures.get(name, 0) + 1
+            await self._drop(conns, name, str(exc))
+            return False
+        except (TransportError, RemoteProtocolError, OSError) as exc:
+            await self._drop(conns, name, str(exc) or type(exc).__name__)
+            return False
+        if chunk in self.tried:
+            self.report.resourced_chunks += 1
+        self.local.mark_verified(chunk)
+        self.report.bytes += n
+        self.report.chunks += 1
+        self.report.bytes_by_source[name] = self.report.bytes_by_source.get(name, 0) + n
+        self.report.transport_by_source[name] = conn.transport
+        self.on_progress()
+        return True
+
+    async def _drop(self, conns: dict[str, Connection], name: str, reason: str) -> None:
+        self.dropped.setdefault(name, reason)
+        self.tried.update(c for c, src in self.claimed.items() if src == name)
+        conn = conns.pop(name, None)
+        if conn is not None:
+            await conn.aclose()

@@ -1,0 +1,365 @@
+"""The peer: a thin trio shell around the sans-IO control plane and the data plane.
+
+One nursery holds every task: the ZeroMQ socket's owner, the control dispatcher (decode,
+feed :class:`ControlPlane`, send what it returns), the timer task that ticks it at its
+deadlines, and the TCP data server.  Time comes from trio's clock only.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+import zmq
+
+from ..config import PeerConfig, parse_hostport
+from ..errors import (
+    ConsistencyError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransportError,
+    VersionUnavailable,
+)
+from ..model import (
+    Manifest,
+    PeerInfo,
+    TensorSpec,
+    VersionKey,
+    as_host_array,
+    byte_view,
+    check_model_name,
+    check_version,
+)
+from ..protocol import codec
+from ..protocol.control import ControlPlane
+from ..protocol.membership import Outbound
+from ..protocol.messages import register_all
+from ..transport.base import Connection, NotServing
+from ..transport.tcp import TcpConnection, TcpServer
+from .fetcher import Fetch, FetchReport, _digest, prepare_destination
+from .store import LocalVersion, Store
+from .zmq_trio import ZmqRouter
+
+register_all()
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The result of :meth:`Peer.fetch`: the version, its tensors and what it took."""
+
+    version: int
+    tensors: dict[str, np.ndarray[Any, Any]]
+    report: FetchReport
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    name: str
+    control: str
+    data: str
+    members: dict[str, str]
+    holdings: dict[str, str]
+    bytes_served: int
+    chunks_served: int
+    bytes_fetched: int
+    bytes_fetched_by_source: dict[str, int]
+    bytes_by_transport: dict[str, int]
+    fetches: int
+    integrity_failures: dict[str, int]
+    malformed_dropped: int
+    gossip_dropped: int
+    control_received: int
+    control_sent: int
+    reports: tuple[dict[str, Any], ...] = field(default=())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def build_manifest(model: str, version: int, arrays: list[tuple[str, np.ndarray[Any, Any]]],
+                   chunk_size: int, algo: str) -> Manifest:
+    """Specs, chunking and digests of arrays laid end to end (runs in a worker thread)."""
+    specs, offset = [], 0
+    for name, arr in arrays:
+        specs.append(TensorSpec(name, arr.dtype.str, tuple(arr.shape), offset))
+        offset += arr.nbytes
+    skeleton = Manifest(model, version, tuple(specs), chunk_size, algo, ())
+    views = [byte_view(a) for _, a in arrays]
+    digests = []
+    for c in range(skeleton.num_chunks):
+        segs = skeleton.segments(*skeleton.chunk_range(c))
+        digests.append(_digest(algo, [views[s.index][s.start:s.stop] for s in segs]))
+    return Manifest(model, version, tuple(specs), chunk_size, algo, tuple(digests))
+
+
+class Peer:
+    """A member of the mesh.  Create it with :func:`open_peer`."""
+
+    def __init__(self, config: PeerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.config = config
+        host, port = parse_hostport(config.listen)
+        port = port or _free_port(host)
+        self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
+                                 config.gossip_queue)
+        self.store = Store()
+        self._server = TcpServer(self.store, self._count_sent, self._count_bad)
+        self._data_host = parse_hostport(config.data_listen)[0] if config.data_listen else host
+        self._data_port = parse_hostport(config.data_listen)[1] if config.data_listen else 0
+        self.info: PeerInfo
+        self.control: ControlPlane
+        self._changed = trio.Event()
+        self._seen_changes = 0
+        self._wake_ticker = trio.Event()
+        self._fetches: set[Fetch] = set()
+        self._closed = False
+        self._served = self._chunks_served = self._fetched = self._nfetches = 0
+        self._malformed = 0
+        self._by_source: dict[str, int] = {}
+        self._by_transport: dict[str, int] = {}
+        self._integrity: dict[str, int] = {}
+        self._reports: list[dict[str, Any]] = []
+        self.bad_inputs: list[str] = []
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        data_port = await nursery.start(self._server.serve, self._data_host, self._data_port)
+        self.info = PeerInfo(self.config.name, self._router.endpoint,
+                             f"{self._data_host}:{data_port}", tuple(self.config.labels))
+        self.control = ControlPlane(self.info, self.config, random.Random(),
+                                    trio.current_time(), time.time_ns() // 1000)
+        await nursery.start(self._router.run)
+        nursery.start_soon(self._dispatch)
+        nursery.start_soon(self._ticker)
+        seeds = [f"tcp://{h}:{p}" for h, p in map(parse_hostport, self.config.join)]
+        self._send(self.control.join(trio.current_time(), seeds))
+
+    async def _leave(self) -> None:
+        self._closed = True
+        self._send(self.control.leave(trio.current_time()))
+        await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
+
+    def _send(self, out: list[Outbound]) -> None:
+        for item in out:
+            self._router.send_nowait(item.dest, codec.encode(item.msg,
+                                                             self.config.max_message_bytes))
+        self._after_change()
+
+    def _after_change(self) -> None:
+        if self.control.changes != self._seen_changes:
+            self._seen_changes = self.control.changes
+            self._changed.set()
+            self._changed = trio.Event()
+            for f in self._fetches:
+                f.poke()
+        self._wake_ticker.set()
+
+    async def _dispatch(self) -> None:
+        async for _sender, data in self._router.inbound:
+            try:
+                msg = codec.decode(data, self.config.max_message_bytes)
+            except RemoteProtocolError as exc:
+                self._count_bad(f"control message from {_sender}: {exc}")
+                continue
+            self._send(self.control.receive(trio.current_time(), msg))
+
+    async def _ticker(self) -> None:
+        while True:
+            with trio.move_on_at(self.control.next_deadline()):
+                await self._wake_ticker.wait()
+            self._wake_ticker = trio.Event()
+            now = trio.current_time()
+            if now >= self.control.next_deadline():
+                self._send(self.control.tick(now))
+
+    def _count_sent(self, reader: str, nbytes: int) -> None:
+        self._served += nbytes
+        self._chunks_served += 1
+
+    def _count_bad(self, what: str) -> None:
+        self._malformed += 1
+        if len(self.bad_inputs) < 100:
+            self.bad_inputs.append(what)
+
+    # -- API ----------------------------------------------------------------------------
+
+    async def publish(self, model: str, version: int, tensors: Mapping[str, Any]) -> Manifest:
+        """Register references to ``tensors`` (copies nothing) as ``model@version``."""
+        key = VersionKey(check_model_name(model), check_version(version))
+        if not tensors:
+            raise LocalProtocolError("publish needs at least one tensor")
+        if self.store.get(key) is not None:
+            raise LocalProtocolError(f"{key} is already held here; unpublish it first")
+        arrays = [(str(name), as_host_array(t, str(name))) for name, t in tensors.items()]
+        manifest = await trio.to_thread.run_sync(
+            build_manifest, key.model, key.version, arrays, self.config.chunk_size,
+            self.config.digest_algo)
+        mid = manifest.manifest_id()
+        for peer, holding in self.control.holders(key):
+            if holding.manifest_id != mid:
+                raise ConsistencyError(
+                    f"{key} is already published by {peer.name} with different content")
+        local = LocalVersion(manifest, [a for _, a in arrays], self.info.name, verified=True)
+        self.store.add(local)
+        self._send(self.control.put_holding(local.holding()))
+        return manifest
+
+    async def latest(self, model: str) -> int | None:
+        """The newest complete version of ``model`` any live holder has, or None."""
+        await trio.lowlevel.checkpoint()
+        return self.control.latest(check_model_name(model))
+
+    async def wait_for_version(self, model: str, newer_than: int | None = None) -> int:
+        """Wait until a version of ``model`` newer than ``newer_than`` exists; return it."""
+        check_model_name(model)
+        while True:
+            v = self.control.latest(model)
+            if v is not None and (newer_than is None or v > newer_than):
+                return v
+            await self._changed.wait()
+
+    async def unpublish(self, model: str, version: int) -> None:
+        """Stop serving ``model@version`` now; return once in-flight reads have drained."""
+        key = VersionKey(check_model_name(model), check_version(version))
+        if self.store.hide(key) is None:
+            raise LocalProtocolError(f"{key} is not held here")
+        self._send(self.control.drop_holding(key))
+        await self.store.wait_drained(key)
+
+    async def fetch(self, model: str, version: int | str = "latest",
+                    into: Mapping[str, Any] | None = None) -> Fetched:
+        """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it."""
+        check_model_name(model)
+        if version == "latest":
+            resolved = self.control.latest(model)
+            if resolved is None:
+                raise VersionUnavailable(model, "latest", "no complete version is known")
+        elif isinstance(version, int):
+            resolved = check_version(version)
+        else:
+            raise LocalProtocolError(f"version must be an int or 'latest', got {version!r}")
+        key = VersionKey(model, resolved)
+        held = self.store.get(key)
+        if held is not None and held.complete and not held.hidden and into is None:
+            names = [t.name for t in held.manifest.tensors]
+            return Fetched(resolved, dict(zip(names, held.arrays, strict=True)),
+                           FetchReport(model, resolved, verified=True))
+        if held is not None:
+            raise LocalProtocolError(f"{key} is already being fetched or held here")
+        manifest, publisher = await self._fetch_manifest(key)
+        arrays = prepare_destination(manifest, into)
+        local = LocalVersion(manifest, arrays, publisher, verified=False)
+        self.store.add(local)
+        last = [trio.current_time()]
+
+        def progress() -> None:
+            now = trio.current_time()
+            if now - last[0] >= self.config.gossip_interval and not local.complete:
+                last[0] = now
+                self._send(self.control.put_holding(local.holding()))
+
+        job = Fetch(me=self.info.name, local=local, view=self.control.holders,
+                    connect=self._connect, window=self.config.fetch_window,
+                    stall_timeout=self.config.stall_timeout, on_progress=progress)
+        self._fetches.add(job)
+        try:
+            report = await job.run()
+        except BaseException:
+            self.store.hide(key)
+            self._send(self.control.drop_holding(key))
+            with trio.CancelScope(shield=True):
+                await self.store.wait_drained(key)
+            raise
+        finally:
+            self._fetches.discard(job)
+        self._send(self.control.put_holding(local.holding()))
+        self._account(report)
+        return Fetched(resolved, {t.name: a for t, a in zip(manifest.tensors, arrays,
+                                                            strict=True)}, report)
+
+    def _account(self, report: FetchReport) -> None:
+        self._nfetches += 1
+        self._fetched += report.bytes
+        for src, n in report.bytes_by_source.items():
+            self._by_source[src] = self._by_source.get(src, 0) + n
+            tr = report.transport_by_source.get(src, "?")
+            self._by_transport[tr] = self._by_transport.get(tr, 0) + n
+        for src, n in report.integrity_failures.items():
+            self._integrity[src] = self._integrity.get(src, 0) + n
+        self._reports = [*self._reports[-63:], report.to_dict()]
+
+    async def _connect(self, peer: PeerInfo) -> Connection:
+        return await TcpConnection.connect(peer.data, peer.name, self.config.connect_timeout)
+
+    async def _fetch_manifest(self, key: VersionKey) -> tuple[Manifest, str]:
+        holders = [(p, h) for p, h in self.control.holders(key) if p.name != self.info.name]
+        if not holders:
+            raise VersionUnavailable(key.model, key.version, "no live holder is known")
+        holders.sort(key=lambda ph: (ph[1].publisher == ph[0].name, ph[0].name))
+        errors = []
+        for peer, holding in holders:
+            try:
+                conn = await self._connect(peer)
+                try:
+                    data = await conn.read_manifest(key)
+                finally:
+                    await conn.aclose()
+                manifest = Manifest.decode(data)
+                if manifest.manifest_id() != holding.manifest_id or manifest.key != key:
+                    raise RemoteProtocolError(f"{peer.name} sent a manifest that does not match")
+                return manifest, holding.publisher
+            except (TransportError, RemoteProtocolError, NotServing, OSError) as exc:
+                errors.append(f"{peer.name}: {exc}")
+        raise VersionUnavailable(key.model, key.version,
+                                 "no holder served the manifest (" + "; ".join(errors) + ")")
+
+    # -- introspection -------------------------------------------------------------------
+
+    def members(self) -> dict[str, tuple[PeerInfo, str]]:
+        return {n: (m.info, m.status) for n, m in self.control.membership.members().items()}
+
+    def statistics(self) -> PeerStats:
+        rs = self._router.statistics()
+        return PeerStats(
+            name=self.info.name, control=self.info.control, data=self.info.data,
+            members={n: m.status for n, m in self.control.membership.members().items()},
+            holdings={str(k): ("complete" if v.complete else
+                               f"{v.num_verified}/{v.manifest.num_chunks} chunks")
+                      for k, v in self.store.versions.items() if not v.hidden},
+            bytes_served=self._served, chunks_served=self._chunks_served,
+            bytes_fetched=self._fetched, bytes_fetched_by_source=dict(self._by_source),
+            bytes_by_transport=dict(self._by_transport), fetches=self._nfetches,
+            integrity_failures=dict(self._integrity), malformed_dropped=self._malformed,
+            gossip_dropped=rs.dropped_inbound + rs.dropped_outbound,
+            control_received=rs.received, control_sent=rs.sent,
+            reports=tuple(self._reports),
+        )
+
+
+@asynccontextmanager
+async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
+    """Run a peer for the duration of the ``async with`` block, then leave the mesh."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        async with trio.open_nursery() as nursery:
+            peer = Peer(config, ctx)
+            await peer._start(nursery)
+            try:
+                yield peer
+            finally:
+                with trio.CancelScope(shield=True):
+                    await peer._leave()
+                nursery.cancel_scope.cancel()
+    finally:
+        ctx.term()

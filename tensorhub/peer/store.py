@@ -1,0 +1,123 @@
+"""What this peer holds: references to arrays, never copies.
+
+A :class:`LocalVersion` points at the caller's own arrays (after ``publish``) or at the
+arrays a fetch filled.  It knows which chunks are verified, serves leases on their
+memory, and implements the unpublish contract: :meth:`Store.hide` stops new leases at
+once, :meth:`Store.wait_drained` returns when the last in-flight lease has ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import trio
+
+from ..model import Manifest, VersionKey, byte_view
+from ..protocol.dataplane import BAD_REQUEST, NOT_HELD, NOT_YET
+from ..protocol.refs import Holding, bitmap_of
+from ..transport.base import NotServing
+
+
+class LocalVersion:
+    def __init__(self, manifest: Manifest, arrays: Sequence[np.ndarray[Any, Any]],
+                 publisher: str, verified: bool) -> None:
+        self.manifest = manifest
+        self.arrays = list(arrays)
+        self.views = [byte_view(a) for a in self.arrays]
+        self.publisher = publisher
+        n = manifest.num_chunks
+        self.verified = bytearray(b"\x01" * n if verified else n)
+        self.num_verified = n if verified else 0
+        self.hidden = False
+        self.inflight = 0
+        self.drained = trio.Event()
+        self.drained.set()
+        self.encoded_manifest = manifest.encode()
+
+    @property
+    def complete(self) -> bool:
+        return self.num_verified == self.manifest.num_chunks
+
+    def segments(self, chunk: int) -> list[memoryview]:
+        start, stop = self.manifest.chunk_range(chunk)
+        return [self.views[s.index][s.start:s.stop] for s in self.manifest.segments(start, stop)]
+
+    def mark_verified(self, chunk: int) -> None:
+        if not self.verified[chunk]:
+            self.verified[chunk] = 1
+            self.num_verified += 1
+
+    def holding(self) -> Holding:
+        m = self.manifest
+        chunks = (i for i, v in enumerate(self.verified) if v)
+        bitmap = b"" if self.complete else bitmap_of(chunks, m.num_chunks)
+        if not self.complete and not bitmap:  # nothing verified yet: an all-zero map
+            bitmap = bytes((m.num_chunks + 7) // 8)
+        return Holding(m.model, m.version, m.manifest_id(), self.publisher, m.num_chunks, bitmap)
+
+
+class Store:
+    """This peer's holdings, keyed by version; the data plane's :class:`Provider`."""
+
+    def __init__(self) -> None:
+        self.versions: dict[VersionKey, LocalVersion] = {}
+        self.corrupt_next: int = 0
+        """Test hook: the next N chunk sends get one flipped byte."""
+
+    def add(self, local: LocalVersion) -> None:
+        self.versions[local.manifest.key] = local
+
+    def get(self, key: VersionKey) -> LocalVersion | None:
+        return self.versions.get(key)
+
+    # -- Provider ---------------------------------------------------------------
+
+    def manifest_bytes(self, key: VersionKey) -> bytes:
+        local = self.versions.get(key)
+        if local is None or local.hidden:
+            raise NotServing(NOT_HELD, f"{key} is not held here")
+        return local.encoded_manifest
+
+    @contextmanager
+    def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:
+        local = self.versions.get(key)
+        if local is None or local.hidden:
+            raise NotServing(NOT_HELD, f"{key} is not held here")
+        if not 0 <= chunk < local.manifest.num_chunks:
+            raise NotServing(BAD_REQUEST, f"{key} has no chunk {chunk}")
+        if not local.verified[chunk]:
+            raise NotServing(NOT_YET, f"chunk {chunk} of {key} is not verified here yet")
+        if local.inflight == 0:
+            local.drained = trio.Event()
+        local.inflight += 1
+        try:
+            yield local.segments(chunk)
+        finally:
+            local.inflight -= 1
+            if local.inflight == 0:
+                local.drained.set()
+
+    def corrupt_hook(self, peer: str) -> bool:
+        if self.corrupt_next > 0:
+            self.corrupt_next -= 1
+            return True
+        return False
+
+    # -- unpublish ----------------------------------------------------------------
+
+    def hide(self, key: VersionKey) -> LocalVersion | None:
+        local = self.versions.get(key)
+        if local is not None:
+            local.hidden = True
+        return local
+
+    async def wait_drained(self, key: VersionKey) -> None:
+        local = self.versions.get(key)
+        if local is None:
+            return
+        await local.drained.wait()
+        if self.versions.get(key) is local:
+            del self.versions[key]

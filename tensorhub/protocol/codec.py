@@ -1,0 +1,177 @@
+"""Wire codec: typed frozen messages inside, msgpack at the edge.
+
+Theory of operation
+-------------------
+Every control message is a frozen dataclass registered here under a small integer type
+id.  Ids are only ever appended: a retired message keeps its number forever.  On the
+wire a message is the msgpack array ``[type_id, field_1, field_2, ...]`` in the
+dataclass's field order; nested dataclasses are nested arrays the same way (without a
+type id).  Field types are read from the annotations once, at registration, and the
+decoder checks every field against them: wrong types, wrong arity, unknown type ids,
+over-long strings or collections and oversized frames all raise
+:class:`RemoteProtocolError` -- never another exception.  Encoding a message that would
+exceed the size cap raises :class:`LocalProtocolError` (that is our own fault).
+
+Supported field types: ``int``, ``float``, ``str``, ``bytes``, ``bool``, ``X | None``,
+``tuple[X, ...]``, fixed ``tuple[X, Y]`` and other frozen dataclasses made of these.
+
+The protocol version range this peer speaks is advertised in the join handshake
+(``PROTOCOL_MIN`` .. ``PROTOCOL_MAX``); a peer with no overlap is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgpack
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+
+PROTOCOL_MIN = 1
+PROTOCOL_MAX = 1
+MAX_STR = 4096
+MAX_ITEMS = 1 << 20
+DEFAULT_MAX_BYTES = 4 << 20
+
+T = TypeVar("T")
+Check = Callable[[Any], Any]
+
+_by_id: dict[int, type[Any]] = {}
+_ids: dict[type[Any], int] = {}
+_decoders: dict[type[Any], Check] = {}
+
+
+def _bad(what: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"malformed message: {what}")
+
+
+def _scalar(kind: type[Any]) -> Check:
+    def check(value: Any) -> Any:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if type(value) is not kind:
+            raise _bad(f"expected {kind.__name__}, got {type(value).__name__}")
+        if kind is str and len(value) > MAX_STR:
+            raise _bad("string too long")
+        if kind is int and not -(2**63) <= value < 2**64:
+            raise _bad("integer out of range")
+        return value
+
+    return check
+
+
+def _checker(tp: Any) -> Check:
+    """Build a validating converter from wire objects to ``tp``."""
+    if tp in (int, float, str, bytes, bool):
+        return _scalar(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _dataclass_checker(tp)
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        inner = _checker(next(a for a in args if a is not type(None)))
+        return lambda v: None if v is None else inner(v)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _checker(args[0])
+
+        def check_var(value: Any) -> tuple[Any, ...]:
+            if not isinstance(value, list | tuple) or len(value) > MAX_ITEMS:
+                raise _bad("expected a sequence")
+            return tuple(item(v) for v in value)
+
+        return check_var
+    if origin is tuple and args:
+        items = [_checker(a) for a in args]
+
+        def check_fixed(value: Any) -> tuple[Any, ...]:
+            if not isinstance(value, list | tuple) or len(value) != len(items):
+                raise _bad(f"expected a {len(items)}-tuple")
+            return tuple(c(v) for c, v in zip(items, value, strict=True))
+
+        return check_fixed
+    raise TypeError(f"unsupported wire field type {tp!r}")
+
+
+def _dataclass_checker(cls: type[Any]) -> Check:
+    if cls in _decoders:
+        return _decoders[cls]
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    checks: list[Check] = []
+
+    def check(value: Any) -> Any:
+        if not isinstance(value, list | tuple) or len(value) != len(checks):
+            raise _bad(f"{cls.__name__} needs {len(checks)} fields")
+        try:
+            return cls(*(c(v) for c, v in zip(checks, value, strict=True)))
+        except RemoteProtocolError:
+            raise
+        except (ValueError, TypeError) as exc:  # a message's own __post_init__ refused it
+            raise _bad(f"{cls.__name__}: {exc}") from None
+
+    _decoders[cls] = check  # registered before recursing, so recursive types terminate
+    checks.extend(_checker(hints[f.name]) for f in fields)
+    return check
+
+
+def _to_wire(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [_to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init]
+    if isinstance(obj, tuple):
+        return [_to_wire(v) for v in obj]
+    return obj
+
+
+def register(type_id: int, cls: type[T]) -> type[T]:
+    """Give ``cls`` the wire id ``type_id`` (ids are never reused or renumbered)."""
+    if type_id in _by_id or cls in _ids:
+        raise LocalProtocolError(f"wire id {type_id} or class {cls.__name__} registered twice")
+    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+        raise LocalProtocolError(f"{cls.__name__} must be a frozen dataclass")
+    _dataclass_checker(cls)
+    _by_id[type_id] = cls
+    _ids[cls] = type_id
+    return cls
+
+
+def message(type_id: int) -> Callable[[type[T]], type[T]]:
+    """Class decorator form of :func:`register`."""
+    return lambda cls: register(type_id, cls)
+
+
+def registered() -> dict[int, type[Any]]:
+    return dict(_by_id)
+
+
+def encode(msg: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    cls = type(msg)
+    if cls not in _ids:
+        raise LocalProtocolError(f"{cls.__name__} is not a registered wire message")
+    data: bytes = msgpack.packb([_ids[cls], *_to_wire(msg)], use_bin_type=True)
+    if len(data) > max_bytes:
+        raise LocalProtocolError(f"{cls.__name__} encodes to {len(data)} bytes > {max_bytes}")
+    return data
+
+
+def decode(data: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Bytes from the network -> a message; any defect raises RemoteProtocolError."""
+    if len(data) > max_bytes:
+        raise RemoteProtocolError(f"message of {len(data)} bytes exceeds the {max_bytes} cap")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=MAX_STR, max_bin_len=max_bytes, max_array_len=MAX_ITEMS,
+            max_map_len=0, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many unrelated types on garbage
+        raise _bad(f"not msgpack ({type(exc).__name__})") from None
+    if not isinstance(obj, list) or not obj or type(obj[0]) is not int:
+        raise _bad("expected [type_id, ...]")
+    cls = _by_id.get(obj[0])
+    if cls is None:
+        raise _bad(f"unknown type id {obj[0]}")
+    return _decoders[cls](obj[1:])

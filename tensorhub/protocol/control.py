@@ -1,0 +1,162 @@
+"""The control plane of one peer: membership plus reference-table anti-entropy.
+
+Theory of operation
+-------------------
+``ControlPlane`` is the single sans-IO object the peer shell drives: it takes
+``(now, message)`` and returns :class:`Outbound` messages; the shell owns sockets and
+clocks.  It composes two protocols:
+
+* membership (:class:`~tensorhub.protocol.membership.Membership`, SWIM) decides who is
+  alive and carries every peer's :class:`PeerInfo` (addresses, topology labels);
+* the reference table (:class:`~tensorhub.protocol.refs.RefTable`) says who holds what.
+  Every ``gossip_interval`` the peer sends its table digest to ``gossip_fanout`` random
+  live members; a receiver answers with the entries that are newer on its side and,
+  if the digest shows the sender knows something newer, with its own digest so the
+  sender answers in turn (push-pull).  A local change is also pushed at once.
+
+When membership declares a peer dead or departed, its references are forgotten here,
+so a fetch is never routed to it.  ``changes`` counts table changes, so the shell can
+wake waiters (``wait_for_version``, fetches waiting for a holder).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..config import PeerConfig
+from ..model import PeerInfo, VersionKey
+from .membership import MemberEvent, Membership, Outbound
+from .refs import Holding, OriginEntry, RefTable, Stamp
+
+
+@dataclass(frozen=True, slots=True)
+class RefsDigest:
+    sender: str
+    name: str
+    stamps: tuple[Stamp, ...]
+    answer_with_digest: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RefsDelta:
+    sender: str
+    name: str
+    entries: tuple[OriginEntry, ...]
+
+
+MESSAGES = (RefsDigest, RefsDelta)
+_REFS_PART_BYTES = 512 << 10
+
+
+class ControlPlane:
+    def __init__(self, me: PeerInfo, config: PeerConfig, rng: random.Random, now: float,
+                 generation: int) -> None:
+        self.me = me
+        self.config = config
+        self.rng = rng
+        self.membership = Membership(me, config, rng, now)
+        self.refs = RefTable(me.name, generation)
+        self.changes = 0
+        self._next_gossip = now
+        self._events: list[MemberEvent] = []
+
+    # -- driving ------------------------------------------------------------------
+
+    def join(self, now: float, seeds: Iterable[str]) -> list[Outbound]:
+        return self.membership.join(now, list(seeds))
+
+    def leave(self, now: float) -> list[Outbound]:
+        return self.membership.leave(now)
+
+    def next_deadline(self) -> float:
+        return min(self.membership.next_deadline(), self._next_gossip)
+
+    def tick(self, now: float) -> list[Outbound]:
+        out = self.membership.tick(now)
+        self._absorb_events()
+        if now >= self._next_gossip:
+            self._next_gossip = now + self.config.gossip_interval
+            out += self._digest_to(self._random_peers(self.config.gossip_fanout), True)
+        return out
+
+    def receive(self, now: float, msg: object) -> list[Outbound]:
+        if isinstance(msg, RefsDigest):
+            return self._on_digest(msg)
+        if isinstance(msg, RefsDelta):
+            if any(self.refs.merge(e) for e in msg.entries if self._accept(e.origin)):
+                self.changes += 1
+            return []
+        out = self.membership.receive(now, msg)
+        self._absorb_events()
+        return out
+
+    def drain_events(self) -> list[MemberEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # -- local holdings -----------------------------------------------------------
+
+    def put_holding(self, holding: Holding) -> list[Outbound]:
+        self.refs.put_local(holding)
+        self.changes += 1
+        return self._push_local()
+
+    def drop_holding(self, key: VersionKey) -> list[Outbound]:
+        if not self.refs.drop_local(key):
+            return []
+        self.changes += 1
+        return self._push_local()
+
+    # -- queries ------------------------------------------------------------------
+
+    def holders(self, key: VersionKey) -> list[tuple[PeerInfo, Holding]]:
+        members = self.membership.members()
+        out = []
+        for origin, holding in self.refs.holders(key):
+            if origin == self.me.name:
+                out.append((self.me, holding))
+            elif origin in members and self.membership.is_live(origin):
+                out.append((members[origin].info, holding))
+        return out
+
+    def latest(self, model: str) -> int | None:
+        versions = [v for v in self.refs.versions(model)
+                    if any(h.complete for _, h in self.holders(VersionKey(model, v)))]
+        return versions[-1] if versions else None
+
+    # -- internals ----------------------------------------------------------------
+
+    def _accept(self, origin: str) -> bool:
+        return origin != self.me.name and self.membership.is_live(origin)
+
+    def _absorb_events(self) -> None:
+        for ev in self.membership.drain_events():
+            self._events.append(ev)
+            if ev.kind in ("dead", "left") and self.refs.forget(ev.name):
+                self.changes += 1
+
+    def _random_peers(self, k: int) -> list[PeerInfo]:
+        live = [p for p in self.membership.live_members() if p.name != self.me.name]
+        return self.rng.sample(live, min(k, len(live)))
+
+    def _digest_to(self, peers: Iterable[PeerInfo], answer: bool) -> list[Outbound]:
+        stamps = self.refs.digest()
+        return [Outbound(p.control, RefsDigest(self.me.control, self.me.name, stamps, answer))
+                for p in peers]
+
+    def _push_local(self) -> list[Outbound]:
+        entry = self.refs.local
+        return [Outbound(p.control, RefsDelta(self.me.control, self.me.name, (entry,)))
+                for p in self._random_peers(self.config.gossip_fanout)]
+
+    def _on_digest(self, msg: RefsDigest) -> list[Outbound]:
+        out = [
+            Outbound(msg.sender, RefsDelta(self.me.control, self.me.name, tuple(part)))
+            for part in self.refs.newer_than(msg.stamps, _REFS_PART_BYTES)
+        ]
+        if msg.answer_with_digest and self.refs.wants_from(msg.stamps):
+            out.append(Outbound(msg.sender, RefsDigest(
+                self.me.control, self.me.name, self.refs.digest(), False)))
+        return out

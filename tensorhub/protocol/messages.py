@@ -1,0 +1,24 @@
+"""The table of wire type ids.  Ids are only ever appended, never reused or renumbered.
+
+Each protocol module lists its messages in a ``MESSAGES`` tuple; this table gives each
+a fixed id block so that a module can append messages without shifting anyone else.
+"""
+
+from __future__ import annotations
+
+from . import codec, control, dataplane, membership
+
+_BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
+    (1, dataplane.MESSAGES),     # 1..9: data plane
+    (10, control.MESSAGES),      # 10..19: reference-table anti-entropy
+    (20, membership.MESSAGES),   # 20..49: SWIM membership
+)
+
+
+def register_all() -> None:
+    """Register every message class with the codec (idempotent)."""
+    if codec.registered():
+        return
+    for base, classes in _BLOCKS:
+        for offset, cls in enumerate(classes):
+            codec.register(base + offset, cls)

@@ -1,0 +1,219 @@
+"""The replicated reference table: who holds which chunks of which version.
+
+Theory of operation
+-------------------
+ROS keeps no copy of the weights; what the mesh stores is *references*.  Each peer
+(an *origin*) owns exactly one entry: the list of its own holdings -- for every
+``(model, version)`` it holds, the manifest id, the original publisher and a bitmap of
+the chunks it has verified.  Only the origin changes its entry, and every change bumps
+the entry's ``(generation, seq)`` stamp.  ``generation`` grows across restarts (the
+shell passes a boot stamp), ``seq`` within one run.
+
+Other peers keep the newest entry they have seen per origin.  Merging keeps the larger
+stamp, so merge is commutative, associative and idempotent: any order of deliveries
+converges to the same table.  Anti-entropy is digest based: a peer sends the stamps of
+all origins it knows (:meth:`RefTable.digest`); the receiver answers with just the
+entries that are newer on its side (:meth:`RefTable.newer_than`), in parts bounded in
+size, and asks back when the digest shows the sender knows something newer.
+
+Entries of peers that membership declares dead or departed are dropped
+(:meth:`RefTable.forget`) and refused until that origin shows a newer stamp, so a stale
+copy gossiped by a slow peer cannot bring a dead holder back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from ..model import VersionKey
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One peer's holding of one version."""
+
+    model: str
+    version: int
+    manifest_id: bytes
+    publisher: str
+    num_chunks: int
+    bitmap: bytes = b""
+    """Verified chunks, bit ``i`` of byte ``i // 8`` for chunk ``i``; empty means all."""
+
+    @property
+    def key(self) -> VersionKey:
+        return VersionKey(self.model, self.version)
+
+    @property
+    def complete(self) -> bool:
+        return not self.bitmap
+
+    def has(self, chunk: int) -> bool:
+        if not self.bitmap:
+            return 0 <= chunk < self.num_chunks
+        byte = chunk >> 3
+        return 0 <= byte < len(self.bitmap) and bool(self.bitmap[byte] >> (chunk & 7) & 1)
+
+    def count(self) -> int:
+        if not self.bitmap:
+            return self.num_chunks
+        return sum(bin(b).count("1") for b in self.bitmap)
+
+
+def bitmap_of(chunks: Iterable[int], num_chunks: int) -> bytes:
+    """Bitmap for a set of chunk indices; all chunks -> ``b""`` (complete)."""
+    buf = bytearray((num_chunks + 7) // 8)
+    n = 0
+    for c in chunks:
+        if not buf[c >> 3] >> (c & 7) & 1:
+            buf[c >> 3] |= 1 << (c & 7)
+            n += 1
+    return b"" if n == num_chunks else bytes(buf)
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    origin: str
+    generation: int
+    seq: int
+
+    def newer_than(self, other: Stamp | None) -> bool:
+        return other is None or (self.generation, self.seq) > (other.generation, other.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class OriginEntry:
+    stamp: Stamp
+    holdings: tuple[Holding, ...]
+
+    @property
+    def origin(self) -> str:
+        return self.stamp.origin
+
+    def wire_size(self) -> int:
+        """An upper estimate of the encoded size, for splitting deltas into parts."""
+        return 64 + sum(
+            96 + len(h.model) + len(h.publisher) + len(h.bitmap) for h in self.holdings
+        )
+
+
+class RefTable:
+    """This peer's view of every origin's holdings, plus its own entry."""
+
+    def __init__(self, me: str, generation: int) -> None:
+        self.me = me
+        self._entries: dict[str, OriginEntry] = {
+            me: OriginEntry(Stamp(me, generation, 0), ())
+        }
+        self._forgotten: dict[str, Stamp] = {}
+
+    # -- own entry -------------------------------------------------------------
+
+    @property
+    def local(self) -> OriginEntry:
+        return self._entries[self.me]
+
+    def _set_local(self, holdings: tuple[Holding, ...]) -> None:
+        st = self.local.stamp
+        self._entries[self.me] = OriginEntry(replace(st, seq=st.seq + 1), holdings)
+
+    def put_local(self, holding: Holding) -> None:
+        """Add or replace our holding of ``holding.key``."""
+        rest = tuple(h for h in self.local.holdings if h.key != holding.key)
+        self._set_local((*rest, holding))
+
+    def drop_local(self, key: VersionKey) -> bool:
+        before = self.local.holdings
+        after = tuple(h for h in before if h.key != key)
+        if len(after) == len(before):
+            return False
+        self._set_local(after)
+        return True
+
+    def local_holding(self, key: VersionKey) -> Holding | None:
+        return next((h for h in self.local.holdings if h.key == key), None)
+
+    # -- anti-entropy ------------------------------------------------------------
+
+    def digest(self) -> tuple[Stamp, ...]:
+        return tuple(e.stamp for e in self._entries.values())
+
+    def newer_than(self, digest: Iterable[Stamp], max_bytes: int) -> list[list[OriginEntry]]:
+        """Entries we hold that are newer than ``digest``, split into parts <= max_bytes."""
+        theirs = {s.origin: s for s in digest}
+        parts: list[list[OriginEntry]] = []
+        size = max_bytes
+        for origin, entry in sorted(self._entries.items()):
+            if not entry.stamp.newer_than(theirs.get(origin)):
+                continue
+            cost = entry.wire_size()
+            if size + cost > max_bytes and (not parts or parts[-1]):
+                parts.append([])
+                size = 0
+            parts[-1].append(entry)
+            size += cost
+        return parts
+
+    def wants_from(self, digest: Iterable[Stamp]) -> bool:
+        """True when ``digest`` shows an origin stamp newer than what we hold."""
+        for s in digest:
+            mine = self._entries.get(s.origin)
+            if s.origin != self.me and s.newer_than(mine.stamp if mine else None) and s.newer_than(
+                self._forgotten.get(s.origin)
+            ):
+                return True
+        return False
+
+    def merge(self, entry: OriginEntry) -> bool:
+        """Keep ``entry`` if it is newer than what we hold; True if the table changed."""
+        origin = entry.origin
+        if origin == self.me:
+            return False  # only we write our own entry
+        gone = self._forgotten.get(origin)
+        if gone is not None:
+            if not entry.stamp.newer_than(gone):
+                return False
+            del self._forgotten[origin]
+        held = self._entries.get(origin)
+        if not entry.stamp.newer_than(held.stamp if held else None):
+            return False
+        self._entries[origin] = entry
+        return True
+
+    def forget(self, origin: str) -> bool:
+        """Drop a dead or departed origin's entry and refuse its stale copies."""
+        entry = self._entries.pop(origin, None) if origin != self.me else None
+        if entry is not None:
+            self._forgotten[origin] = entry.stamp
+        return entry is not None
+
+    def reap(self, origin: str) -> None:
+        """Forget the tombstone of ``origin`` (membership reaped it)."""
+        self._forgotten.pop(origin, None)
+
+    # -- queries -----------------------------------------------------------------
+
+    def origins(self) -> Iterator[OriginEntry]:
+        return iter(self._entries.values())
+
+    def holders(self, key: VersionKey) -> list[tuple[str, Holding]]:
+        out = []
+        for origin, entry in self._entries.items():
+            for h in entry.holdings:
+                if h.key == key:
+                    out.append((origin, h))
+        return sorted(out, key=lambda oh: oh[0])
+
+    def versions(self, model: str) -> list[int]:
+        """Versions of ``model`` that some origin holds completely."""
+        found = {
+            h.version
+            for e in self._entries.values()
+            for h in e.holdings
+            if h.model == model and h.complete
+        }
+        return sorted(found)
+
+    def models(self) -> list[str]:
+        return sorted({h.model for e in self._entries.values() for h in e.holdings})

@@ -1,0 +1,59 @@
+"""The transport seam: how a reader gets bytes from a holder.
+
+A transport opens a :class:`Connection` to one holder; the connection asks for a
+manifest or for one chunk, and lands the chunk's bytes straight in the destination
+segments it is given.  The serving side is the same for every transport: a
+:class:`Provider` hands out *leases* on the memory of verified chunks, and the holder's
+unpublish waits for leases to end.  Every transport is checked by one conformance suite
+(``tests/transport_conformance.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from ..model import VersionKey
+
+
+class NotServing(Exception):
+    """Raised by a :class:`Provider` to answer a request with a non-OK status."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+class Provider(Protocol):
+    """What a holder serves: its manifests, and leases on verified chunk memory."""
+
+    def manifest_bytes(self, key: VersionKey) -> bytes:
+        """Encoded manifest of ``key``; raises :class:`NotServing` if not held."""
+        ...
+
+    def lease(self, key: VersionKey, chunk: int) -> AbstractContextManager[Sequence[memoryview]]:
+        """Pin the chunk's memory while it is being sent; raises :class:`NotServing`."""
+        ...
+
+    def corrupt_hook(self, peer: str) -> bool:
+        """Test hook: True makes the server flip one byte of what it sends."""
+        ...
+
+
+class Connection(Protocol):
+    """One reader's connection to one holder."""
+
+    transport: str
+    peer: str
+
+    async def read_manifest(self, key: VersionKey) -> bytes: ...
+
+    async def read_chunk(
+        self, key: VersionKey, chunk: int, dest: Sequence[memoryview]
+    ) -> int:
+        """Fill ``dest`` (whose sizes add up to the chunk) and return the bytes read."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,206 @@
+"""Data plane over TCP (trio sockets), payload landed with ``recv_into``.
+
+The server answers one request at a time per connection (see
+:mod:`tensorhub.protocol.dataplane` for the framing).  Chunk payload is sent from the
+holder's own array memory and received straight into the reader's destination arrays:
+no ``bytes`` object is ever made of payload.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from ..errors import RemoteProtocolError, TransportError
+from ..model import VersionKey
+from ..protocol import codec
+from ..protocol.dataplane import (
+    BAD_REQUEST,
+    FRAME_HEADER,
+    MAX_FRAME,
+    OK,
+    ChunkRequest,
+    ManifestRequest,
+    Reply,
+)
+from .base import NotServing, Provider
+
+_LEN = struct.Struct(">I")
+_SOCKBUF = 4 << 20
+
+
+async def _recv_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = await sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransportError("connection closed mid-frame")
+        got += k
+
+
+async def _send_all(sock: trio.socket.SocketType, view: memoryview) -> None:
+    sent, n = 0, len(view)
+    while sent < n:
+        sent += await sock.send(view[sent:])
+
+
+async def _recv_frame(sock: trio.socket.SocketType) -> Any:
+    head = bytearray(FRAME_HEADER)
+    await _recv_exact(sock, memoryview(head))
+    (size,) = _LEN.unpack(head)
+    if size > MAX_FRAME:
+        raise RemoteProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+    body = bytearray(size)
+    await _recv_exact(sock, memoryview(body))
+    return codec.decode(bytes(body), MAX_FRAME)
+
+
+async def _send_frame(sock: trio.socket.SocketType, msg: Any) -> None:
+    data = codec.encode(msg, MAX_FRAME)
+    await _send_all(sock, memoryview(_LEN.pack(len(data)) + data))
+
+
+def _tune(sock: trio.socket.SocketType) -> None:
+    sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+    for opt in (trio.socket.SO_SNDBUF, trio.socket.SO_RCVBUF):
+        sock.setsockopt(trio.socket.SOL_SOCKET, opt, _SOCKBUF)
+
+
+class TcpServer:
+    """Serves a :class:`Provider` to readers.  ``on_sent(peer_addr, nbytes)`` counts."""
+
+    def __init__(self, provider: Provider, on_sent: Callable[[str, int], None],
+                 on_bad: Callable[[str], None]) -> None:
+        self.provider = provider
+        self.on_sent = on_sent
+        self.on_bad = on_bad
+        self.port = 0
+
+    async def serve(self, host: str, port: int, *,
+                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listener = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        try:
+            await listener.bind((host, port))
+        except OSError as exc:
+            listener.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise TransportError(f"data address {host}:{port} is already in use") from None
+            raise
+        listener.listen(128)
+        self.port = listener.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            task_status.started(self.port)
+            with listener:
+                while True:
+                    sock, addr = await listener.accept()
+                    nursery.start_soon(self._serve_conn, sock, f"{addr[0]}:{addr[1]}")
+
+    async def _serve_conn(self, sock: trio.socket.SocketType, peer: str) -> None:
+        _tune(sock)
+        with sock:
+            try:
+                while True:
+                    try:
+                        req = await _recv_frame(sock)
+                    except TransportError:
+                        return  # reader went away between requests
+                    await self._answer(sock, peer, req)
+            except RemoteProtocolError as exc:
+                self.on_bad(f"{peer}: {exc}")
+            except OSError:
+                return  # reader reset the connection; nothing to clean up
+
+    async def _answer(self, sock: trio.socket.SocketType, peer: str, req: Any) -> None:
+        if isinstance(req, ManifestRequest):
+            try:
+                data = self.provider.manifest_bytes(VersionKey(req.model, req.version))
+            except NotServing as ns:
+                await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
+                return
+            await _send_frame(sock, Reply(req.req_id, OK, len(data)))
+            await _send_all(sock, memoryview(data))
+        elif isinstance(req, ChunkRequest):
+            key = VersionKey(req.model, req.version)
+            try:
+                lease = self.provider.lease(key, req.chunk)
+                segments = lease.__enter__()
+            except NotServing as ns:
+                await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
+                return
+            try:
+                total = sum(len(s) for s in segments)
+                await _send_frame(sock, Reply(req.req_id, OK, total))
+                corrupt = self.provider.corrupt_hook(peer)
+                for i, seg in enumerate(segments):
+                    if corrupt and i == 0 and len(seg):
+                        bad = bytearray(seg[:1])
+                        bad[0] ^= 0xFF
+                        await _send_all(sock, memoryview(bytes(bad)))
+                        seg = seg[1:]
+                    await _send_all(sock, seg)
+                self.on_sent(peer, total)
+            finally:
+                lease.__exit__(None, None, None)
+        else:
+            await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
+            raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
+
+
+class TcpConnection:
+    """A reader's connection to one holder's data-plane server."""
+
+    transport = "tcp"
+
+    def __init__(self, sock: trio.socket.SocketType, peer: str) -> None:
+        self._sock = sock
+        self.peer = peer
+        self._ids = itertools.count(1)
+
+    @classmethod
+    async def connect(cls, address: str, peer: str, timeout: float) -> TcpConnection:
+        host, _, port = address.rpartition(":")
+        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        _tune(sock)
+        try:
+            with trio.fail_after(timeout):
+                await sock.connect((host, int(port)))
+        except (OSError, trio.TooSlowError) as exc:
+            sock.close()
+            raise TransportError(f"cannot connect to {peer} at {address}: {exc}") from None
+        return cls(sock, peer)
+
+    async def _exchange(self, req: ManifestRequest | ChunkRequest) -> Reply:
+        await _send_frame(self._sock, req)
+        reply = await _recv_frame(self._sock)
+        if not isinstance(reply, Reply) or reply.req_id != req.req_id:
+            raise RemoteProtocolError(f"{self.peer} answered out of turn")
+        if reply.status != OK:
+            raise NotServing(reply.status, reply.detail or f"status {reply.status}")
+        return reply
+
+    async def read_manifest(self, key: VersionKey) -> bytes:
+        reply = await self._exchange(ManifestRequest(next(self._ids), key.model, key.version))
+        if reply.length > 64 << 20:
+            raise RemoteProtocolError(f"{self.peer} sent a {reply.length}-byte manifest")
+        buf = bytearray(reply.length)
+        await _recv_exact(self._sock, memoryview(buf))
+        return bytes(buf)
+
+    async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]) -> int:
+        reply = await self._exchange(ChunkRequest(next(self._ids), key.model, key.version, chunk))
+        want = sum(len(d) for d in dest)
+        if reply.length != want:
+            raise RemoteProtocolError(
+                f"{self.peer} sent {reply.length} bytes for chunk {chunk}, expected {want}")
+        for d in dest:
+            await _recv_exact(self._sock, d)
+        return want
+
+    async def aclose(self) -> None:
+        self._sock.close()

@@ -1,0 +1,187 @@
+"""In-process meshes of real peers (real ZeroMQ, real TCP) driven from one trio loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import numpy as np
+import pytest
+import trio
+
+import tensorhub
+from tensorhub import LocalProtocolError, PeerConfig, VersionUnavailable
+
+
+def weights(version: int, mib: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(version)
+    n = mib << 18  # float32 elements per tensor pair
+    return {
+        "embed": rng.standard_normal((n // 1024, 512)).astype(np.float32),
+        "layer.0.w": rng.standard_normal((n // 1024, 512)).astype(np.float32),
+        "layer.0.bias": rng.standard_normal(777).astype(np.float16),
+    }
+
+
+@asynccontextmanager
+async def mesh(n: int, **cfg: object) -> AsyncIterator[list[tensorhub.Peer]]:
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(
+            tensorhub.open_peer(PeerConfig.local("p0", chunk_size=1 << 20, **cfg)))
+        seed = first.info.control.removeprefix("tcp://")
+        peers = [first]
+        for i in range(1, n):
+            peers.append(await stack.enter_async_context(tensorhub.open_peer(
+                PeerConfig.local(f"p{i}", join=(seed,), chunk_size=1 << 20, **cfg))))
+        with trio.fail_after(10):
+            while any(len(p.control.membership.live_members()) < n for p in peers):
+                await trio.sleep(0.02)
+        yield peers
+
+
+async def test_publish_fetch_latest_and_sources() -> None:
+    async with mesh(3) as (pub, a, b):
+        w = weights(1)
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            assert await a.wait_for_version("m", None) == 1
+        assert await a.latest("m") == 1
+        got = await a.fetch("m", "latest")
+        assert got.version == 1 and got.report.verified
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+        assert got.report.bytes_by_source == {"p0": sum(x.nbytes for x in w.values())}
+        with trio.fail_after(10):  # b waits until a is known as a complete holder
+            while len([h for _, h in b.control.holders(pub.control.refs.local.holdings[0].key)
+                       if h.complete]) < 2:
+                await trio.sleep(0.02)
+        into = {k: np.zeros_like(v) for k, v in w.items()}
+        got_b = await b.fetch("m", 1, into=into)
+        assert got_b.tensors["embed"] is into["embed"]
+        for k in w:
+            np.testing.assert_array_equal(into[k], w[k])
+        # b preferred the holder that is not the publisher
+        assert set(got_b.report.bytes_by_source) == {"p1"}
+        assert b.statistics().bytes_fetched_by_source == {"p1": got_b.report.bytes}
+        assert a.statistics().bytes_served == got_b.report.bytes
+
+
+async def test_wait_for_version_sees_each_newer_version() -> None:
+    async with mesh(2) as (pub, r):
+        seen: list[int] = []
+
+        async def waiter() -> None:
+            last = None
+            while len(seen) < 2:
+                last = await r.wait_for_version("m", last)
+                seen.append(last)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(waiter)
+            await pub.publish("m", 3, weights(3, 1))
+            with trio.fail_after(10):
+                while not seen:
+                    await trio.sleep(0.01)
+            await pub.publish("m", 4, weights(4, 1))
+        assert seen == [3, 4]
+
+
+async def test_bad_input_gets_clear_errors_before_any_byte_moves() -> None:
+    async with mesh(2) as (pub, r):
+        with pytest.raises(VersionUnavailable, match="'nope'"):
+            await r.fetch("nope", "latest")
+        w = weights(1, 1)
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        with pytest.raises(VersionUnavailable, match="version 2"):
+            await r.fetch("m", 2)
+        bad_shape = {k: np.zeros_like(v) for k, v in w.items()}
+        bad_shape["embed"] = np.zeros((3, 3), np.float32)
+        with pytest.raises(LocalProtocolError, match="embed"):
+            await r.fetch("m", 1, into=bad_shape)
+        bad_dtype = {k: np.zeros_like(v) for k, v in w.items()}
+        bad_dtype["layer.0.bias"] = np.zeros(777, np.float32)
+        with pytest.raises(LocalProtocolError, match="layer.0.bias"):
+            await r.fetch("m", 1, into=bad_dtype)
+        assert r.statistics().bytes_fetched == 0
+        with pytest.raises(LocalProtocolError, match="contiguous"):
+            await pub.publish("m", 2, {"t": np.zeros((4, 4))[:, ::2]})
+        with pytest.raises(LocalProtocolError, match="already held"):
+            await pub.publish("m", 1, w)
+        # after the failed attempts the good fetch still works
+        got = await r.fetch("m", 1)
+        np.testing.assert_array_equal(got.tensors["embed"], w["embed"])
+
+
+async def test_malformed_control_messages_are_dropped_and_counted() -> None:
+    import zmq
+    import zmq.asyncio  # noqa: F401  (only to be sure the module imports)
+
+    async with mesh(2) as (pub, r):
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(pub.info.control)
+        for junk in (b"", b"\xc1", b"\x93\x01\x02", b"\x91\xcd\xff\xff", b"x" * 100):
+            s.send(junk)
+        with trio.fail_after(5):
+            while pub.statistics().malformed_dropped < 5:
+                await trio.sleep(0.02)
+        s.close()
+        ctx.term()
+        # the peer keeps serving
+        await pub.publish("m", 1, weights(1, 1))
+        with trio.fail_after(10):
+            assert await r.wait_for_version("m", None) == 1
+        assert (await r.fetch("m", 1)).report.verified
+
+
+async def test_unpublish_while_a_reader_is_mid_fetch() -> None:
+    async with mesh(3, fetch_window=2) as (pub, holder, reader):
+        w = weights(7, 32)
+        await pub.publish("m", 7, w)
+        with trio.fail_after(10):
+            await holder.wait_for_version("m", None)
+        await holder.fetch("m", 7)
+        key = tensorhub.VersionKey("m", 7)
+        with trio.fail_after(10):
+            while len([h for _, h in reader.control.holders(key) if h.complete]) < 2:
+                await trio.sleep(0.01)
+        result: list[tensorhub.Fetched] = []
+        drained_at_return: list[int] = []
+
+        async def read() -> None:
+            result.append(await reader.fetch("m", 7))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(read)
+            local = holder.store.get(key)
+            assert local is not None
+            with trio.fail_after(10):
+                while local.inflight == 0:  # a read from the holder is under way
+                    await trio.sleep(0)
+            await holder.unpublish("m", 7)
+            drained_at_return.append(local.inflight)
+            served_after = holder.statistics().bytes_served
+        assert drained_at_return == [0]
+        assert holder.store.get(key) is None
+        assert holder.statistics().bytes_served == served_after  # nothing served after return
+        got = result[0]
+        assert got.report.verified
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+        assert got.report.bytes_by_source.get("p1", 0) > 0  # it did read from the holder
+        assert got.report.bytes_by_source.get("p0", 0) > 0  # and finished from the publisher
+
+
+async def test_fetch_with_no_holder_left_names_what_is_missing() -> None:
+    async with mesh(2, stall_timeout=0.5) as (pub, r):
+        await pub.publish("m", 1, weights(1, 1))
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        await pub.unpublish("m", 1)
+        with pytest.raises(VersionUnavailable) as info:
+            with trio.fail_after(15):
+                await r.fetch("m", 1)
+        assert info.value.model == "m" and info.value.version == 1
