@@ -25,6 +25,7 @@ import numpy as np
 import trio
 
 from .config import PeerConfig
+from .model import VersionKey
 
 MODEL = "demo-llm"
 
@@ -106,8 +107,14 @@ async def _worker(args: argparse.Namespace) -> None:
             line = (await stdin.readline()).strip()
             if not line or line == "quit":
                 break
-            cmd, _, arg = line.partition(" ")
-            version = int(arg)
+            cmd, *rest = line.split()
+            if cmd == "stats":
+                st = peer.statistics()
+                _emit({"event": "stats", "bytes_served": st.bytes_served,
+                       "bytes_fetched_by_source": st.bytes_fetched_by_source,
+                       "members": st.members})
+                continue
+            version = int(rest[0])
             slot = buffers[version % 2]
             if held[version % 2] is not None:
                 await peer.unpublish(MODEL, held[version % 2])  # type: ignore[arg-type]
@@ -120,13 +127,15 @@ async def _worker(args: argparse.Namespace) -> None:
                        "seconds": time.perf_counter() - t0})
             elif cmd == "fetch":
                 got = await peer.wait_for_version(MODEL, last)
+                min_holders = int(rest[1]) if len(rest) > 1 else 0
+                key = VersionKey(MODEL, got)
+                while sum(h.complete for _, h in peer.control.holders(key)) < min_holders:
+                    await trio.sleep(0.02)
                 fetched = await peer.fetch(MODEL, got, into=slot)
                 last = got
                 _emit({"event": "fetched", "version": got, "checksum": checksum(slot),
                        "report": fetched.report.to_dict()})
             held[version % 2] = version
-        # keep serving until the driver says quit (already read): leave cleanly
-        _emit({"event": "stats", "stats": {"bytes_served": peer.statistics().bytes_served}})
 
 
 class _Proc:
@@ -207,7 +216,7 @@ def run_demo(args: argparse.Namespace) -> int:
             summary["versions"].append({"version": v, "publish_seconds": pub["seconds"],
                                         "rollouts": rows})
             if not args.json or args.table:
-                _print_version(v, size, rows)
+                _print_version(v, rows)
         summary["all_verified"] = all_ok
     finally:
         for p in procs:
@@ -228,8 +237,8 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if summary["all_verified"] else 1
 
 
-def _print_version(v: int, size: int, rows: list[dict[str, Any]]) -> None:
-    print(f"version {v}  ({size / (1 << 20):.0f} MiB)")
+def _print_version(v: int, rows: list[dict[str, Any]]) -> None:
+    print(f"version {v}  ({rows[0]['bytes'] / (1 << 20):.1f} MiB)")
     print(f"  {'rollout':<11} {'seconds':>8} {'MB/s':>8}  {'verified':<8} served by")
     for r in rows:
         src = ", ".join(f"{k} {b / (1 << 20):.1f} MiB"

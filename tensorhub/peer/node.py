@@ -114,9 +114,15 @@ class Peer:
                                  config.gossip_queue)
         self.store = Store()
         self._server = TcpServer(self.store, self._count_sent, self._count_bad)
-        self._data_host = parse_hostport(config.data_listen)[0] if config.data_listen else host
-        self._data_port = parse_hostport(config.data_listen)[1] if config.data_listen else 0
-        self.info: PeerInfo
+        data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
+            else (host, 0)
+        try:
+            data_port = self._server.bind(data_host, data_port)
+        except BaseException:
+            self._router.close()
+            raise
+        self.info = PeerInfo(config.name, self._router.endpoint, f"{data_host}:{data_port}",
+                             tuple(config.labels))
         self.control: ControlPlane
         self._changed = trio.Event()
         self._seen_changes = 0
@@ -134,9 +140,7 @@ class Peer:
     # -- lifecycle --------------------------------------------------------------------
 
     async def _start(self, nursery: trio.Nursery) -> None:
-        data_port = await nursery.start(self._server.serve, self._data_host, self._data_port)
-        self.info = PeerInfo(self.config.name, self._router.endpoint,
-                             f"{self._data_host}:{data_port}", tuple(self.config.labels))
+        await nursery.start(self._server.serve)
         self.control = ControlPlane(self.info, self.config, random.Random(),
                                     trio.current_time(), time.time_ns() // 1000)
         await nursery.start(self._router.run)
@@ -352,8 +356,8 @@ async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
     """Run a peer for the duration of the ``async with`` block, then leave the mesh."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
+        peer = Peer(config, ctx)  # binds both sockets: a used port fails here, unwrapped
         async with trio.open_nursery() as nursery:
-            peer = Peer(config, ctx)
             await peer._start(nursery)
             try:
                 yield peer

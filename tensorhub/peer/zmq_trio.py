@@ -69,6 +69,10 @@ class ZmqRouter:
         self.inbound_send, self.inbound = trio.open_memory_channel[tuple[str, bytes]](queue)
         self._received = self._sent = self._drop_in = self._drop_out = self._unreach = 0
 
+    def close(self) -> None:
+        """Close a socket whose owner task never ran (startup failed)."""
+        self._sock.close(0)
+
     def statistics(self) -> RouterStats:
         return RouterStats(self._received, self._sent, self._drop_in, self._drop_out,
                            self._unreach)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import socket
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,22 +81,31 @@ class TcpServer:
         self.on_sent = on_sent
         self.on_bad = on_bad
         self.port = 0
+        self._listener: trio.socket.SocketType | None = None
 
-    async def serve(self, host: str, port: int, *,
-                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listener = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-        listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+    def bind(self, host: str, port: int) -> int:
+        """Bind the listening socket now, so a used port fails before anything starts."""
+        plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        plain.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            await listener.bind((host, port))
+            plain.bind((host, port))
         except OSError as exc:
-            listener.close()
+            plain.close()
             if exc.errno == errno.EADDRINUSE:
                 raise TransportError(f"data address {host}:{port} is already in use") from None
-            raise
-        listener.listen(128)
-        self.port = listener.getsockname()[1]
+            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from None
+        plain.listen(128)
+        self._listener = trio.socket.from_stdlib_socket(plain)
+        self.port = plain.getsockname()[1]
+        return self.port
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listener = self._listener
+        if listener is None:
+            raise RuntimeError("TcpServer.serve() before bind()")
         async with trio.open_nursery() as nursery:
-            task_status.started(self.port)
+            task_status.started()
             with listener:
                 while True:
                     sock, addr = await listener.accept()
