@@ -6,6 +6,7 @@ methods as :class:`~tensorhub.peer.node.Peer` as plain blocking calls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Mapping
@@ -102,10 +103,8 @@ class BlockingPeer:
         """Leave the mesh and stop the background thread."""
         if self._token is not None and self._stop is not None and self._thread.is_alive():
             stop = self._stop
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(stop.set, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
         self._thread.join()
         self._token = None
         if self._error is not None and not isinstance(self._error, PeerClosed):

@@ -13,6 +13,7 @@ that held that set before is unpublished (and drained) first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -221,10 +222,8 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         for p in procs:
             if p.p.poll() is None:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     p.send("quit")
-                except (BrokenPipeError, OSError):
-                    pass
         for p in procs:
             try:
                 p.p.wait(10)

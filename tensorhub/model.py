@@ -10,6 +10,7 @@ reference table carries, so a fetcher can check a manifest it got from any holde
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,10 +86,17 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
     offset: int
+    nbytes: int = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        count = 1
+        for d in self.shape:
+            count *= d
+        object.__setattr__(self, "nbytes", count * np.dtype(self.dtype).itemsize)
 
     @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+    def end(self) -> int:
+        return self.offset + self.nbytes
 
 
 @dataclass(frozen=True)
@@ -111,9 +119,11 @@ class Manifest:
     digest_algo: str
     chunk_digests: tuple[bytes, ...]
     _by_name: dict[str, int] = field(init=False, repr=False, compare=False)
+    _ends: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {t.name: i for i, t in enumerate(self.tensors)})
+        object.__setattr__(self, "_ends", [t.end for t in self.tensors])
 
     @property
     def key(self) -> VersionKey:
@@ -140,19 +150,11 @@ class Manifest:
     def segments(self, start: int, stop: int) -> list[Segment]:
         """The tensor pieces that make up bytes ``[start, stop)`` of the version."""
         out: list[Segment] = []
-        lo, hi = 0, len(self.tensors)
-        while lo < hi:  # first tensor whose end is past ``start``
-            mid = (lo + hi) // 2
-            t = self.tensors[mid]
-            if t.offset + t.nbytes <= start:
-                lo = mid + 1
-            else:
-                hi = mid
-        for i in range(lo, len(self.tensors)):
+        for i in range(bisect.bisect_right(self._ends, start), len(self.tensors)):
             t = self.tensors[i]
             if t.offset >= stop:
                 break
-            s, e = max(start, t.offset), min(stop, t.offset + t.nbytes)
+            s, e = max(start, t.offset), min(stop, t.end)
             if e > s:
                 out.append(Segment(i, s - t.offset, e - t.offset))
         return out

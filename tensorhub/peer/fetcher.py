@@ -70,10 +70,20 @@ class FetchReport:
         }
 
 
+def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memoryview | None]:
+    """New arrays for a fetch: views into one buffer laid out like the version's byte
+    space, so every chunk lands with one ``recv_into`` however many tensors it spans.
+    Falls back to separate arrays if some tensor's offset does not suit its dtype."""
+    if any(t.offset % np.dtype(t.dtype).alignment for t in manifest.tensors):
+        return [np.empty(t.shape, dtype=np.dtype(t.dtype)) for t in manifest.tensors], None
+    flat = np.empty(manifest.total_bytes, dtype=np.uint8)
+    arrays = [flat[t.offset:t.end].view(np.dtype(t.dtype)).reshape(t.shape)
+              for t in manifest.tensors]
+    return arrays, memoryview(flat)  # type: ignore[arg-type]
+
+
 def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, Any]]:
-    """Arrays to fetch into, in manifest order; checked before any byte moves."""
-    if into is None:
-        return [np.empty(t.shape, dtype=np.dtype(t.dtype)) for t in manifest.tensors]
+    """The caller's ``into`` arrays in manifest order, checked before any byte moves."""
     if not hasattr(into, "keys"):
         raise LocalProtocolError("into= must be a mapping of tensor name -> array")
     names = {t.name for t in manifest.tensors}

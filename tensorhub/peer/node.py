@@ -43,7 +43,7 @@ from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..transport.base import Connection, NotServing
 from ..transport.tcp import TcpConnection, TcpServer
-from .fetcher import Fetch, FetchReport, _digest, prepare_destination
+from .fetcher import Fetch, FetchReport, _digest, allocate_flat, prepare_destination
 from .store import LocalVersion, Store
 from .zmq_trio import ZmqRouter
 
@@ -262,8 +262,12 @@ class Peer:
         if held is not None:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
         manifest, publisher = await self._fetch_manifest(key)
-        arrays = prepare_destination(manifest, into)
-        local = LocalVersion(manifest, arrays, publisher, verified=False)
+        flat = None
+        if into is None:
+            arrays, flat = allocate_flat(manifest)
+        else:
+            arrays = prepare_destination(manifest, into)
+        local = LocalVersion(manifest, arrays, publisher, verified=False, flat=flat)
         self.store.add(local)
         last = [trio.current_time()]
 

@@ -23,10 +23,15 @@ from ..transport.base import NotServing
 
 class LocalVersion:
     def __init__(self, manifest: Manifest, arrays: Sequence[np.ndarray[Any, Any]],
-                 publisher: str, verified: bool) -> None:
+                 publisher: str, verified: bool, flat: memoryview | None = None) -> None:
+        """``flat``, when given, is one buffer laid out exactly like the version's byte
+        space that holds every tensor at its manifest offset: chunks are then one
+        contiguous range each, whatever the number of tensors in them."""
         self.manifest = manifest
         self.arrays = list(arrays)
         self.views = [byte_view(a) for a in self.arrays]
+        self.flat = flat
+        self._segments: dict[int, list[memoryview]] = {}
         self.publisher = publisher
         n = manifest.num_chunks
         self.verified = bytearray(b"\x01" * n if verified else n)
@@ -42,8 +47,17 @@ class LocalVersion:
         return self.num_verified == self.manifest.num_chunks
 
     def segments(self, chunk: int) -> list[memoryview]:
+        """The memory of one chunk: one view per tensor piece, or one view of ``flat``."""
         start, stop = self.manifest.chunk_range(chunk)
-        return [self.views[s.index][s.start:s.stop] for s in self.manifest.segments(start, stop)]
+        if self.flat is not None:
+            return [self.flat[start:stop]]
+        cached = self._segments.get(chunk)
+        if cached is None:
+            cached = [self.views[s.index][s.start:s.stop]
+                      for s in self.manifest.segments(start, stop)]
+            if len(cached) > 1:
+                self._segments[chunk] = cached
+        return cached
 
     def mark_verified(self, chunk: int) -> None:
         if not self.verified[chunk]:
