@@ -85,6 +85,10 @@ def checksum(arrays: dict[str, np.ndarray[Any, Any]]) -> str:
     return out
 
 
+def holders_of(peer: Any, key: VersionKey) -> list[str]:
+    return [p.name for p, _ in peer.control.holders(key)]
+
+
 def _emit(obj: dict[str, Any]) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -113,7 +117,9 @@ async def _worker(args: argparse.Namespace) -> None:
                 st = peer.statistics()
                 _emit({"event": "stats", "bytes_served": st.bytes_served,
                        "bytes_fetched_by_source": st.bytes_fetched_by_source,
-                       "members": st.members})
+                       "members": st.members, "holders": {
+                           str(h.key): sorted({*holders_of(peer, h.key)})
+                           for e in peer.control.refs.origins() for h in e.holdings}})
                 continue
             version = int(rest[0])
             slot = buffers[version % 2]
