@@ -86,6 +86,13 @@ class PeerConfig:
     fetch_window: int = 4
     """Chunk requests in flight per fetch (one connection each)."""
 
+    max_inflight_bytes: int = 64 << 20
+    """Bytes of chunk requests in flight per fetch; the window is the smaller bound."""
+
+    transports: tuple[str, ...] = ("shm", "tcp")
+    """Data-plane transports in order of preference. ``shm`` is used only between peers
+    on the same host (same ``host`` label and same kernel); ``tcp`` works everywhere."""
+
     stall_timeout: float = 10.0
     """A source that makes no progress for this long is abandoned and its chunks re-sourced."""
 
@@ -126,6 +133,11 @@ class PeerConfig:
             raise ConfigError("max_message_bytes must be in [64 KiB, 1 GiB]")
         if self.gossip_queue < 16:
             raise ConfigError("gossip_queue must be >= 16")
+        if self.max_inflight_bytes < 4096:
+            raise ConfigError("max_inflight_bytes must be >= 4096")
+        if not self.transports or not set(self.transports) <= {"shm", "tcp"} \
+                or "tcp" not in self.transports:
+            raise ConfigError("transports must name 'tcp' and optionally 'shm'")
         if self.digest_algo not in ("blake3", "sha256"):
             raise ConfigError("digest_algo must be 'blake3' or 'sha256'")
 

@@ -98,6 +98,7 @@ async def _worker(args: argparse.Namespace) -> None:
 
     join = tuple(s for s in args.join.split(",") if s)
     config = PeerConfig.local(args.name, listen=args.listen, join=join,
+                              chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
                               labels=(("host", "localhost"), ("role", args.role)))
     specs = model_specs(args.size)
     buffers = [allocate(specs), allocate(specs)]
@@ -120,6 +121,10 @@ async def _worker(args: argparse.Namespace) -> None:
                        "members": st.members, "holders": {
                            str(h.key): sorted({*holders_of(peer, h.key)})
                            for e in peer.control.refs.origins() for h in e.holdings}})
+                continue
+            if cmd == "corrupt":  # test hook: flip a byte in the next N chunks we send
+                peer.store.corrupt_next = int(rest[0])
+                _emit({"event": "corrupting", "chunks": int(rest[0])})
                 continue
             version = int(rest[0])
             slot = buffers[version % 2]
@@ -269,6 +274,8 @@ def _worker_main(argv: list[str]) -> None:
     p.add_argument("--join", default="")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--expect", type=int, required=True)
+    p.add_argument("--chunk", type=int, default=8 << 20)
+    p.add_argument("--transports", default="shm,tcp")
     trio.run(_worker, p.parse_args(argv))
 
 

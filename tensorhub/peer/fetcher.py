@@ -47,6 +47,9 @@ class FetchReport:
     seconds: float = 0.0
     bytes: int = 0
     chunks: int = 0
+    chunks_received: int = 0
+    """Chunk payloads received in full (verified or not): equals ``chunks`` when no
+    chunk had to be received twice."""
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     transport_by_source: dict[str, str] = field(default_factory=dict)
     integrity_failures: dict[str, int] = field(default_factory=dict)
@@ -62,6 +65,7 @@ class FetchReport:
         return {
             "model": self.model, "version": self.version, "seconds": self.seconds,
             "bytes": self.bytes, "chunks": self.chunks, "mb_per_s": self.mb_per_s,
+            "chunks_received": self.chunks_received,
             "bytes_by_source": dict(self.bytes_by_source),
             "transport_by_source": dict(self.transport_by_source),
             "integrity_failures": dict(self.integrity_failures),
@@ -126,6 +130,11 @@ class Fetch:
         self.connect = connect
         self.window = window
         self.stall_timeout = stall_timeout
+        self.benched: dict[str, float] = {}
+        """Sources not to use until the given time (``inf``: not for this fetch)."""
+        self.last_progress = trio.current_time()
+        self.rate: dict[str, float] = {}
+        """Measured bytes/s per source (EWMA), for stall timeouts that fit each link."""
         self.on_progress = on_progress
         self.pending = [c for c in range(self.manifest.num_chunks) if not local.verified[c]]
         self.claimed: dict[int, str] = {}
@@ -141,9 +150,11 @@ class Fetch:
         self.lacks.clear()
         self.changed.set()
 
+    def _usable(self, name: str) -> bool:
+        return name != self.me and self.benched.get(name, 0.0) <= trio.current_time()
+
     def _pick(self) -> tuple[int, PeerInfo] | None:
-        holders = [(p, h) for p, h in self.view(self.key)
-                   if p.name != self.me and p.name not in self.dropped]
+        holders = [(p, h) for p, h in self.view(self.key) if self._usable(p.name)]
         for chunk in self.pending:
             best: tuple[tuple[int, int, str], PeerInfo] | None = None
             for peer, holding in holders:
@@ -207,19 +218,18 @@ class Fetch:
                 await conn.aclose()
 
     async def _wait_for_source(self) -> None:
-        if not self.claimed and not any(
-            not h.complete for p, h in self.view(self.key)
-            if p.name != self.me and p.name not in self.dropped
-        ):
-            # Nothing in flight and nobody still receiving: no holder can appear soon
-            # except through gossip, which had its chance during the stall timeout.
-            with trio.move_on_after(self.stall_timeout):
-                self.changed = trio.Event()
-                await self.changed.wait()
-                return
+        """No usable holder has a pending chunk.  Wait for news: a holder that is still
+        receiving, a benched holder coming back, or gossip about a new one.  With nothing
+        in flight and no progress for ``stall_timeout``, give up and say what is missing."""
+        now = trio.current_time()
+        if not self.claimed and now - self.last_progress > self.stall_timeout:
             raise VersionUnavailable(self.key.model, self.key.version, self._missing())
+        wake = now + self.stall_timeout
+        for name, until in self.benched.items():
+            if now < until < wake:
+                wake = until
         self.changed = trio.Event()
-        with trio.move_on_after(self.stall_timeout):
+        with trio.move_on_at(wake):
             await self.changed.wait()
 
     async def _read(self, conns: dict[str, Connection], chunk: int, peer: PeerInfo) -> bool:
@@ -229,10 +239,14 @@ class Fetch:
             conn = conns.get(name)
             if conn is None:
                 conn = conns[name] = await self.connect(peer)
-            with trio.move_on_after(self.stall_timeout) as scope:
+            limit = self._stall_limit(name, sum(len(d) for d in dest))
+            started = trio.current_time()
+            with trio.move_on_after(limit) as scope:
                 n = await conn.read_chunk(self.key, chunk, dest)
             if scope.cancelled_caught:
-                raise TransportError(f"stalled for {self.stall_timeout:.1f}s on chunk {chunk}")
+                raise TransportError(f"stalled: chunk {chunk} took over {limit:.2f}s")
+            self._observe(name, n, trio.current_time() - started)
+            self.report.chunks_received += 1
             digest = await trio.to_thread.run_sync(_digest, self.manifest.digest_algo, dest)
             if digest != self.manifest.chunk_digests[chunk]:
                 raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
@@ -241,18 +255,24 @@ class Fetch:
             if ns.status == NOT_YET:
                 self.lacks.setdefault(name, set()).add(chunk)
             else:
-                await self._drop(conns, name, f"refused: {ns.detail}")
+                await self._drop(conns, name, f"refused: {ns.detail}", math.inf)
             return False
         except IntegrityError as exc:
             self.report.integrity_failures[name] = self.report.integrity_failures.get(name, 0) + 1
-            await self._drop(conns, name, str(exc))
+            await self._drop(conns, name, str(exc), math.inf)
             return False
-        except (TransportError, RemoteProtocolError, OSError) as exc:
-            await self._drop(conns, name, str(exc) or type(exc).__name__)
+        except RemoteProtocolError as exc:
+            await self._drop(conns, name, str(exc), math.inf)
+            return False
+        except (TransportError, OSError) as exc:
+            # Maybe a passing fault: retry this source later (membership removes it
+            # from the view meanwhile if it died).
+            await self._drop(conns, name, str(exc) or type(exc).__name__, self.stall_timeout)
             return False
         if chunk in self.tried:
             self.report.resourced_chunks += 1
         self.local.mark_verified(chunk)
+        self.last_progress = trio.current_time()
         self.report.bytes += n
         self.report.chunks += 1
         self.report.bytes_by_source[name] = self.report.bytes_by_source.get(name, 0) + n
@@ -260,8 +280,23 @@ class Fetch:
         self.on_progress()
         return True
 
-    async def _drop(self, conns: dict[str, Connection], name: str, reason: str) -> None:
-        self.dropped.setdefault(name, reason)
+    def _stall_limit(self, source: str, nbytes: int) -> float:
+        """No progress for 8x the time this chunk should take at the source's measured
+        rate (at least 0.25 s) means stalled; ``stall_timeout`` until a rate is known."""
+        rate = self.rate.get(source)
+        if rate is None:
+            return self.stall_timeout
+        return min(self.stall_timeout, max(0.25, 8 * nbytes / rate))
+
+    def _observe(self, source: str, nbytes: int, seconds: float) -> None:
+        sample = nbytes / max(seconds, 1e-6)
+        old = self.rate.get(source)
+        self.rate[source] = sample if old is None else 0.7 * old + 0.3 * sample
+
+    async def _drop(self, conns: dict[str, Connection], name: str, reason: str,
+                    bench_for: float) -> None:
+        self.dropped[name] = reason
+        self.benched[name] = max(self.benched.get(name, 0.0), trio.current_time() + bench_for)
         self.tried.update(c for c, src in self.claimed.items() if src == name)
         conn = conns.pop(name, None)
         if conn is not None:

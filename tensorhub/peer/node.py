@@ -278,7 +278,9 @@ class Peer:
                 self._send(self.control.put_holding(local.holding()))
 
         job = Fetch(me=self.info.name, local=local, view=self.control.holders,
-                    connect=self._connect, window=self.config.fetch_window,
+                    connect=self._connect,
+                    window=max(1, min(self.config.fetch_window,
+                                      self.config.max_inflight_bytes // manifest.chunk_size)),
                     stall_timeout=self.config.stall_timeout, on_progress=progress)
         self._fetches.add(job)
         try:

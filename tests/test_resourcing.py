@@ -1,0 +1,110 @@
+"""Faults mid-fetch: a holder killed, stopped, or sending bad bytes is replaced."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+import tensorhub
+from tensorhub import PeerConfig, VersionKey
+from tensorhub.demo import _free_ports, _Proc, checksum
+
+SIZE = 48 << 20
+CHUNK = 1 << 20
+
+
+@pytest.fixture
+def procs() -> Iterator[list[_Proc]]:
+    started: list[_Proc] = []
+    yield started
+    for p in started:
+        if p.p.poll() is None:
+            os.kill(p.p.pid, signal.SIGCONT)
+            p.p.kill()
+        p.p.wait(5)
+
+
+def worker(name: str, role: str, port: int, seed: str) -> _Proc:
+    argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", name, "--role", role,
+            "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", "3",
+            "--chunk", str(CHUNK), "--transports", "tcp"]
+    return _Proc(name, argv + (["--join", seed] if seed else []))
+
+
+@asynccontextmanager
+async def two_holders_and_reader(procs: list[_Proc]) -> AsyncIterator[
+        tuple[tensorhub.Peer, _Proc, str]]:
+    ports = _free_ports(3)
+    seed = f"127.0.0.1:{ports[0]}"
+    procs += [worker("pub", "trainer", ports[0], ""), worker("holder", "rollout", ports[1], seed)]
+    cfg = PeerConfig.local("reader", listen=f"127.0.0.1:{ports[2]}", join=(seed,),
+                           fetch_window=1, transports=("tcp",), stall_timeout=5.0)
+    async with tensorhub.open_peer(cfg) as reader:
+        for p in procs:
+            await trio.to_thread.run_sync(p.expect, "ready", 60)
+        procs[0].send("publish 1")
+        published = await trio.to_thread.run_sync(procs[0].expect, "published", 60)
+        procs[1].send("fetch 1")
+        await trio.to_thread.run_sync(procs[1].expect, "fetched", 60)
+        key = VersionKey("demo-llm", 1)
+        with trio.fail_after(10):
+            while sum(h.complete for _, h in reader.control.holders(key)) < 2:
+                await trio.sleep(0.02)
+        yield reader, procs[1], published["checksum"]
+
+
+async def fetch_and_act_midway(reader: tensorhub.Peer, act: object) -> tensorhub.Fetched:
+    key = VersionKey("demo-llm", 1)
+    result: list[tensorhub.Fetched] = []
+
+    async def run() -> None:
+        result.append(await reader.fetch("demo-llm", 1))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(run)
+        with trio.fail_after(30):
+            while (local := reader.store.get(key)) is None or local.num_verified < 8:
+                await trio.sleep(0)
+        act()  # type: ignore[operator]
+    return result[0]
+
+
+async def test_sigkill_holder_mid_fetch_completes_from_the_other(procs: list[_Proc]) -> None:
+    async with two_holders_and_reader(procs) as (reader, holder, expected):
+        got = await fetch_and_act_midway(reader, lambda: os.kill(holder.p.pid, signal.SIGKILL))
+    r = got.report
+    assert r.verified and checksum(got.tensors) == expected
+    assert r.bytes_by_source["holder"] >= 8 * CHUNK and r.bytes_by_source["pub"] > 0
+    n_chunks = -(-r.bytes // CHUNK)
+    assert r.chunks == n_chunks
+    assert r.chunks_received == n_chunks  # no chunk was received twice
+    assert "holder" in r.dropped_sources
+
+
+async def test_sigstop_holder_mid_fetch_completes_from_the_other(procs: list[_Proc]) -> None:
+    async with two_holders_and_reader(procs) as (reader, holder, expected):
+        got = await fetch_and_act_midway(reader, lambda: os.kill(holder.p.pid, signal.SIGSTOP))
+    r = got.report
+    assert r.verified and checksum(got.tensors) == expected
+    assert "stalled" in r.dropped_sources["holder"]
+    assert r.bytes_by_source["pub"] > 0
+    assert r.chunks_received == r.chunks
+
+
+async def test_corrupt_chunk_is_detected_attributed_and_refetched(procs: list[_Proc]) -> None:
+    async with two_holders_and_reader(procs) as (reader, holder, expected):
+        holder.send("corrupt 1")
+        await trio.to_thread.run_sync(holder.expect, "corrupting", 30)
+        got = await reader.fetch("demo-llm", 1)
+    r = got.report
+    assert r.verified and checksum(got.tensors) == expected
+    assert r.integrity_failures == {"holder": 1}
+    assert "digest" in r.dropped_sources["holder"]
+    assert reader.statistics().integrity_failures == {"holder": 1}
+    assert r.chunks_received == r.chunks + 1  # the bad one, received once more elsewhere
