@@ -225,7 +225,7 @@ class Fetch:
         if not self.claimed and now - self.last_progress > self.stall_timeout:
             raise VersionUnavailable(self.key.model, self.key.version, self._missing())
         wake = now + self.stall_timeout
-        for name, until in self.benched.items():
+        for until in self.benched.values():
             if now < until < wake:
                 wake = until
         self.changed = trio.Event()
