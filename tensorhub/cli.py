@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_options(d)
 
+    b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from .bench import transfer
+
+    transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
+
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
     s.add_argument("--settle", type=float, default=2.0,
@@ -125,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(args)
+        if args.command == "bench":
+            from .bench import transfer
+
+            return transfer.run_cli(args)
         if args.command == "status":
             if not args.join:
                 raise ConfigError("status needs --join HOST:PORT")

@@ -121,12 +121,14 @@ class Fetch:
     """The state of one fetch; :meth:`run` drives it to completion or failure."""
 
     def __init__(self, *, me: str, local: LocalVersion, view: HolderView, connect: Connector,
-                 window: int, stall_timeout: float, on_progress: Callable[[], None]) -> None:
+                 upstream: frozenset[str], window: int, stall_timeout: float, on_progress: Callable[[], None]) -> None:
         self.me = me
         self.local = local
         self.manifest = local.manifest
         self.key = local.manifest.key
         self.view = view
+        self.upstream = upstream
+        """Named sources: asked for any chunk even before they advertise it."""
         self.connect = connect
         self.window = window
         self.stall_timeout = stall_timeout
@@ -158,7 +160,8 @@ class Fetch:
         for chunk in self.pending:
             best: tuple[tuple[int, int, str], PeerInfo] | None = None
             for peer, holding in holders:
-                if not holding.has(chunk) or chunk in self.lacks.get(peer.name, ()):
+                if chunk in self.lacks.get(peer.name, ()) or not (
+                        holding.has(chunk) or peer.name in self.upstream):
                     continue
                 rank = (int(holding.publisher == peer.name), self.load.get(peer.name, 0),
                         peer.name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,7 @@ from ..protocol import codec
 from ..protocol.control import ControlPlane
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
+from ..protocol.refs import Holding
 from ..transport.base import Connection, NotServing
 from ..transport.tcp import TcpConnection, TcpServer
 from .fetcher import Fetch, FetchReport, _digest, allocate_flat, prepare_destination
@@ -112,7 +113,7 @@ class Peer:
         port = port or _free_port(host)
         self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
                                  config.gossip_queue)
-        self.store = Store()
+        self.store = Store(chunk_wait=config.stall_timeout)
         self._server = TcpServer(self.store, self._count_sent, self._count_bad)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
@@ -242,8 +243,14 @@ class Peer:
         await self.store.wait_drained(key)
 
     async def fetch(self, model: str, version: int | str = "latest",
-                    into: Mapping[str, Any] | None = None) -> Fetched:
-        """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it."""
+                    into: Mapping[str, Any] | None = None, *,
+                    sources: Sequence[str] | None = None) -> Fetched:
+        """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it.
+
+        ``sources`` restricts the holders to read from (by peer name), e.g. to follow a
+        plan; a named source that is itself still receiving is asked for every chunk and
+        serves each as soon as it has verified it (pipelining).  The fetch waits up to
+        ``stall_timeout`` for a named source to appear as a holder."""
         check_model_name(model)
         if version == "latest":
             resolved = self.control.latest(model)
@@ -261,7 +268,8 @@ class Peer:
                            FetchReport(model, resolved, verified=True))
         if held is not None:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
-        manifest, publisher = await self._fetch_manifest(key)
+        allowed = frozenset(sources) if sources is not None else None
+        manifest, publisher = await self._fetch_manifest(key, allowed)
         flat = None
         if into is None:
             arrays, flat = allocate_flat(manifest)
@@ -277,7 +285,12 @@ class Peer:
                 last[0] = now
                 self._send(self.control.put_holding(local.holding()))
 
-        job = Fetch(me=self.info.name, local=local, view=self.control.holders,
+        def view(k: VersionKey) -> list[tuple[PeerInfo, Holding]]:
+            found = self.control.holders(k)
+            return found if allowed is None else [(p, h) for p, h in found if p.name in allowed]
+
+        self._send(self.control.put_holding(local.holding()))  # downstream can find us
+        job = Fetch(me=self.info.name, local=local, view=view, upstream=allowed or frozenset(),
                     connect=self._connect,
                     window=max(1, min(self.config.fetch_window,
                                       self.config.max_inflight_bytes // manifest.chunk_size)),
@@ -286,6 +299,7 @@ class Peer:
         try:
             report = await job.run()
         except BaseException:
+            local.end_receiving()
             self.store.hide(key)
             self._send(self.control.drop_holding(key))
             with trio.CancelScope(shield=True):
@@ -293,6 +307,7 @@ class Peer:
             raise
         finally:
             self._fetches.discard(job)
+        local.end_receiving()
         self._send(self.control.put_holding(local.holding()))
         self._account(report)
         return Fetched(resolved, {t.name: a for t, a in zip(manifest.tensors, arrays,
@@ -312,27 +327,44 @@ class Peer:
     async def _connect(self, peer: PeerInfo) -> Connection:
         return await TcpConnection.connect(peer.data, peer.name, self.config.connect_timeout)
 
-    async def _fetch_manifest(self, key: VersionKey) -> tuple[Manifest, str]:
-        holders = [(p, h) for p, h in self.control.holders(key) if p.name != self.info.name]
-        if not holders:
-            raise VersionUnavailable(key.model, key.version, "no live holder is known")
-        holders.sort(key=lambda ph: (ph[1].publisher == ph[0].name, ph[0].name))
-        errors = []
-        for peer, holding in holders:
-            try:
-                conn = await self._connect(peer)
+    async def _fetch_manifest(self, key: VersionKey, allowed: frozenset[str] | None
+                              ) -> tuple[Manifest, str]:
+        def candidates() -> list[tuple[PeerInfo, Holding]]:
+            return [(p, h) for p, h in self.control.holders(key) if p.name != self.info.name
+                    and (allowed is None or p.name in allowed)]
+
+        # The view may lag: a holder that just unpublished, a named source that has not
+        # started.  Retry each holder when its reference changes, until stall_timeout.
+        deadline = trio.current_time() + self.config.stall_timeout
+        tried: dict[str, Holding] = {}
+        errors: dict[str, str] = {}
+        while True:
+            holders = candidates()
+            if not holders and allowed is None and not errors:
+                raise VersionUnavailable(key.model, key.version, "no live holder is known")
+            fresh = [(p, h) for p, h in holders if tried.get(p.name) is not h]
+            fresh.sort(key=lambda ph: (ph[1].publisher == ph[0].name, ph[0].name))
+            for peer, holding in fresh:
+                tried[peer.name] = holding
                 try:
-                    data = await conn.read_manifest(key)
-                finally:
-                    await conn.aclose()
-                manifest = Manifest.decode(data)
-                if manifest.manifest_id() != holding.manifest_id or manifest.key != key:
-                    raise RemoteProtocolError(f"{peer.name} sent a manifest that does not match")
-                return manifest, holding.publisher
-            except (TransportError, RemoteProtocolError, NotServing, OSError) as exc:
-                errors.append(f"{peer.name}: {exc}")
-        raise VersionUnavailable(key.model, key.version,
-                                 "no holder served the manifest (" + "; ".join(errors) + ")")
+                    conn = await self._connect(peer)
+                    try:
+                        data = await conn.read_manifest(key)
+                    finally:
+                        await conn.aclose()
+                    manifest = Manifest.decode(data)
+                    if manifest.manifest_id() != holding.manifest_id or manifest.key != key:
+                        raise RemoteProtocolError(f"{peer.name} sent a non-matching manifest")
+                    return manifest, holding.publisher
+                except (TransportError, RemoteProtocolError, NotServing, OSError) as exc:
+                    errors[peer.name] = str(exc)
+            if trio.current_time() >= deadline:
+                which = f" among {sorted(allowed)}" if allowed is not None else ""
+                detail = "; ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
+                raise VersionUnavailable(key.model, key.version, f"no holder{which} served "
+                                         f"the manifest ({detail or 'none known'})")
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
 
     # -- introspection -------------------------------------------------------------------
 

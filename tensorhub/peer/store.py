@@ -37,6 +37,10 @@ class LocalVersion:
         self.verified = bytearray(b"\x01" * n if verified else n)
         self.num_verified = n if verified else 0
         self.hidden = False
+        self.receiving = not verified
+        """True while a fetch is filling this version (readers may wait for chunks)."""
+        self.progress = trio.Event()
+        """Set (and replaced) whenever a chunk is verified or the fetch ends."""
         self.inflight = 0
         self.drained = trio.Event()
         self.drained.set()
@@ -63,6 +67,15 @@ class LocalVersion:
         if not self.verified[chunk]:
             self.verified[chunk] = 1
             self.num_verified += 1
+            self._signal()
+
+    def end_receiving(self) -> None:
+        self.receiving = False
+        self._signal()
+
+    def _signal(self) -> None:
+        self.progress.set()
+        self.progress = trio.Event()
 
     def holding(self) -> Holding:
         m = self.manifest
@@ -76,8 +89,10 @@ class LocalVersion:
 class Store:
     """This peer's holdings, keyed by version; the data plane's :class:`Provider`."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_wait: float = 5.0) -> None:
         self.versions: dict[VersionKey, LocalVersion] = {}
+        self.chunk_wait = chunk_wait
+        """Longest a reader's request waits for a chunk we are still receiving."""
         self.corrupt_next: int = 0
         """Test hook: the next N chunk sends get one flipped byte."""
 
@@ -94,6 +109,14 @@ class Store:
         if local is None or local.hidden:
             raise NotServing(NOT_HELD, f"{key} is not held here")
         return local.encoded_manifest
+
+    async def wait_chunk(self, key: VersionKey, chunk: int) -> None:
+        local = self.versions.get(key)
+        if local is None or not 0 <= chunk < local.manifest.num_chunks:
+            return
+        with trio.move_on_after(self.chunk_wait):
+            while local.receiving and not local.hidden and not local.verified[chunk]:
+                await local.progress.wait()
 
     @contextmanager
     def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:

@@ -33,6 +33,12 @@ class Provider(Protocol):
         """Encoded manifest of ``key``; raises :class:`NotServing` if not held."""
         ...
 
+    async def wait_chunk(self, key: VersionKey, chunk: int) -> None:
+        """If this holder is still receiving ``chunk``, wait (bounded) until it is
+        verified, so a downstream reader pipelines behind us.  Returns at once when the
+        chunk is verified, not held, or not expected here."""
+        ...
+
     def lease(self, key: VersionKey, chunk: int) -> AbstractContextManager[Sequence[memoryview]]:
         """Pin the chunk's memory while it is being sent; raises :class:`NotServing`."""
         ...

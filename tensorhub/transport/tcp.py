@@ -162,6 +162,7 @@ class TcpServer:
         elif isinstance(req, ChunkRequest):
             key = VersionKey(req.model, req.version)
             try:
+                await self.provider.wait_chunk(key, req.chunk)
                 lease = self.provider.lease(key, req.chunk)
                 segments = lease.__enter__()
             except NotServing as ns:

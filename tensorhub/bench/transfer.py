@@ -1,0 +1,260 @@
+"""``tensorhub bench transfer``: the data plane against the bare socket, in one run.
+
+Measured here, each the median of ``--runs`` runs, every process on this machine:
+
+(a) raw baseline: two processes, a blocking socket ``sendall`` -> ``recv_into`` a
+    pre-faulted buffer of the same size;
+(b) TensorHub single-hop fetch over TCP, integrity on, into pre-faulted arrays;
+(c) the same over the same-host transport (shared memory);
+(d) a chain publisher -> A -> B -> C, each fetching from the previous while it receives;
+(e) 10,000 tensors of 4 KiB;
+(f) a numpy copy of the same bytes: the same-host ceiling.
+
+It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+import numpy as np
+
+from ..demo import _free_ports, parse_size
+
+RAW_SERVER = r"""
+import socket, sys, numpy as np
+size, runs = int(sys.argv[1]), int(sys.argv[2])
+buf = np.ones(size, np.uint8)
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+for _ in range(runs):
+    conn, _ = srv.accept()
+    conn.sendall(memoryview(buf))
+    conn.close()
+"""
+
+
+class JsonProc:
+    """A worker process spoken to in JSON lines."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, bufsize=1)
+
+    def send(self, **cmd: Any) -> None:
+        stdin: IO[str] = self.p.stdin  # type: ignore[assignment]
+        stdin.write(json.dumps(cmd) + "\n")
+        stdin.flush()
+
+    def expect(self, event: str, timeout: float = 300) -> dict[str, Any]:
+        stdout: IO[str] = self.p.stdout  # type: ignore[assignment]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name} exited with code {self.p.wait()}")
+            obj: dict[str, Any] = json.loads(line)
+            if obj.get("event") == "error":
+                raise RuntimeError(f"{self.name}: {obj['error']}")
+            if obj.get("event") == event:
+                return obj
+        raise TimeoutError(f"{self.name}: no {event!r} within {timeout}s")
+
+    def call(self, event: str, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.expect(event)
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.send(cmd="quit")
+                self.p.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait()
+
+
+def raw_socket_seconds(size: int, runs: int) -> list[float]:
+    server = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(size), str(runs)],
+                              stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
+    buf = np.empty(size, np.uint8)
+    buf[::4096] = 0
+    view = memoryview(buf)  # type: ignore[arg-type]
+    out = []
+    try:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                got = 0
+                while got < size:
+                    n = s.recv_into(view[got:], size - got)
+                    if n == 0:
+                        raise RuntimeError("raw server closed early")
+                    got += n
+            out.append(time.perf_counter() - t0)
+    finally:
+        server.wait(30)
+    return out
+
+
+def numpy_copy_seconds(size: int, runs: int) -> list[float]:
+    src = np.ones(size, np.uint8)
+    dst = np.empty(size, np.uint8)
+    dst[::4096] = 0
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(size: int, chunk: int, runs: int) -> dict[str, Any]:
+    ports = _free_ports(6)
+    seed = f"127.0.0.1:{ports[0]}"
+    names = ["pub", "f_tcp", "f_shm", "a", "b", "c"]
+    transports = {"f_shm": "shm,tcp"}
+    procs: dict[str, JsonProc] = {}
+    results: dict[str, Any] = {}
+    try:
+        for i, name in enumerate(names):
+            argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
+                    "--listen", f"127.0.0.1:{ports[i]}", "--expect", str(len(names)),
+                    "--chunk", str(chunk), "--transports", transports.get(name, "tcp")]
+            procs[name] = JsonProc(name, argv + (["--join", seed] if i else []))
+        for p in procs.values():
+            p.expect("ready", 60)
+        pub = procs["pub"]
+        published = pub.call("published", cmd="publish", model="big", version=1,
+                             shape="model", size=size)
+        results["publisher_rss_growth_mib"] = (published["rss_after_mib"]
+                                               - published["rss_before_mib"])
+
+        def single(proc: JsonProc, model: str) -> list[dict[str, Any]]:
+            out = []
+            for _ in range(runs):
+                got = proc.call("fetched", cmd="fetch", model=model, version=1,
+                                sources=["pub"], into=True)
+                proc.call("unpublished", cmd="unpublish", model=model, version=1)
+                out.append(got)
+            return out
+
+        for name in ("f_tcp", "f_shm", "a", "b", "c"):
+            procs[name].call("prepared", cmd="prepare", model="big", shape="model", size=size)
+        tcp = single(procs["f_tcp"], "big")
+        results["fetcher_peak_rss_mib"] = max(r["peak_rss_mib"] for r in tcp)
+        shm = single(procs["f_shm"], "big")
+        chain = []
+        for _ in range(runs):
+            for name, src in (("a", "pub"), ("b", "a"), ("c", "b")):
+                procs[name].send(cmd="fetch", model="big", version=1, sources=[src], into=True)
+            legs = [procs[n].expect("fetched") for n in ("a", "b", "c")]
+            chain.append(max(x["end"] for x in legs) - min(x["start"] for x in legs))
+            for n in ("c", "b", "a"):
+                procs[n].call("unpublished", cmd="unpublish", model="big", version=1)
+        pub.call("published", cmd="publish", model="small", version=1, shape="small",
+                 size=10_000 * 4096)
+        procs["f_tcp"].call("prepared", cmd="prepare", model="small", shape="small",
+                            size=10_000 * 4096)
+        small = single(procs["f_tcp"], "small")
+    finally:
+        for p in procs.values():
+            p.close()
+    results.update(tcp=tcp, shm=shm, chain=chain, small=small)
+    return results
+
+
+def figure(name: str, value: float, unit: str, bound: float, better: str) -> dict[str, Any]:
+    ok = value >= bound if better == "higher" else value <= bound
+    return {"name": name, "value": round(value, 4), "unit": unit, "bound": bound,
+            "better": better, "ok": ok}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tensorhub bench transfer", description=__doc__)
+    add_options(p)
+    return run_cli(p.parse_args(argv))
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="1GiB", help="bytes per transfer (default 1GiB)")
+    p.add_argument("--chunk", default="8MiB", help="chunk size (default 8MiB)")
+    p.add_argument("--runs", type=int, default=3, help="runs per measurement (median)")
+    p.add_argument("--json", action="store_true", help="last line: JSON with figures")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    size, chunk, runs = parse_size(args.size), parse_size(args.chunk), args.runs
+    copy_s = numpy_copy_seconds(size, runs)
+    raw_s = raw_socket_seconds(size, runs)
+    r = run(size, chunk, runs)
+    med = statistics.median
+    model_bytes = r["tcp"][0]["report"]["bytes"]
+    small_bytes = r["small"][0]["report"]["bytes"]
+    raw_rate = size / med(raw_s)
+    copy_rate = size / med(copy_s)
+    tcp_s = med([x["seconds"] for x in r["tcp"]])
+    shm_s = med([x["seconds"] for x in r["shm"]])
+    chain_s = med(r["chain"])
+    small_s = med([x["seconds"] for x in r["small"]])
+    tcp_rate, shm_rate = model_bytes / tcp_s, model_bytes / shm_s
+    small_rate = small_bytes / small_s
+    shm_transports = {t for x in r["shm"] for t in x["report"]["transport_by_source"].values()}
+    rows = [
+        ("(f) numpy copy", med(copy_s), copy_rate),
+        ("(a) raw socket sendall -> recv_into", med(raw_s), raw_rate),
+        ("(b) TensorHub fetch, TCP, integrity on", tcp_s, tcp_rate),
+        (f"(c) TensorHub fetch, same host ({'/'.join(sorted(shm_transports))})", shm_s,
+         shm_rate),
+        ("(d) chain pub -> A -> B -> C (TCP)", chain_s, model_bytes / chain_s),
+        ("(e) 10,000 x 4 KiB tensors, TCP", small_s, small_rate),
+    ]
+    figures = [
+        figure("tcp_vs_raw", tcp_rate / raw_rate, "ratio", 0.85, "higher"),
+        figure("shm_vs_memcpy", shm_rate / copy_rate, "ratio", 0.6, "higher"),
+        figure("chain4_time_vs_single", chain_s / tcp_s, "ratio", 1.5, "lower"),
+        figure("small_vs_large", small_rate / tcp_rate, "ratio", 0.5, "higher"),
+        figure("publisher_rss_growth_mib", r["publisher_rss_growth_mib"], "MiB", 64, "lower"),
+        figure("fetcher_rss_over_size_mib", r["fetcher_peak_rss_mib"] - model_bytes / 2**20,
+               "MiB", 128, "lower"),
+    ]
+    print(f"transfer benchmark: {size / 2**20:.0f} MiB, chunk {chunk / 2**20:g} MiB, "
+          f"median of {runs} runs")
+    print(f"{'path':<52} {'seconds':>8} {'GB/s':>7}")
+    for label, secs, rate in rows:
+        print(f"{label:<52} {secs:>8.3f} {rate / 1e9:>7.2f}")
+    print()
+    print(f"{'figure':<28} {'value':>9} {'bound':>7}  ok")
+    for f in figures:
+        sign = ">=" if f["better"] == "higher" else "<="
+        print(f"{f['name']:<28} {f['value']:>9.3f} {sign}{f['bound']:>5}  "
+              f"{'yes' if f['ok'] else 'NO'}")
+    if args.json:
+        print(json.dumps({
+            "figures": figures,
+            "baselines": {"raw_socket_s": raw_s, "numpy_copy_s": copy_s},
+            "measured": {"tcp_s": [x["seconds"] for x in r["tcp"]],
+                         "shm_s": [x["seconds"] for x in r["shm"]],
+                         "shm_transports": sorted(shm_transports),
+                         "chain_s": r["chain"],
+                         "small_s": [x["seconds"] for x in r["small"]],
+                         "model_bytes": model_bytes, "small_bytes": small_bytes,
+                         "publisher_rss_growth_mib": r["publisher_rss_growth_mib"],
+                         "fetcher_peak_rss_mib": r["fetcher_peak_rss_mib"]},
+            "settings": {"size": size, "chunk": chunk, "runs": runs},
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

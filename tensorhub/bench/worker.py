@@ -1,0 +1,140 @@
+"""A peer process driven by JSON lines, for benchmarks and multi-process tests.
+
+``python -m tensorhub.bench.worker --name A --listen HOST:PORT [--join ...]`` starts a
+peer, prints ``{"event": "ready", ...}`` and then executes one JSON command per stdin
+line, answering each with one JSON line on stdout:
+
+* ``{"cmd": "publish", "model", "version", "shape": "model"|"large"|"small", "size"}``
+  allocates, fills and pre-faults arrays, publishes them, and reports the RSS before and
+  after ``publish`` (ROS: publishing must not copy).
+* ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers.
+* ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
+  and reports the fetch report, monotonic start / end times and the peak RSS.
+* ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
+
+Times are ``time.monotonic()``, one clock for every process on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import trio
+
+from ..config import PeerConfig
+from ..demo import checksum, fill, model_specs
+from ..peer.node import Peer, open_peer
+
+
+def rss_mib() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB."""
+    cur = peak = 0.0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) / 1024
+    return cur, peak
+
+
+def specs_for(shape: str, size: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """Tensor (name, shape, dtype) lists: a transformer, one big tensor, or 4 KiB ones."""
+    if shape == "model":
+        return [(n, s, "<f2") for n, s in model_specs(size)]
+    if shape == "large":
+        return [("weights", (size // 2,), "<f2")]
+    if shape == "small":
+        return [(f"t{i}", (1024,), "<f4") for i in range(max(1, size // 4096))]
+    raise ValueError(f"unknown shape {shape!r}")
+
+
+def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, np.ndarray[Any, Any]]:
+    out = {}
+    for name, shape, dtype in specs:
+        arr = np.empty(shape, dtype=np.dtype(dtype))
+        arr.reshape(-1).view(np.uint8)[::4096] = 1  # pre-fault every page
+        out[name] = arr
+    return out
+
+
+class Worker:
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.buffers: dict[str, dict[str, np.ndarray[Any, Any]]] = {}
+
+    async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        kind = cmd["cmd"]
+        if kind == "publish":
+            arrays = allocate(specs_for(cmd["shape"], cmd["size"]))
+            fill(arrays, cmd["version"])
+            before = rss_mib()[0]
+            t0 = time.monotonic()
+            await self.peer.publish(cmd["model"], cmd["version"], arrays)
+            t1 = time.monotonic()
+            self.buffers[f"pub:{cmd['model']}@{cmd['version']}"] = arrays
+            return {"event": "published", "rss_before_mib": before,
+                    "rss_after_mib": rss_mib()[0], "seconds": t1 - t0,
+                    "checksum": checksum(arrays)}
+        if kind == "prepare":
+            self.buffers[f"into:{cmd['model']}"] = allocate(specs_for(cmd["shape"], cmd["size"]))
+            return {"event": "prepared", "rss_mib": rss_mib()[0]}
+        if kind == "fetch":
+            into = self.buffers.get(f"into:{cmd['model']}") if cmd.get("into") else None
+            t0 = time.monotonic()
+            got = await self.peer.fetch(cmd["model"], cmd["version"], into=into,
+                                        sources=cmd.get("sources"))
+            t1 = time.monotonic()
+            out = {"event": "fetched", "start": t0, "end": t1, "seconds": t1 - t0,
+                   "report": got.report.to_dict(), "peak_rss_mib": rss_mib()[1]}
+            if cmd.get("checksum"):
+                out["checksum"] = checksum(got.tensors)
+            return out
+        if kind == "unpublish":
+            await self.peer.unpublish(cmd["model"], cmd["version"])
+            self.buffers.pop(f"pub:{cmd['model']}@{cmd['version']}", None)
+            return {"event": "unpublished"}
+        if kind == "stats":
+            st = self.peer.statistics()
+            return {"event": "stats", "bytes_served": st.bytes_served,
+                    "bytes_by_transport": st.bytes_by_transport, "members": st.members}
+        raise ValueError(f"unknown command {kind!r}")
+
+
+async def main(args: argparse.Namespace) -> None:
+    cfg = PeerConfig.local(args.name, listen=args.listen,
+                           join=tuple(s for s in args.join.split(",") if s),
+                           chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
+                           labels=(("host", args.host),))
+    async with open_peer(cfg) as peer:
+        while len(peer.control.membership.live_members()) < args.expect:
+            await trio.sleep(0.02)
+        print(json.dumps({"event": "ready", "name": args.name}), flush=True)
+        worker = Worker(peer)
+        stdin = trio.wrap_file(sys.stdin)
+        while line := (await stdin.readline()).strip():
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            try:
+                reply = await worker.handle(cmd)
+            except Exception as exc:  # reported to the driver, which decides
+                reply = {"event": "error", "error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m tensorhub.bench.worker")
+    p.add_argument("--name", required=True)
+    p.add_argument("--listen", required=True)
+    p.add_argument("--join", default="")
+    p.add_argument("--expect", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=8 << 20)
+    p.add_argument("--transports", default="shm,tcp")
+    p.add_argument("--host", default="localhost")
+    trio.run(main, p.parse_args())
