@@ -121,7 +121,8 @@ class Fetch:
     """The state of one fetch; :meth:`run` drives it to completion or failure."""
 
     def __init__(self, *, me: str, local: LocalVersion, view: HolderView, connect: Connector,
-                 upstream: frozenset[str], window: int, stall_timeout: float, on_progress: Callable[[], None]) -> None:
+                 upstream: frozenset[str], window: int, stall_timeout: float,
+                 on_progress: Callable[[], None]) -> None:
         self.me = me
         self.local = local
         self.manifest = local.manifest
