@@ -80,7 +80,7 @@ def fill(arrays: dict[str, np.ndarray[Any, Any]], version: int) -> None:
 def checksum(arrays: dict[str, np.ndarray[Any, Any]]) -> str:
     h = blake3.blake3()
     for arr in arrays.values():
-        h.update(memoryview(arr.reshape(-1).view(np.uint8)))
+        h.update(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
     out: str = h.hexdigest()
     return out
 
