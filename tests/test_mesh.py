@@ -11,6 +11,7 @@ import trio
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerConfig, VersionUnavailable
+from tensorhub.protocol.coordination import CoordRequest
 
 
 def weights(version: int, mib: int = 8) -> dict[str, np.ndarray]:
@@ -184,3 +185,27 @@ async def test_fetch_with_no_holder_left_names_what_is_missing() -> None:
             with trio.fail_after(15):
                 await r.fetch("m", 1)
         assert info.value.model == "m" and info.value.version == 1
+
+
+async def test_coordinator_is_agreed_and_requests_route_to_it() -> None:
+    async with mesh(4) as peers:
+        key_model, version = "m", 11
+        names = {p.coordinator(key_model, version) for p in peers}
+        assert len(names) == 1  # one view, one coordinator
+        (coord,) = names
+        for p in peers:
+            answer = await p.ask_coordinator(key_model, version)
+            assert answer.coordinator == coord
+            assert p.info.name in answer.fetchers
+        # every registration reached the same coordinator under one epoch
+        epochs = {(await p.ask_coordinator(key_model, version)).epoch for p in peers}
+        assert len(epochs) == 1
+        # a request that reaches a peer that is not the coordinator is forwarded there
+        owner = next(p for p in peers if p.info.name == coord)
+        asker, relay = [p for p in peers if p is not owner][:2]
+        msg = CoordRequest(asker.info.control, asker.info.name, 99, key_model, version, None, 0)
+        out = relay.control.receive(trio.current_time(), msg)
+        assert [(o.dest, o.msg.hops) for o in out] == [(owner.info.control, 1)]
+        assert relay.control.coordination.forwarded == 1
+        assert owner.control.coordination.view.state(
+            tensorhub.VersionKey(key_model, version)) is not None

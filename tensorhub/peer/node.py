@@ -39,6 +39,7 @@ from ..model import (
 )
 from ..protocol import codec
 from ..protocol.control import ControlPlane
+from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding
@@ -365,6 +366,31 @@ class Peer:
                                          f"the manifest ({detail or 'none known'})")
             with trio.move_on_at(deadline):
                 await self._changed.wait()
+
+    # -- coordinators ----------------------------------------------------------------------
+
+    def coordinator(self, model: str, version: int) -> str:
+        """The peer that coordinates ``model@version`` in this peer's current view."""
+        return self.control.coordinator(VersionKey(check_model_name(model),
+                                                   check_version(version)))
+
+    async def ask_coordinator(self, model: str, version: int) -> CoordinatorAnswer:
+        """Register as a fetcher with the coordinator of ``model@version``, routed through
+        the mesh to whoever coordinates it; returns its name, epoch and fetchers.
+        Retries while views settle; raises :class:`TransportError` if none answers."""
+        key = VersionKey(check_model_name(model), check_version(version))
+        last = "no answer"
+        for _attempt in range(3):
+            req_id, out = self.control.ask_coordinator(key)
+            self._send(out)
+            with trio.move_on_after(self.config.connect_timeout):
+                while req_id not in self.control.coordination.answers:
+                    await self._changed.wait()
+            answer = self.control.coordination.answers.pop(req_id, None)
+            if isinstance(answer, CoordinatorAnswer):
+                return answer
+            last = answer or last
+        raise TransportError(f"no coordinator answered for {key}: {last}")
 
     # -- introspection -------------------------------------------------------------------
 

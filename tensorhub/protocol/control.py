@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ..config import PeerConfig
 from ..model import PeerInfo, VersionKey
+from .coordination import Coordination, CoordReply, CoordRequest
 from .membership import MemberEvent, Membership, Outbound
 from .refs import Holding, OriginEntry, RefTable, Stamp
 
@@ -58,6 +59,7 @@ class ControlPlane:
         self.rng = rng
         self.membership = Membership(me, config, rng, now)
         self.refs = RefTable(me.name, generation)
+        self.coordination = Coordination(me.name, me.control, generation)
         self.changes = 0
         self._next_gossip = now
         self._events: list[MemberEvent] = []
@@ -85,8 +87,14 @@ class ControlPlane:
         if isinstance(msg, RefsDigest):
             return self._on_digest(msg)
         if isinstance(msg, RefsDelta):
-            if any(self.refs.merge(e) for e in msg.entries if self._accept(e.origin)):
-                self.changes += 1
+            if any([self.refs.merge(e) for e in msg.entries if self._accept(e.origin)]):
+                self._table_changed()
+            return []
+        if isinstance(msg, CoordRequest):
+            return self._on_coord_request(msg)
+        if isinstance(msg, CoordReply):
+            self.coordination.on_reply(msg)
+            self.changes += 1
             return []
         out = self.membership.receive(now, msg)
         self._absorb_events()
@@ -100,14 +108,31 @@ class ControlPlane:
 
     def put_holding(self, holding: Holding) -> list[Outbound]:
         self.refs.put_local(holding)
-        self.changes += 1
+        self._table_changed()
         return self._push_local()
 
     def drop_holding(self, key: VersionKey) -> list[Outbound]:
         if not self.refs.drop_local(key):
             return []
-        self.changes += 1
+        self._table_changed()
         return self._push_local()
+
+    # -- coordinators ---------------------------------------------------------------
+
+    def live_names(self) -> list[str]:
+        return [p.name for p in self.membership.live_members()]
+
+    def coordinator(self, key: VersionKey) -> str:
+        """Who coordinates ``key`` in this peer's view."""
+        return self.coordination.coordinator(key, self.live_names())
+
+    def ask_coordinator(self, key: VersionKey) -> tuple[int, list[Outbound]]:
+        """Register with the coordinator of ``key``; the answer lands in
+        ``coordination.answers[request id]``."""
+        req_id, msg, target = self.coordination.request(key, self.live_names())
+        if target == self.me.name:
+            return req_id, self._on_coord_request(msg)
+        return req_id, [Outbound(self.membership.members()[target].info.control, msg)]
 
     # -- queries ------------------------------------------------------------------
 
@@ -132,10 +157,34 @@ class ControlPlane:
         return origin != self.me.name and self.membership.is_live(origin)
 
     def _absorb_events(self) -> None:
-        for ev in self.membership.drain_events():
+        events = self.membership.drain_events()
+        for ev in events:
             self._events.append(ev)
             if ev.kind in ("dead", "left") and self.refs.forget(ev.name):
                 self.changes += 1
+        if events:
+            self.coordination.elect(self.live_names(), self._fetchers_of)
+
+    def _fetchers_of(self, key: VersionKey) -> list[str]:
+        return [origin for origin, h in self.refs.holders(key) if not h.complete]
+
+    def _table_changed(self) -> None:
+        self.changes += 1
+        keys = {h.key for e in self.refs.origins() for h in e.holdings}
+        if not keys <= self.coordination.keys:
+            self.coordination.keys |= keys
+            self.coordination.elect(self.live_names(), self._fetchers_of)
+
+    def _on_coord_request(self, msg: CoordRequest) -> list[Outbound]:
+        dest, out = self.coordination.on_request(msg, self.live_names(), self._fetchers_of)
+        if dest == "reply":
+            if msg.sender == self.me.control and isinstance(out, CoordReply):
+                self.coordination.on_reply(out)
+                self.changes += 1
+                return []
+            return [Outbound(msg.sender, out)]
+        member = self.membership.members().get(dest)
+        return [Outbound(member.info.control, out)] if member is not None else []
 
     def _random_peers(self, k: int) -> list[PeerInfo]:
         live = [p for p in self.membership.live_members() if p.name != self.me.name]
