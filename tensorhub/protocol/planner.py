@@ -1,0 +1,443 @@
+"""Transfer planning: which fetcher pulls which chunks from whom.
+
+Theory of operation
+-------------------
+The coordinator of a ``(model, version)`` keeps one :class:`Planner`: the *roots* (the
+trainer or its shards, and fetchers that completed), the *fetchers* still pulling and
+the :class:`Topology`.  Chunks are cut into K contiguous *stripes* (also at holders'
+range boundaries) and each stripe travels along its own tree, so a fetcher's sources
+partition the chunks; as in SplitStream a fetcher is interior in some trees and a leaf
+in the others, so every uplink works while trees stay ~log_K(n) deep.  Parents may still
+be receiving (chunk-level pipelining).
+
+A plan aims to finish within ``T`` (first the fluid lower bound): a peer uploads at most
+``uplink * T`` bytes, its fan-out limit, since children share the uplink; an original
+holder spreads that evenly over stripes.  A tree that does not fit makes ``T`` grow 3%.
+Trees grow by Prim's algorithm with a lexicographic cost: locality (host < rack < DC <
+cross DC), links too slow for the stripe, a cross-DC parent whose DC has spent its
+surplus on this stripe, parent depth (pipelining latency), a replica before an original
+holder (spare the trainer), spare budget; fetchers that can forward join first.  In a DC
+with no root of a stripe one *seed* pulls it across the WAN (stripes are shared out over
+``seeds_per_dc`` seeds) and nobody else crosses, so every byte enters each DC once.
+K = 1..max_stripes are tried and the plan the fluid model finishes first is kept.
+
+Fluid model (``Plan.estimate_s``): shares are proportional to bytes, so an edge takes
+max(parent load/uplink, size/downlink, pair bytes/link estimate, WAN bytes/WAN); a
+fetcher gets a stripe no faster than its parent, one chunk after it.  Changes are
+incremental: a joiner attaches to the best parent in each tree; a leaver's children
+re-attach, each with its subtree, outside that subtree (no cycle can form); seeds are
+replaced; nobody else moves.  Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from itertools import pairwise
+
+from ..errors import ConfigError, LocalProtocolError, VersionUnavailable
+from ..model import VersionKey
+from .topology import Locality, Topology, fluid_bound, locality
+
+ChunkRanges = tuple[tuple[int, int], ...]
+_STEP = 1.03
+_MAX_STEPS = 400  # 1.03**400: far past any budget a star would need
+_EPS = 1e-9
+_Key = tuple[Locality, bool, bool, int, bool, float, str]
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    seeds_per_dc: int = 1
+    """Fetchers per remote DC that pull across the inter-DC link, each a disjoint share
+    of the stripes.  More seeds put more NICs on the WAN; WAN bytes stay 1x per DC."""
+    max_stripes: int = 4
+    """Most stripes tried.  More: shallower trees, but more sources per fetcher."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.seeds_per_dc <= 64:
+            raise ConfigError("seeds_per_dc must be in [1, 64]")
+        if not 1 <= self.max_stripes <= 64:
+            raise ConfigError("max_stripes must be in [1, 64]")
+
+
+@dataclass(frozen=True)
+class SourceRange:
+    """Pull chunks ``[first, stop)`` from ``peer``."""
+
+    peer: str
+    first: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Assignment:
+    fetcher: str
+    sources: tuple[SourceRange, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who pulls which chunks from whom; estimate and lower bound in seconds."""
+
+    model: str
+    version: int
+    epoch: int
+    assignments: tuple[Assignment, ...]
+    estimate_s: float
+    bound_s: float
+
+    def sources(self, fetcher: str) -> tuple[SourceRange, ...]:
+        for a in self.assignments:
+            if a.fetcher == fetcher:
+                return a.sources
+        raise LocalProtocolError(f"{fetcher!r} is not a fetcher in this plan")
+
+
+MESSAGES = (Plan,)
+
+
+@dataclass(frozen=True)
+class PlannerStatistics:
+    fetchers: int
+    complete: int
+    holders: int
+    stripes: int
+    budget_s: float
+    epoch: int
+
+
+def _normalize(ranges: ChunkRanges, chunks: int) -> ChunkRanges:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if not 0 <= lo < hi <= chunks:
+            raise LocalProtocolError(f"chunk range [{lo}, {hi}) is not within [0, {chunks})")
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(hi, out[-1][1]))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+class Planner:
+    """Plans one version's transfer; every change returns the new :class:`Plan`.
+
+    ``holders`` maps each original holder to the chunk ranges it holds (``None``: all).
+    Raises :class:`VersionUnavailable` if no holder has some chunks.
+    """
+
+    def __init__(self, key: VersionKey, size: int, chunks: int, topology: Topology,
+                 holders: Mapping[str, ChunkRanges | None], fetchers: Iterable[str] = (),
+                 *, config: PlannerConfig | None = None, epoch: int = 0) -> None:
+        if size <= 0 or chunks <= 0:
+            raise LocalProtocolError(f"{key}: size and chunk count must be > 0")
+        self.key, self._size, self._chunks, self._topo = key, float(size), chunks, topology
+        self._config, self._epoch = config or PlannerConfig(), epoch
+        self._held = {h: _normalize(r or ((0, chunks),), chunks) for h, r in holders.items()}
+        self._fetchers, self._complete = set(fetchers), set[str]()
+        if self._fetchers & self._held.keys():
+            raise LocalProtocolError("a peer cannot be both an original holder and a fetcher")
+        self._nodes = {n: topology.node(n) for n in (*self._held, *self._fetchers)}
+        seeds, tries = self._config.seeds_per_dc, []
+        for k in sorted({max(i, seeds) for i in range(1, self._config.max_stripes + 1)}):
+            t = self._reset(k)
+            for _ in range(_MAX_STEPS):
+                if self._build(k, t):
+                    break
+                t *= _STEP
+            else:
+                raise LocalProtocolError(f"{key}: no plan fits any budget (planner bug)")
+            tries.append((self._estimate(), k, t))
+        _, k, t = min(tries)
+        self._build(k, t)
+
+    # -- public -------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        assignments = []
+        for v in sorted(self._fetchers):
+            merged: list[SourceRange] = []
+            for j, (lo, hi) in enumerate(self._stripes):
+                p = self._parent[j][v]
+                if merged and merged[-1].peer == p:
+                    merged[-1] = SourceRange(p, merged[-1].first, hi)
+                else:
+                    merged.append(SourceRange(p, lo, hi))
+            assignments.append(Assignment(v, tuple(merged)))
+        return Plan(self.key.model, self.key.version, self._epoch, tuple(assignments),
+                    self._estimate(), self._bound())
+
+    def add_fetcher(self, name: str) -> Plan:
+        """A late joiner: attach it to the best parent in every tree, move nobody else."""
+        if name in self._nodes:
+            raise LocalProtocolError(f"{name!r} already takes part in {self.key}")
+        self._nodes[name] = self._topo.node(name)
+        self._fetchers.add(name)
+        self._load[name] = 0.0
+        return self._apply([*self._refresh(), *((name, j) for j in range(len(self._sb)))])
+
+    def mark_complete(self, name: str) -> Plan:
+        """``name`` holds every chunk verified: it stops pulling and becomes a root."""
+        if name not in self._fetchers:
+            raise LocalProtocolError(f"{name!r} is not fetching {self.key}")
+        for j, roots in enumerate(self._roots):
+            self._unlink(name, j)
+            roots.add(name)
+        self._fetchers.remove(name)
+        self._complete.add(name)
+        return self._apply(self._refresh())
+
+    def remove_peer(self, name: str) -> Plan:
+        """``name`` left: its children re-attach.  Unknown names change nothing.
+
+        Raises :class:`VersionUnavailable`, changing nothing, if ``name`` held the last
+        copy of some chunks.
+        """
+        if name not in self._nodes:
+            return self.plan
+        lost = [f"[{lo}, {hi})" for (lo, hi), r in zip(self._stripes, self._roots, strict=True)
+                if r == {name}]
+        if lost:
+            raise VersionUnavailable(self.key.model, self.key.version,
+                                     f"{name!r} held the last copy of chunks {', '.join(lost)}")
+        orphans = []
+        for j, roots in enumerate(self._roots):
+            roots.discard(name)
+            self._unlink(name, j)
+            for v in [v for v, p in self._parent[j].items() if p == name]:
+                self._unlink(v, j)
+                orphans.append((v, j))
+        self._fetchers.discard(name)
+        self._complete.discard(name)
+        self._held.pop(name, None)
+        del self._load[name], self._nodes[name]
+        return self._apply([*self._refresh(), *orphans])
+
+    def fanout_limit(self, name: str) -> float:
+        """How many full copies of the version ``name`` may upload under this plan."""
+        if name not in self._nodes:
+            raise LocalProtocolError(f"{name!r} takes no part in {self.key}")
+        return self._nodes[name].up_bps * self._budget_s / self._size
+
+    def statistics(self) -> PlannerStatistics:
+        return PlannerStatistics(len(self._fetchers), len(self._complete), len(self._held),
+                                 len(self._stripes), self._budget_s, self._epoch)
+
+    # -- building -----------------------------------------------------------------
+
+    def _reset(self, k: int) -> float:
+        """Cut ``k`` stripes and forget all edges; returns the fluid bound."""
+        c = self._chunks
+        cuts = {0, c, *(round(i * c / k) for i in range(1, k))}
+        cuts.update(x for ranges in self._held.values() for r in ranges for x in r)
+        self._stripes = list(pairwise(sorted(cuts)))
+        self._sb = [self._size * (hi - lo) / c for lo, hi in self._stripes]
+        self._roots = [
+            {h for h, rs in self._held.items() if any(a <= lo and hi <= b for a, b in rs)}
+            | self._complete for lo, hi in self._stripes]
+        missing = [f"[{lo}, {hi})" for (lo, hi), r in zip(self._stripes, self._roots,
+                                                          strict=True) if not r]
+        if missing:
+            raise VersionUnavailable(self.key.model, self.key.version,
+                                     f"no holder of chunks {', '.join(missing)}")
+        self._held_bytes = {h: sum(b for b, r in zip(self._sb, self._roots, strict=True)
+                                   if h in r) for h in self._held}
+        self._parent: list[dict[str, str]] = [{} for _ in self._stripes]
+        self._kids: list[dict[str, int]] = [{} for _ in self._stripes]
+        self._load = dict.fromkeys(self._nodes, 0.0)
+        self._seed: dict[tuple[str, int], str] = {}
+        self._exports: dict[tuple[str, int], int] = {}  # cross-DC edges out of (DC, stripe)
+        self._budget_s = self._bound()
+        return self._budget_s
+
+    def _build(self, k: int, budget_s: float) -> bool:
+        self._reset(k)
+        self._budget_s = budget_s
+        self._refresh()
+        return all(self._prim(j) for j in range(len(self._stripes)))
+
+    def _prim(self, j: int) -> bool:
+        depth = dict.fromkeys(self._roots[j], 0)
+        spare0 = {v: self._spare(v, j) for v in self._fetchers}
+        best = {v: self._best_parent(v, j, depth) for v in self._fetchers}
+        while best:
+            choice = min(((spare0[v] < self._sb[j], b[0][:5], -spare0[v], v, b[1])
+                          for v, b in best.items() if b), default=None)
+            if choice is None:
+                return False
+            v, p = choice[3], choice[4]
+            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != best[v][0]:  # type: ignore[index]
+                best[v] = self._best_parent(v, j, depth)  # keys only worsen: lazy Prim
+                continue
+            self._link(p, v, j)
+            depth[v] = depth[p] + 1
+            del best[v]
+            if self._fits(v, j):
+                for u, b in best.items():
+                    if self._allowed(v, u, j):
+                        key = self._key(v, u, j, depth[v])
+                        if b is None or key < b[0]:
+                            best[u] = (key, v)
+        return True
+
+    def _apply(self, todo: Iterable[tuple[str, int]]) -> Plan:
+        """Re-attach each ``(fetcher, stripe)``, seeds first so that their DC can follow;
+        then publish the plan under a new epoch."""
+        def seeds_first(item: tuple[str, int]) -> tuple[bool, int, str]:
+            v, j = item
+            return self._seed.get((self._nodes[v].dc, j)) != v, j, v
+
+        for v, j in sorted(set(todo), key=seeds_first):
+            self._unlink(v, j)
+            for _ in range(_MAX_STEPS):
+                found = self._best_parent(v, j, self._depths(j, avoid=v))
+                if found is not None:
+                    self._link(found[1], v, j)
+                    break
+                self._budget_s = max(self._budget_s * _STEP, self._bound())
+                self._refresh()
+            else:
+                raise LocalProtocolError(f"{self.key}: no source for {v!r} (planner bug)")
+        self._epoch += 1
+        return self.plan
+
+    def _refresh(self) -> list[tuple[str, int]]:
+        """Give each remote (DC, stripe) one seed and recount surpluses.  Returns who
+        must re-attach: new seeds, and old ones whose DC now holds their stripe."""
+        dc = {v: n.dc for v, n in self._nodes.items()}
+        root_dcs = [{dc[r] for r in roots} for roots in self._roots]
+        new = []
+        for (d, j), x in list(self._seed.items()):
+            if x not in self._fetchers or d in root_dcs[j]:
+                del self._seed[d, j]
+                new += [(x, j)] if x in self._fetchers else []
+        members: dict[str, list[str]] = {}
+        for v in sorted(self._fetchers):
+            members.setdefault(dc[v], []).append(v)
+        for d, ms in sorted(members.items()):
+            carried: dict[str, float] = {}  # bytes each seed of ``d`` pulls across
+            for (dd, j), x in self._seed.items():
+                if dd == d:
+                    carried[x] = carried.get(x, 0.0) + self._sb[j]
+            ranked = sorted((m for m in ms if m not in carried),
+                            key=lambda m: (-self._nodes[m].down_bps, m))
+            carried.update(dict.fromkeys(
+                ranked[: min(self._config.seeds_per_dc, len(ms)) - len(carried)], 0.0))
+            for j, rd in enumerate(root_dcs):
+                if d not in rd and (d, j) not in self._seed:
+                    x = self._seed[d, j] = min(carried, key=lambda s: (carried[s], s))
+                    carried[x] += self._sb[j]
+                    new.append((x, j))
+        self._seed_stripes: dict[str, list[int]] = {}
+        for (_, j), x in self._seed.items():
+            self._seed_stripes.setdefault(x, []).append(j)
+        # Surplus: a DC's budgets in whole stripes, less its fetchers' in-DC need.
+        unit, self._surplus = max(self._sb), dict.fromkeys(dc.values(), 0.0)
+        for n in self._nodes.values():
+            self._surplus[n.dc] += unit * math.floor(n.up_bps * self._budget_s / unit + _EPS)
+        for v in self._fetchers:
+            self._surplus[dc[v]] -= self._size
+        for d, j in self._seed:
+            self._surplus[d] += self._sb[j]
+        return new
+
+    # -- edges, budgets, costs ----------------------------------------------------
+
+    def _link(self, p: str, v: str, j: int, sign: int = 1) -> None:
+        self._kids[j][p] = self._kids[j].get(p, 0) + sign
+        self._load[p] += sign * self._sb[j]
+        if (d := self._nodes[p].dc) != self._nodes[v].dc:
+            self._exports[d, j] = self._exports.get((d, j), 0) + sign
+        if sign > 0:
+            self._parent[j][v] = p
+
+    def _unlink(self, v: str, j: int) -> None:
+        if (p := self._parent[j].pop(v, None)) is not None:
+            self._link(p, v, j, -1)
+
+    def _spare(self, p: str, j: int) -> float:
+        budget = self._nodes[p].up_bps * self._budget_s
+        spare = budget - self._load[p]
+        for k in self._seed_stripes.get(p, ()):  # keep room to pass each seed stripe on
+            if k != j and not self._kids[k].get(p):
+                spare -= self._sb[k]
+        if p in self._held:  # an original holder serves each stripe its fair share
+            share = budget * self._sb[j] / self._held_bytes[p]
+            spare = min(spare, share - self._kids[j].get(p, 0) * self._sb[j])
+        return spare
+
+    def _fits(self, p: str, j: int) -> bool:
+        return self._spare(p, j) >= self._sb[j] * (1 - _EPS)
+
+    def _allowed(self, p: str, v: str, j: int) -> bool:
+        """Only the seed of a (DC, stripe) crosses DCs, and it must."""
+        dv = self._nodes[v].dc
+        return (self._nodes[p].dc != dv) == (self._seed.get((dv, j)) == v)
+
+    def _key(self, p: str, v: str, j: int, depth: int) -> _Key:
+        """Edge cost.  A DC exports each stripe only its share of its surplus, so that
+        later stripes can still leave it."""
+        loc = locality(self._nodes[p], self._nodes[v])
+        slow = self._topo.estimate(p, v, loc) * self._budget_s < self._sb[j]
+        d = self._nodes[p].dc
+        short = (loc is Locality.CROSS_DC and (self._exports.get((d, j), 0) + 1) * self._size
+                 > self._surplus[d] * (1 + _EPS))
+        return (loc, slow, short, depth, p in self._held, -self._spare(p, j), p)
+
+    def _best_parent(self, v: str, j: int, depth: Mapping[str, int]
+                     ) -> tuple[_Key, str] | None:
+        return min(((self._key(p, v, j, d), p) for p, d in depth.items()
+                    if p != v and self._fits(p, j) and self._allowed(p, v, j)), default=None)
+
+    def _children(self, j: int) -> dict[str, list[str]]:
+        kids: dict[str, list[str]] = {}
+        for v, p in self._parent[j].items():
+            kids.setdefault(p, []).append(v)
+        return kids
+
+    def _depths(self, j: int, avoid: str) -> dict[str, int]:
+        """Depth of every node that reaches a root of stripe ``j`` without ``avoid``."""
+        kids, depth = self._children(j), dict.fromkeys(self._roots[j], 0)
+        frontier = list(depth)
+        while frontier:
+            p = frontier.pop()
+            for v in kids.get(p, ()):
+                if v != avoid:
+                    depth[v] = depth[p] + 1
+                    frontier.append(v)
+        return depth
+
+    # -- the fluid model ----------------------------------------------------------
+
+    def _estimate(self) -> float:
+        nodes, pair, wan, finish = self._nodes, dict[tuple[str, str], float](), 0.0, 0.0
+        for j, parent in enumerate(self._parent):
+            for v, p in parent.items():
+                pair[p, v] = pair.get((p, v), 0.0) + self._sb[j]
+                wan += self._sb[j] if nodes[p].dc != nodes[v].dc else 0.0
+        for j, (lo, hi) in enumerate(self._stripes):
+            kids = self._children(j)
+            frontier = [(r, 0.0, 0.0) for r in self._roots[j]]  # (node, start, duration)
+            while frontier:
+                p, start, dur = frontier.pop()
+                start += 0.0 if p in self._roots[j] else dur / (hi - lo)  # its first chunk
+                for v in kids.get(p, ()):
+                    loc = locality(nodes[p], nodes[v])
+                    edge = max(self._load[p] / nodes[p].up_bps, self._size / nodes[v].down_bps,
+                               pair[p, v] / self._topo.estimate(p, v, loc),
+                               wan / self._topo.config.wan_bps if loc == Locality.CROSS_DC else 0)
+                    finish = max(finish, start + max(edge, dur))
+                    frontier.append((v, start, max(edge, dur)))
+        return finish
+
+    def _bound(self) -> float:
+        nodes, fetchers = self._nodes, self._fetchers
+        dcs = {nodes[v].dc for v in fetchers}
+        wan = sum(b for b, r in zip(self._sb, self._roots, strict=True) for d in dcs
+                  if all(nodes[x].dc != d for x in r))
+        return fluid_bound(self._size, sum(nodes[r].up_bps for r in set().union(*self._roots)),
+                           min((nodes[v].down_bps for v in fetchers), default=1.0),
+                           [nodes[v].up_bps for v in fetchers],
+                           wan_bytes=wan, wan_bps=self._topo.config.wan_bps)
