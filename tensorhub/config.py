@@ -89,6 +89,14 @@ class PeerConfig:
     max_inflight_bytes: int = 64 << 20
     """Bytes of chunk requests in flight per fetch; the window is the smaller bound."""
 
+    nic_bps: float = 12.5e9
+    """NIC bandwidth (bytes/s) assumed for peers without a ``nic_bps`` label: 100 Gbit.
+    The planner's fan-out limits follow from it; label peers whose NIC differs."""
+
+    planning: bool = True
+    """Ask the version's coordinator for a plan (who pulls what from whom). Off: every
+    fetcher picks holders itself (nearest, least loaded)."""
+
     transports: tuple[str, ...] = ("shm", "tcp")
     """Data-plane transports in order of preference. ``shm`` is used only between peers
     on the same host (same ``host`` label and same kernel); ``tcp`` works everywhere."""
@@ -133,6 +141,8 @@ class PeerConfig:
             raise ConfigError("max_message_bytes must be in [64 KiB, 1 GiB]")
         if self.gossip_queue < 16:
             raise ConfigError("gossip_queue must be >= 16")
+        if not self.nic_bps > 0:
+            raise ConfigError("nic_bps must be > 0")
         if self.max_inflight_bytes < 4096:
             raise ConfigError("max_inflight_bytes must be >= 4096")
         if not self.transports or not set(self.transports) <= {"shm", "tcp"} \

@@ -209,3 +209,42 @@ async def test_coordinator_is_agreed_and_requests_route_to_it() -> None:
         assert relay.control.coordination.forwarded == 1
         assert owner.control.coordination.view.state(
             tensorhub.VersionKey(key_model, version)) is not None
+
+
+async def test_fetchers_follow_the_coordinators_plan() -> None:
+    async with mesh(4) as (pub, *rollouts):
+        w = weights(2, 16)
+        await pub.publish("m", 2, w)
+        with trio.fail_after(10):
+            for r in rollouts:
+                await r.wait_for_version("m", None)
+        results: dict[str, tensorhub.Fetched] = {}
+
+        async def fetch(r: tensorhub.Peer) -> None:
+            results[r.info.name] = await r.fetch("m", 2)
+
+        async with trio.open_nursery() as n:
+            for r in rollouts:
+                n.start_soon(fetch, r)
+        coordinator = pub.coordinator("m", 2)
+        for name, got in results.items():
+            rep = got.report
+            assert rep.verified, name
+            assert rep.plan.startswith(coordinator), rep.plan
+            assert rep.planned_bytes == rep.bytes  # nothing had to leave the plan
+            for k in w:
+                np.testing.assert_array_equal(got.tensors[k], w[k])
+        # the trainer is not the only source: fetchers serve each other (ROS)
+        sources = {s for got in results.values() for s in got.report.bytes_by_source}
+        assert sources - {"p0"}
+        plan = next(p for p in [pub, *rollouts] if p.info.name == coordinator)
+        assert plan.control.coordination.planners  # the coordinator holds the plan
+
+
+async def test_planning_off_lets_fetchers_choose() -> None:
+    async with mesh(2, planning=False) as (pub, r):
+        await pub.publish("m", 1, weights(1, 1))
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        got = await r.fetch("m", 1)
+        assert got.report.plan == "planning off" and got.report.planned_bytes == 0

@@ -55,6 +55,10 @@ class FetchReport:
     integrity_failures: dict[str, int] = field(default_factory=dict)
     dropped_sources: dict[str, str] = field(default_factory=dict)
     resourced_chunks: int = 0
+    planned_bytes: int = 0
+    """Bytes that came from the source the coordinator's plan named."""
+    plan: str = ""
+    """The plan followed: coordinator and epoch, or why there was none."""
     verified: bool = False
 
     @property
@@ -71,6 +75,7 @@ class FetchReport:
             "integrity_failures": dict(self.integrity_failures),
             "dropped_sources": dict(self.dropped_sources),
             "resourced_chunks": self.resourced_chunks, "verified": self.verified,
+            "planned_bytes": self.planned_bytes, "plan": self.plan,
         }
 
 
@@ -122,7 +127,8 @@ class Fetch:
 
     def __init__(self, *, me: str, local: LocalVersion, view: HolderView, connect: Connector,
                  upstream: frozenset[str], window: int, stall_timeout: float,
-                 on_progress: Callable[[], None]) -> None:
+                 on_progress: Callable[[], None],
+                 plan: Sequence[tuple[PeerInfo, int, int]] = ()) -> None:
         self.me = me
         self.local = local
         self.manifest = local.manifest
@@ -130,6 +136,10 @@ class Fetch:
         self.view = view
         self.upstream = upstream
         """Named sources: asked for any chunk even before they advertise it."""
+        self.planned: dict[int, PeerInfo] = {
+            c: peer for peer, first, stop in plan for c in range(first, stop)}
+        """The coordinator's plan: the source of each chunk while it stays usable; a
+        planned source is asked even before it advertises the chunk (it pipelines)."""
         self.connect = connect
         self.window = window
         self.stall_timeout = stall_timeout
@@ -159,6 +169,10 @@ class Fetch:
     def _pick(self) -> tuple[int, PeerInfo] | None:
         holders = [(p, h) for p, h in self.view(self.key) if self._usable(p.name)]
         for chunk in self.pending:
+            planned = self.planned.get(chunk)
+            if planned is not None and self._usable(planned.name) \
+                    and chunk not in self.lacks.get(planned.name, ()):
+                return chunk, planned
             best: tuple[tuple[int, int, str], PeerInfo] | None = None
             for peer, holding in holders:
                 if chunk in self.lacks.get(peer.name, ()) or not (
@@ -280,6 +294,8 @@ class Fetch:
         self.report.bytes += n
         self.report.chunks += 1
         self.report.bytes_by_source[name] = self.report.bytes_by_source.get(name, 0) + n
+        if self.planned.get(chunk) is not None and self.planned[chunk].name == name:
+            self.report.planned_bytes += n
         self.report.transport_by_source[name] = conn.transport
         self.on_progress()
         return True

@@ -291,11 +291,17 @@ class Peer:
             return found if allowed is None else [(p, h) for p, h in found if p.name in allowed]
 
         self._send(self.control.put_holding(local.holding()))  # downstream can find us
+        plan: list[tuple[PeerInfo, int, int]] = []
+        plan_note = "planning off"
+        if allowed is None and self.config.planning:
+            plan, plan_note = await self._ask_plan(key, manifest)
         job = Fetch(me=self.info.name, local=local, view=view, upstream=allowed or frozenset(),
+                    plan=plan,
                     connect=self._connect,
                     window=max(1, min(self.config.fetch_window,
                                       self.config.max_inflight_bytes // manifest.chunk_size)),
                     stall_timeout=self.config.stall_timeout, on_progress=progress)
+        job.report.plan = plan_note
         self._fetches.add(job)
         try:
             report = await job.run()
@@ -367,6 +373,23 @@ class Peer:
             with trio.move_on_at(deadline):
                 await self._changed.wait()
 
+    async def _ask_plan(self, key: VersionKey, manifest: Manifest
+                        ) -> tuple[list[tuple[PeerInfo, int, int]], str]:
+        """Our part of the coordinator's plan as (source, first chunk, stop); on any
+        failure no plan (the fetch then picks holders itself) and the reason."""
+        try:
+            answer = await self.ask_coordinator(key.model, key.version,
+                                                size=manifest.total_bytes,
+                                                chunks=manifest.num_chunks)
+        except TransportError as exc:
+            return [], f"no plan: {exc}"
+        members = self.control.membership.members()
+        plan = [(members[s.peer].info, s.first, s.stop) for s in answer.sources
+                if s.peer in members and s.peer != self.info.name]
+        if not plan:
+            return [], f"no plan from {answer.coordinator}: {answer.detail or 'empty'}"
+        return plan, f"{answer.coordinator} epoch {answer.epoch.term}"
+
     # -- coordinators ----------------------------------------------------------------------
 
     def coordinator(self, model: str, version: int) -> str:
@@ -374,14 +397,15 @@ class Peer:
         return self.control.coordinator(VersionKey(check_model_name(model),
                                                    check_version(version)))
 
-    async def ask_coordinator(self, model: str, version: int) -> CoordinatorAnswer:
+    async def ask_coordinator(self, model: str, version: int, *, size: int = 0,
+                              chunks: int = 0) -> CoordinatorAnswer:
         """Register as a fetcher with the coordinator of ``model@version``, routed through
         the mesh to whoever coordinates it; returns its name, epoch and fetchers.
         Retries while views settle; raises :class:`TransportError` if none answers."""
         key = VersionKey(check_model_name(model), check_version(version))
         last = "no answer"
         for _attempt in range(3):
-            req_id, out = self.control.ask_coordinator(key)
+            req_id, out = self.control.ask_coordinator(key, size, chunks)
             self._send(out)
             with trio.move_on_after(self.config.connect_timeout):
                 while req_id not in self.control.coordination.answers:

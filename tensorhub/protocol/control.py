@@ -30,6 +30,7 @@ from ..model import PeerInfo, VersionKey
 from .coordination import Coordination, CoordReply, CoordRequest
 from .membership import MemberEvent, Membership, Outbound
 from .refs import Holding, OriginEntry, RefTable, Stamp
+from .topology import NodeInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class ControlPlane:
         self.membership = Membership(me, config, rng, now)
         self.refs = RefTable(me.name, generation)
         self.coordination = Coordination(me.name, me.control, generation)
+        self.nic_bps = float(config.nic_bps)
         self.changes = 0
         self._next_gossip = now
         self._events: list[MemberEvent] = []
@@ -126,10 +128,11 @@ class ControlPlane:
         """Who coordinates ``key`` in this peer's view."""
         return self.coordination.coordinator(key, self.live_names())
 
-    def ask_coordinator(self, key: VersionKey) -> tuple[int, list[Outbound]]:
-        """Register with the coordinator of ``key``; the answer lands in
-        ``coordination.answers[request id]``."""
-        req_id, msg, target = self.coordination.request(key, self.live_names())
+    def ask_coordinator(self, key: VersionKey, size: int = 0, chunks: int = 0
+                        ) -> tuple[int, list[Outbound]]:
+        """Register with the coordinator of ``key`` (and, with ``size``/``chunks``, ask
+        for a plan); the answer lands in ``coordination.answers[request id]``."""
+        req_id, msg, target = self.coordination.request(key, self.live_names(), size, chunks)
         if target == self.me.name:
             return req_id, self._on_coord_request(msg)
         return req_id, [Outbound(self.membership.members()[target].info.control, msg)]
@@ -162,21 +165,37 @@ class ControlPlane:
             self._events.append(ev)
             if ev.kind in ("dead", "left") and self.refs.forget(ev.name):
                 self.changes += 1
+        for ev in events:
+            if ev.kind in ("dead", "left"):
+                self.coordination.peer_gone(ev.name)
         if events:
-            self.coordination.elect(self.live_names(), self._fetchers_of)
+            self.coordination.elect(self)
 
-    def _fetchers_of(self, key: VersionKey) -> list[str]:
+    # MeshView, for the coordinator
+    def fetchers_of(self, key: VersionKey) -> list[str]:
         return [origin for origin, h in self.refs.holders(key) if not h.complete]
+
+    def complete_holders_of(self, key: VersionKey) -> list[str]:
+        return [p.name for p, h in self.holders(key) if h.complete]
+
+    def node_info(self, name: str) -> NodeInfo | None:
+        member = self.membership.members().get(name)
+        if member is None or not self.membership.is_live(name):
+            return None
+        return NodeInfo.from_peer(member.info, self.nic_bps)
 
     def _table_changed(self) -> None:
         self.changes += 1
         keys = {h.key for e in self.refs.origins() for h in e.holdings}
         if not keys <= self.coordination.keys:
             self.coordination.keys |= keys
-            self.coordination.elect(self.live_names(), self._fetchers_of)
+            self.coordination.elect(self)
+        for key in self.coordination.planners.keys() & keys:
+            for name in self.complete_holders_of(key):
+                self.coordination.peer_complete(key, name)
 
     def _on_coord_request(self, msg: CoordRequest) -> list[Outbound]:
-        dest, out = self.coordination.on_request(msg, self.live_names(), self._fetchers_of)
+        dest, out = self.coordination.on_request(msg, self)
         if dest == "reply":
             if msg.sender == self.me.control and isinstance(out, CoordReply):
                 self.coordination.on_reply(out)

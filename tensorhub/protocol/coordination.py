@@ -17,11 +17,15 @@ coordinator is recognisably stale and ignored.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
+from ..errors import LocalProtocolError, VersionUnavailable
 from ..model import VersionKey
+from .planner import Planner, PlannerConfig, SourceRange
 from .ring import CoordinatorView, Epoch, EpochTracker, Local, Verdict, route
+from .topology import NodeInfo, Topology
 
 MAX_HOPS = 4
 
@@ -35,6 +39,9 @@ class CoordRequest:
     version: int
     seen: Epoch | None
     hops: int
+    size: int = 0
+    """Bytes of the version (0: the asker only wants to know who coordinates)."""
+    chunks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,8 @@ class CoordReply:
     epoch: Epoch | None
     fetchers: tuple[str, ...]
     detail: str
+    sources: tuple[SourceRange, ...] = ()
+    """The asker's part of the plan: which chunk ranges to pull from whom."""
 
 
 MESSAGES = (CoordRequest, CoordReply)
@@ -59,13 +68,31 @@ class CoordinatorAnswer:
     coordinator: str
     epoch: Epoch
     fetchers: tuple[str, ...]
+    sources: tuple[SourceRange, ...] = ()
+    detail: str = ""
+
+
+class MeshView(Protocol):
+    """What the coordinator reads from membership and the reference table."""
+
+    def live_names(self) -> list[str]: ...
+
+    def fetchers_of(self, key: VersionKey) -> list[str]: ...
+
+    def complete_holders_of(self, key: VersionKey) -> list[str]: ...
+
+    def node_info(self, name: str) -> NodeInfo | None: ...
 
 
 class Coordination:
     """Both roles of one peer: coordinator of some versions, fetcher of others."""
 
-    def __init__(self, me: str, address: str, incarnation: int) -> None:
+    def __init__(self, me: str, address: str, incarnation: int,
+                 planner_config: PlannerConfig | None = None) -> None:
         self.me = me
+        self.planner_config = planner_config or PlannerConfig()
+        self.planners: dict[VersionKey, Planner] = {}
+        """Plans of the versions this peer coordinates (soft state, like the rest)."""
         self.address = address
         self.view: CoordinatorView[None] = CoordinatorView(me, incarnation)
         self.tracker = EpochTracker()
@@ -79,23 +106,40 @@ class Coordination:
         found = route(key, live, self.me)
         return self.me if found is Local.LOCAL else str(found)
 
-    def elect(self, live: Iterable[str],
-              fetchers_of: Callable[[VersionKey], Iterable[str]]) -> None:
+    def elect(self, mesh: MeshView) -> None:
         """Re-run the election (after a view change): take over or drop versions."""
-        self.view.elect(sorted(self.keys), live, lambda k: [(n, None) for n in fetchers_of(k)])
+        handover = self.view.elect(sorted(self.keys), mesh.live_names(),
+                                   lambda k: [(n, None) for n in mesh.fetchers_of(k)])
+        for key in handover.lost:
+            self.planners.pop(key, None)
 
-    def request(self, key: VersionKey, live: list[str]) -> tuple[int, CoordRequest, str]:
-        """A registration for ``key``: (request id, message, control name to send to)."""
+    def peer_gone(self, name: str) -> None:
+        """Re-attach the children of a dead or departed peer in every plan."""
+        for key, planner in list(self.planners.items()):
+            try:
+                planner.remove_peer(name)
+            except VersionUnavailable:
+                del self.planners[key]  # its last copy went: plan again from scratch
+
+    def peer_complete(self, key: VersionKey, name: str) -> None:
+        planner = self.planners.get(key)
+        if planner is not None and name in planner.fetchers:
+            planner.mark_complete(name)
+
+    def request(self, key: VersionKey, live: list[str], size: int = 0, chunks: int = 0
+                ) -> tuple[int, CoordRequest, str]:
+        """A registration for ``key``: (request id, message, member name to send to).
+        With ``size`` and ``chunks`` the coordinator plans the asker into the transfer."""
         self._next_id += 1
         msg = CoordRequest(self.address, self.me, self._next_id, key.model, key.version,
-                           self.tracker.current(key), 0)
+                           self.tracker.current(key), 0, size, chunks)
         return self._next_id, msg, self.coordinator(key, live)
 
-    def on_request(self, msg: CoordRequest, live: list[str],
-                   fetchers_of: Callable[[VersionKey], Iterable[str]]
+    def on_request(self, msg: CoordRequest, mesh: MeshView
                    ) -> tuple[str, CoordRequest | CoordReply]:
         """Handle or forward; returns (destination: 'reply' or a member name, message)."""
         key = VersionKey(msg.model, msg.version)
+        live = mesh.live_names()
         target = route(key, live, self.me)
         if target is not Local.LOCAL:
             if msg.hops >= MAX_HOPS:
@@ -103,15 +147,43 @@ class Coordination:
                                            f"no coordinator after {MAX_HOPS} hops")
             self.forwarded += 1
             fwd = CoordRequest(msg.sender, msg.name, msg.req_id, msg.model, msg.version,
-                               msg.seen, msg.hops + 1)
+                               msg.seen, msg.hops + 1, msg.size, msg.chunks)
             return str(target), fwd
         if self.view.state(key) is None:
             self.keys.add(key)
-            self.elect(live, fetchers_of)
+            self.elect(mesh)
         epoch = self.view.register(key, msg.name, None, msg.seen)
         state = self.view.state(key)
         fetchers = tuple(sorted(state.fetchers)) if state is not None else ()
-        return "reply", CoordReply(msg.req_id, msg.model, msg.version, True, epoch, fetchers, "")
+        sources, detail = self._plan_for(key, msg, mesh) if msg.size > 0 else ((), "")
+        return "reply", CoordReply(msg.req_id, msg.model, msg.version, True, epoch, fetchers,
+                                   detail, sources)
+
+    def _plan_for(self, key: VersionKey, msg: CoordRequest, mesh: MeshView
+                  ) -> tuple[tuple[SourceRange, ...], str]:
+        """Plan ``msg.name`` into the version's transfer; () and why when we cannot."""
+        planner = self.planners.get(key)
+        try:
+            if planner is None:
+                infos = [mesh.node_info(n) for n in
+                         sorted({*mesh.complete_holders_of(key), msg.name})]
+                topo = Topology(nodes=tuple(n for n in infos if n is not None))
+                holders = [n.name for n in infos if n is not None and n.name != msg.name]
+                if not holders or msg.name not in topo:
+                    return (), "no complete holder known to the coordinator yet"
+                planner = Planner(key, msg.size, msg.chunks, topo, dict.fromkeys(holders),
+                                  [msg.name], config=self.planner_config)
+                self.planners[key] = planner
+            elif msg.name not in planner.participants:
+                info = mesh.node_info(msg.name)
+                if info is None:
+                    return (), f"{msg.name} is not a live member in the coordinator's view"
+                planner.topology.add(info)
+                planner.add_fetcher(msg.name)
+            plan = planner.plan
+            return (plan.sources(msg.name) if msg.name in planner.fetchers else ()), ""
+        except (LocalProtocolError, VersionUnavailable) as exc:
+            return (), f"no plan: {exc}"
 
     def on_reply(self, msg: CoordReply) -> None:
         if not msg.ok or msg.epoch is None:
@@ -124,4 +196,4 @@ class Coordination:
             self.answers[msg.req_id] = f"stale epoch {msg.epoch} (have {self.tracker.current(key)})"
             return
         self.answers[msg.req_id] = CoordinatorAnswer(key, msg.epoch.coordinator, msg.epoch,
-                                                     msg.fetchers)
+                                                     msg.fetchers, msg.sources, msg.detail)

@@ -169,6 +169,20 @@ class Planner:
         return Plan(self.key.model, self.key.version, self._epoch, tuple(assignments),
                     self._estimate(), self._bound())
 
+    @property
+    def topology(self) -> Topology:
+        return self._topo
+
+    @property
+    def fetchers(self) -> frozenset[str]:
+        """Peers still pulling under this plan."""
+        return frozenset(self._fetchers)
+
+    @property
+    def participants(self) -> frozenset[str]:
+        """Every peer in the plan: original holders, fetchers and completed fetchers."""
+        return frozenset(self._nodes)
+
     def add_fetcher(self, name: str) -> Plan:
         """A late joiner: attach it to the best parent in every tree, move nobody else."""
         if name in self._nodes:
