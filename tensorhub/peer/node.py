@@ -44,6 +44,7 @@ from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding
 from ..transport.base import Connection, NotServing
+from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection, TcpServer
 from .fetcher import Fetch, FetchReport, _digest, allocate_flat, prepare_destination
 from .store import LocalVersion, Store
@@ -79,6 +80,10 @@ class PeerStats:
     gossip_dropped: int
     control_received: int
     control_sent: int
+    shm: str
+    """Whether the same-host transport is usable here, and if not why."""
+    shm_fallbacks: dict[str, str]
+    """Same-host peers read over TCP instead, and why."""
     reports: tuple[dict[str, Any], ...] = field(default=())
 
 
@@ -138,6 +143,8 @@ class Peer:
         self._integrity: dict[str, int] = {}
         self._reports: list[dict[str, Any]] = []
         self.bad_inputs: list[str] = []
+        self._shm = shm_available() if "shm" in config.transports else (False, "not enabled")
+        self._shm_refused: dict[str, str] = {}
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -332,7 +339,18 @@ class Peer:
         self._reports = [*self._reports[-63:], report.to_dict()]
 
     async def _connect(self, peer: PeerInfo) -> Connection:
-        return await TcpConnection.connect(peer.data, peer.name, self.config.connect_timeout)
+        """Same host (same ``host`` label) and shm allowed: cross-memory copies, checked
+        by a handshake that proves we can read the holder's memory; otherwise, or when
+        that fails (the reason is kept in statistics), TCP."""
+        timeout = self.config.connect_timeout
+        host = self.info.label("host")
+        if ("shm" in self.config.transports and self._shm[0] and host is not None
+                and peer.label("host") == host and peer.name not in self._shm_refused):
+            try:
+                return await ShmConnection.connect(peer.data, peer.name, timeout)
+            except TransportError as exc:
+                self._shm_refused[peer.name] = str(exc)
+        return await TcpConnection.connect(peer.data, peer.name, timeout)
 
     async def _fetch_manifest(self, key: VersionKey, allowed: frozenset[str] | None
                               ) -> tuple[Manifest, str]:
@@ -435,6 +453,8 @@ class Peer:
             integrity_failures=dict(self._integrity), malformed_dropped=self._malformed,
             gossip_dropped=rs.dropped_inbound + rs.dropped_outbound,
             control_received=rs.received, control_sent=rs.sent,
+            shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
+            shm_fallbacks=dict(self._shm_refused),
             reports=tuple(self._reports),
         )
 

@@ -149,6 +149,7 @@ class Store:
         local = self.versions.get(key)
         if local is not None:
             local.hidden = True
+            local.end_receiving()  # readers waiting for a chunk get NOT_HELD now
         return local
 
     async def wait_drained(self, key: VersionKey) -> None:

@@ -50,4 +50,56 @@ class Reply:
     detail: str = ""
 
 
-MESSAGES = (ManifestRequest, ChunkRequest, Reply)
+@dataclass(frozen=True, slots=True)
+class ShmHello:
+    """Same-host handshake: "show me where you are"; answered by :class:`ShmWelcome`."""
+
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShmWelcome:
+    """The holder's process id, and a random ``token`` that lies at address ``token_at``
+    of its memory: a reader that reads those bytes back shares the holder's host and pid
+    namespace and may read its memory."""
+
+    req_id: int
+    pid: int
+    token: bytes
+    token_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShmChunkRequest:
+    """Lease chunk ``chunk`` and say where its bytes lie; answered by one or more
+    :class:`ShmGrant` frames, or by a non-OK :class:`Reply` (no lease then)."""
+
+    req_id: int
+    model: str
+    version: int
+    chunk: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShmGrant:
+    """Where a leased chunk lies in the holder's memory: ``iovecs`` are little-endian
+    uint64 ``(address, length)`` pairs, in chunk order.  A chunk in too many pieces for one
+    frame is granted in several frames, all but the last with ``more``.  The lease holds
+    until the reader sends :class:`ShmDone` or the connection ends."""
+
+    req_id: int
+    length: int
+    iovecs: bytes
+    more: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ShmDone:
+    """The reader has copied the chunk of request ``req_id``: the holder ends the lease."""
+
+    req_id: int
+
+
+MESSAGES = (ManifestRequest, ChunkRequest, Reply,
+            # same-host transport (tensorhub/transport/shm.py):
+            ShmHello, ShmWelcome, ShmChunkRequest, ShmGrant, ShmDone)

@@ -49,7 +49,9 @@ class Provider(Protocol):
 
 
 class Connection(Protocol):
-    """One reader's connection to one holder."""
+    """One reader's connection to one holder, used by one task at a time.  A read that
+    fails or is cancelled mid-exchange closes the connection (ending the holder's lease);
+    a :class:`NotServing` refusal leaves it usable."""
 
     transport: str
     peer: str

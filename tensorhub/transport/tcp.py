@@ -28,6 +28,8 @@ from ..protocol.dataplane import (
     ChunkRequest,
     ManifestRequest,
     Reply,
+    ShmChunkRequest,
+    ShmHello,
 )
 from .base import NotServing, Provider
 
@@ -183,6 +185,11 @@ class TcpServer:
                 self.on_sent(peer, total)
             finally:
                 lease.__exit__(None, None, None)
+        elif isinstance(req, ShmHello | ShmChunkRequest):
+            # Same-host transport: the payload does not use this socket (see shm.py, which
+            # builds on this module, hence the late import).
+            from .shm import serve_shm
+            await serve_shm(sock, peer, self.provider, req, self.on_sent)
         else:
             await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
             raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
@@ -230,6 +237,18 @@ class TcpConnection:
         return bytes(buf)
 
     async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]) -> int:
+        try:
+            return await self._read_chunk(key, chunk, dest)
+        except NotServing:
+            raise  # a clean refusal: the connection stays usable
+        except BaseException:
+            # Cancelled or failed mid-exchange: the stream is out of step.  Closing it
+            # also ends the holder's lease at once.
+            self._sock.close()
+            raise
+
+    async def _read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]
+                          ) -> int:
         reply = await self._exchange(ChunkRequest(next(self._ids), key.model, key.version, chunk))
         want = sum(len(d) for d in dest)
         if reply.length != want:

@@ -1,0 +1,356 @@
+"""Every transport passes the conformance suite; then what is particular to shared memory.
+
+The shared-memory holder of the suite runs in this process (a reader may read its own
+memory); the tests that need a holder to really die run it as a separate process and
+SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from transport_conformance import *  # noqa: F403
+from transport_conformance import (
+    SEED,
+    Holder,
+    OpenHolder,
+    Published,
+    hung_up,
+    landing,
+    publish,
+    raw_connection,
+    read_into,
+    rng_for,
+)
+
+from tensorhub.errors import RemoteProtocolError, TransportError
+from tensorhub.model import VersionKey
+from tensorhub.peer.store import Store
+from tensorhub.protocol.dataplane import (
+    ChunkRequest,
+    Reply,
+    ShmChunkRequest,
+    ShmGrant,
+    ShmHello,
+    ShmWelcome,
+)
+from tensorhub.transport import shm
+from tensorhub.transport.memory import MemoryServer
+from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
+from tensorhub.transport.tcp import TcpConnection, TcpServer, _recv_frame, _send_frame
+
+ROOT = Path(__file__).resolve().parents[1]
+SHM, WHY_NOT = shm_available()
+print(f"shared memory transport: {SHM} ({WHY_NOT})")
+needs_shm = pytest.mark.skipif(not SHM, reason=WHY_NOT)
+
+
+@asynccontextmanager
+async def memory_holder() -> AsyncIterator[Holder]:
+    store, sent = Store(), list[int]()
+    server = MemoryServer(store, lambda _reader, n: sent.append(n))
+
+    async def kill() -> None:
+        server.close()
+        await trio.lowlevel.checkpoint()
+
+    yield Holder(store, lambda: server.connect("holder"), kill, None, sent)
+
+
+@asynccontextmanager
+async def tcp_holder(connection: type[TcpConnection]) -> AsyncIterator[Holder]:
+    """A TcpServer in this process; ``connection`` is TcpConnection or ShmConnection."""
+    store, sent, bad = Store(), list[int](), list[str]()
+    server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append)
+    address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
+    scope, stopped = trio.CancelScope(), trio.Event()
+
+    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await server.serve(task_status=task_status)
+        stopped.set()
+
+    async def kill() -> None:
+        scope.cancel()
+        await stopped.wait()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run)
+        yield Holder(store, lambda: connection.connect(address, "holder", 5), kill, address,
+                     sent, bad)
+        scope.cancel()
+
+
+HOLDERS: dict[str, Callable[[], Any]] = {
+    "memory": memory_holder,
+    "tcp": partial(tcp_holder, TcpConnection),
+    "shm": partial(tcp_holder, ShmConnection),
+}
+
+
+@pytest.fixture(params=sorted(HOLDERS))
+def open_holder(request: pytest.FixtureRequest) -> OpenHolder:
+    if request.param == "shm" and not SHM:
+        pytest.skip(WHY_NOT)
+    opener: OpenHolder = HOLDERS[request.param]
+    return opener
+
+
+# -- shared memory: the copy ------------------------------------------------------------
+
+
+def scattered(rng: random.Random, data: bytes, pieces: int) -> tuple[bytearray, list[memoryview]]:
+    """``data`` cut at random into pieces laid out with gaps (so none merge)."""
+    points = sorted(rng.sample(range(1, len(data)), pieces - 1))
+    bounds = list(zip([0, *points], [*points, len(data)], strict=True))
+    room = bytearray(len(data) + pieces)
+    view = memoryview(room)
+    out = [view[a + i:b + i] for i, (a, b) in enumerate(bounds)]
+    for (a, b), v in zip(bounds, out, strict=True):
+        v[:] = data[a:b]
+    return room, out
+
+
+@needs_shm
+def test_copy_batches_any_cuts_on_both_sides() -> None:
+    """process_vm_readv takes IOV_MAX pieces a side: cuts that disagree still line up."""
+    rng = rng_for("cuts")
+    for _ in range(12):
+        data = rng.randbytes(rng.randrange(4000, 300_000))
+        _src_room, src = scattered(rng, data, rng.randrange(1, 3000))
+        _dst_room, dst = scattered(rng, bytes(len(data)), rng.randrange(1, 3000))
+        assert len(iovecs_of(src)) == len(src)
+        shm._readv_all(os.getpid(), iovecs_of(dst), iovecs_of(src))
+        assert b"".join(dst) == data
+
+
+def test_iovecs_merge_neighbours_and_skip_empty_views() -> None:
+    buf = memoryview(bytearray(100))
+    iov = iovecs_of([buf[0:10], buf[10:10], buf[10:40], buf[50:60]])
+    base = iovecs_of([buf])[0, 0]
+    assert iov.tolist() == [[base, 40], [base + 50, 10]]
+    assert iovecs_of([buf.toreadonly()[50:60]]).tolist() == [[base + 50, 10]]
+
+
+# -- shared memory: a holder in another process ----------------------------------------
+
+HOLDER_PROCESS = """
+import random, sys, trio
+sys.path.insert(0, "tests")
+from transport_conformance import publish
+from tensorhub.peer.store import Store
+from tensorhub.transport.tcp import TcpServer
+store = Store()
+publish(store, random.Random(sys.argv[1]), [int(sys.argv[2])], int(sys.argv[3]))
+server = TcpServer(store, lambda peer, n: None, lambda what: print("bad", what, flush=True))
+print("port", server.bind("127.0.0.1", 0), flush=True)
+trio.run(server.serve)
+"""
+
+
+@pytest.fixture
+def holder_process() -> Any:
+    """Start a holder of one version in a new process: returns (proc, address, Published)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(seed: str, size: int, chunk: int) -> tuple[subprocess.Popen[str], str, Published]:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER_PROCESS, seed, str(size),
+                                 str(chunk)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("port "):
+                mirror = publish(Store(), random.Random(seed), [size], chunk)
+                return proc, f"127.0.0.1:{line.split()[1]}", mirror
+        raise AssertionError("holder process did not start")
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(5)
+
+
+@needs_shm
+@pytest.mark.parametrize("when", ["before the copy", "after the copy"])
+async def test_holder_process_killed_mid_read(holder_process: Any, when: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, address, pub = holder_process(f"{SEED}:{when}", 24 << 20, 8 << 20)
+    conn = await ShmConnection.connect(address, "holder", 10)
+    buf = np.zeros(8 << 20, dtype=np.uint8)
+    await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+    assert np.array_equal(buf, pub.chunk(0))  # one copy from another process's arrays
+
+    copy = shm._readv_all
+
+    def dying_copy(pid: int, local: Any, remote: Any) -> None:
+        if when == "after the copy":
+            copy(pid, local, remote)
+        proc.kill()
+        proc.wait(5)
+        if when == "before the copy":
+            copy(pid, local, remote)
+
+    monkeypatch.setattr(shm, "_readv_all", dying_copy)
+    with pytest.raises(TransportError, match="ESRCH" if when == "before the copy" else "exited"):
+        await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+    with pytest.raises(TransportError, match="closed"):
+        await read_into(conn, pub, 2, [memoryview(buf)])  # type: ignore[arg-type]
+    await conn.aclose()
+
+
+# -- shared memory: the holder's lease -------------------------------------------------
+
+
+@needs_shm
+async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
+    rng = rng_for("shm-lease")
+    async with tcp_holder(ShmConnection) as holder:
+        assert holder.address is not None
+        pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
+        for follow_up in (None, ChunkRequest(2, "m", 1, 0)):
+            async with raw_connection(holder.address) as raw:
+                sock = raw.socket
+                await _send_frame(sock, ShmChunkRequest(1, "m", 1, 0))
+                grant = await _recv_frame(sock)
+                assert isinstance(grant, ShmGrant) and grant.length == 65_536
+                await trio.testing.wait_all_tasks_blocked()
+                assert pub.local.inflight == 1  # held until ShmDone...
+                if follow_up is not None:
+                    await _send_frame(sock, follow_up)
+                    await hung_up(raw)
+            with trio.fail_after(5):  # ...or until the reader leaves or breaks the protocol
+                await pub.local.drained.wait()
+        assert len(holder.bad) == 1 and "ShmDone" in holder.bad[0]
+
+
+@needs_shm
+@pytest.mark.parametrize("kind", ["memory", "shm"])
+async def test_cancelled_read_ends_the_lease_before_close(kind: str) -> None:
+    """These two need no aclose: the lease ends with the cancelled read."""
+    rng = rng_for("cancel-no-close")
+    async with HOLDERS[kind]() as holder:
+        pub = publish(holder.store, rng, [64 << 20], chunk_size=64 << 20)
+        conn = await holder.connect()
+        buf = np.zeros(64 << 20, dtype=np.uint8)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_into, conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+            await landing(buf, 0)
+            nursery.cancel_scope.cancel()
+        with trio.fail_after(10):
+            await pub.local.drained.wait()
+        await conn.aclose()
+
+
+@needs_shm
+async def test_corrupt_hook_flips_a_byte_of_what_the_reader_gets() -> None:
+    rng = rng_for("shm-corrupt")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [10_000], chunk_size=10_000)
+        conn = await holder.connect()
+        holder.store.corrupt_next = 1
+        for flipped in (True, False):
+            buf = np.zeros(10_000, dtype=np.uint8)
+            await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+            assert bool(buf[0] != pub.data[0]) is flipped
+            assert np.array_equal(buf[1:], pub.data[1:10_000])
+        await conn.aclose()
+
+
+# -- shared memory: a holder that lies ---------------------------------------------------
+
+
+@asynccontextmanager
+async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
+    """A server that answers each request frame with the frames ``answer`` returns."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    async def serve() -> None:
+        sock, _ = await listener.accept()
+        with sock:
+            try:
+                while True:
+                    for frame in answer(await _recv_frame(sock)):
+                        await _send_frame(sock, frame)
+            except (TransportError, OSError):
+                return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+        nursery.cancel_scope.cancel()
+    listener.close()
+
+
+def welcome(req: Any, **changes: Any) -> ShmWelcome:
+    good = dict(req_id=req.req_id, pid=os.getpid(), token=shm._token, token_at=shm._token_at)
+    return ShmWelcome(**{**good, **changes})
+
+
+def gone_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+@needs_shm
+@pytest.mark.parametrize("lie, error", [
+    (lambda r: [Reply(r.req_id, 3, 0, "unexpected ShmHello")], "does not serve shared memory"),
+    (lambda r: [welcome(r, token=bytes(16))], "another process"),
+    (lambda r: [welcome(r, pid=gone_pid())], "another host or in another pid namespace"),
+    (lambda r: [welcome(r, token_at=8)], "EFAULT"),
+    (lambda r: [welcome(r, req_id=r.req_id + 1)], "out of turn"),
+    (lambda r: [welcome(r, pid=0)], "malformed"),
+])
+async def test_connect_refuses_a_holder_it_cannot_read(lie: Any, error: str) -> None:
+    async with fake_holder(lie) as address:
+        with pytest.raises((TransportError, RemoteProtocolError), match=error):
+            await ShmConnection.connect(address, "liar", 5)
+
+
+KEY = VersionKey("m", 1)
+BUF = np.zeros(4096, dtype=np.uint8)  # memory the fake holders below grant
+AT = int(iovecs_of([memoryview(BUF)])[0, 0])  # type: ignore[arg-type]
+
+
+def grants(*frames: tuple[int, list[tuple[int, int]], bool]) -> Callable[[Any], list[Any]]:
+    def answer(req: Any) -> list[Any]:
+        if isinstance(req, ShmHello):
+            return [welcome(req)]
+        return [ShmGrant(req.req_id, length, np.array(iov, dtype="<u8").tobytes(), more)
+                for length, iov, more in frames]
+    return answer
+
+
+@needs_shm
+@pytest.mark.parametrize("answer, error", [
+    (grants((4096, [(AT, 4095)], False)), "granted 4095 of 4096"),
+    (grants((4000, [(AT, 4000)], False)), "granted 4000 bytes for a 4096-byte chunk"),
+    (grants((4096, [(AT, 4096), (AT, 1)], False)), "more than 4096"),
+    (grants((4096, [(AT, 0), (AT, 4096)], False)), "malformed grant"),
+    (grants((4096, [], True)), "malformed grant"),
+    (grants((4096, [(AT, 1 << 40)], False)), "malformed grant"),
+    (grants((4096, [(8, 4096)], False)), "EFAULT"),
+    (lambda r: [welcome(r)] if isinstance(r, ShmHello) else
+     [ShmGrant(r.req_id, 4096, b"x" * 15, False)], "malformed grant"),
+])
+async def test_read_refuses_a_bad_grant(answer: Any, error: str) -> None:
+    async with fake_holder(answer) as address:
+        conn = await ShmConnection.connect(address, "liar", 5)
+        with pytest.raises((TransportError, RemoteProtocolError), match=error):
+            await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])
+        with pytest.raises(TransportError, match="closed"):  # out of step: closed
+            await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])

@@ -1,0 +1,426 @@
+"""The conformance suite every data-plane transport passes.
+
+A test module runs it by defining an ``open_holder`` fixture and importing the tests::
+
+    from transport_conformance import *  # noqa: F403
+
+``open_holder()`` is an async context manager that yields a :class:`Holder`: a live holder
+serving ``holder.store`` over the transport under test, a ``connect()`` factory for
+readers, ``kill()`` to make the holder die abruptly, and what its server counted.
+
+The contract, for every transport:
+
+* a read returns exactly the chunk's bytes, whatever the chunk's size, however many
+  tensors it spans and however the destination is cut, for many reads in a row on one
+  connection and for concurrent reads on several;
+* refusals are :class:`NotServing` with the holder's status (``NOT_HELD``, ``NOT_YET``,
+  ``BAD_REQUEST``) and leave the connection usable;
+* a holder that dies mid-chunk makes the read fail with a transport error; bytes are
+  never reported read unless they are exactly right;
+* malformed, oversized or out-of-turn requests close that connection, are counted by
+  the server's ``on_bad`` and do not disturb other connections;
+* a read in flight holds the holder's lease: unpublish (``Store.wait_drained``) waits for
+  it; a cancelled read ends the lease once the reader closes the connection (the fetcher
+  does; a connection is used by one task at a time and closed after any failure).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from tensorhub.errors import RemoteProtocolError, TransportError
+from tensorhub.model import Manifest, TensorSpec, VersionKey
+from tensorhub.peer.store import LocalVersion, Store
+from tensorhub.protocol import codec
+from tensorhub.protocol.dataplane import (
+    BAD_REQUEST,
+    MAX_FRAME,
+    NOT_HELD,
+    NOT_YET,
+    Reply,
+    ShmDone,
+)
+from tensorhub.protocol.messages import register_all
+from tensorhub.transport.base import Connection, NotServing
+
+register_all()
+
+SEED = int(os.environ.get("TENSORHUB_SEED") or random.randrange(2**32))
+print(f"tests/transport_conformance.py: seed {SEED} (TENSORHUB_SEED={SEED} replays it)")
+
+FAILED = (TransportError, RemoteProtocolError, OSError)
+"""What a read from a dead or misbehaving holder may raise (the fetcher drops on each)."""
+
+
+@dataclass
+class Holder:
+    store: Store
+    connect: Callable[[], Awaitable[Connection]]
+    kill: Callable[[], Awaitable[None]]
+    address: str | None = None
+    """``host:port`` of the wire server, or None for a transport without a wire."""
+    sent: list[int] = field(default_factory=list)
+    bad: list[str] = field(default_factory=list)
+
+
+OpenHolder = Callable[[], AbstractAsyncContextManager[Holder]]
+
+
+@dataclass
+class Published:
+    local: LocalVersion
+    data: np.ndarray[Any, Any]
+    """The version's bytes, end to end: what every read is compared against."""
+
+    def chunk(self, c: int) -> np.ndarray[Any, Any]:
+        return self.data[slice(*self.local.manifest.chunk_range(c))]
+
+
+def rng_for(test: str) -> random.Random:
+    return random.Random(f"{SEED}:{test}")
+
+
+def publish(store: Store, rng: random.Random, sizes: Sequence[int], chunk_size: int,
+            model: str = "m", version: int = 1, verified: bool = True) -> Published:
+    """Random tensors of ``sizes`` bytes (read-only arrays, as a publisher may hand us)."""
+    data = np.frombuffer(rng.randbytes(sum(sizes)), dtype=np.uint8)
+    arrays, specs, offset = [], [], 0
+    for i, size in enumerate(sizes):
+        dtype = np.dtype(np.float32 if size % 4 == 0 else np.uint8)
+        arr = data[offset:offset + size].copy().view(dtype)
+        arr.flags.writeable = False
+        arrays.append(arr)
+        specs.append(TensorSpec(f"t{i}", dtype.str, arr.shape, offset))
+        offset += size
+    skeleton = Manifest(model, version, tuple(specs), chunk_size, "blake3", ())
+    digests = (bytes(32),) * skeleton.num_chunks  # transports do not check digests
+    manifest = Manifest(model, version, tuple(specs), chunk_size, "blake3", digests)
+    local = LocalVersion(manifest, arrays, "holder", verified=verified)
+    store.add(local)
+    return Published(local, data)
+
+
+def cut(buf: np.ndarray[Any, Any], rng: random.Random, pieces: int) -> list[memoryview]:
+    """``buf`` as up to ``pieces`` destination segments cut at random places."""
+    view = memoryview(buf)  # type: ignore[arg-type]
+    points = sorted(rng.sample(range(1, len(buf)), min(pieces, len(buf)) - 1))
+    return [view[a:b] for a, b in zip([0, *points], [*points, len(buf)], strict=True)]
+
+
+async def read_into(conn: Connection, pub: Published, c: int,
+                    dest: Sequence[memoryview]) -> None:
+    n = await conn.read_chunk(pub.local.manifest.key, c, dest)
+    assert n == len(pub.chunk(c))
+
+
+async def landing(buf: np.ndarray[Any, Any], before: int) -> None:
+    """Wait until the first byte of a read has landed in ``buf`` (it held ``before``)."""
+    with trio.fail_after(10):
+        while buf[0] == before:
+            await trio.lowlevel.checkpoint()
+
+
+# -- ordering -------------------------------------------------------------------------
+
+
+async def test_sequential_reads_return_exact_bytes(open_holder: OpenHolder) -> None:
+    rng = rng_for("sequential")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [rng.randrange(1, 200_000) for _ in range(40)],
+                      chunk_size=65_536 + 13)
+        conn = await holder.connect()
+        assert await conn.read_manifest(pub.local.manifest.key) == pub.local.encoded_manifest
+        order = list(range(pub.local.manifest.num_chunks)) * 2
+        rng.shuffle(order)
+        for c in order:
+            buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+            await read_into(conn, pub, c, cut(buf, rng, rng.randrange(1, 6)))
+            assert np.array_equal(buf, pub.chunk(c)), f"chunk {c}"
+        await conn.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert sum(holder.sent) == sum(len(pub.chunk(c)) for c in order)
+
+
+async def test_concurrent_reads_on_several_connections(open_holder: OpenHolder) -> None:
+    rng = rng_for("concurrent")
+    async with open_holder() as holder:
+        pubs = [publish(holder.store, rng, [rng.randrange(1, 300_000) for _ in range(12)],
+                        chunk_size=100_000, version=v) for v in (1, 2)]
+        bad: list[str] = []
+
+        async def reader(seed: int) -> None:
+            mine = random.Random(seed)
+            conn = await holder.connect()
+            jobs = [(p, c) for p in pubs for c in range(p.local.manifest.num_chunks)]
+            mine.shuffle(jobs)
+            for pub, c in jobs:
+                buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+                await read_into(conn, pub, c, cut(buf, mine, 3))
+                if not np.array_equal(buf, pub.chunk(c)):
+                    bad.append(f"reader {seed}: {pub.local.manifest.key} chunk {c}")
+            await conn.aclose()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(reader, rng.randrange(2**32) + i)
+        assert not bad
+
+
+# -- partial reads --------------------------------------------------------------------
+
+
+async def test_chunks_spanning_many_small_tensors(open_holder: OpenHolder) -> None:
+    rng = rng_for("small")
+    async with open_holder() as holder:
+        tiny = [rng.randrange(1, 50) for _ in range(40)]
+        small = [rng.randrange(1, 300) for _ in range(3000)]
+        pubs = [
+            publish(holder.store, rng, tiny, chunk_size=7, version=1),
+            publish(holder.store, rng, small, chunk_size=4096, version=2),
+            publish(holder.store, rng, small, chunk_size=1 << 20, version=3),  # one chunk
+            publish(holder.store, rng, [24 << 20], chunk_size=16 << 20, version=4),
+        ]
+        conn = await holder.connect()
+        for pub in pubs:
+            m = pub.local.manifest
+            for c in range(m.num_chunks):
+                start, stop = m.chunk_range(c)
+                flat = np.zeros(stop - start, dtype=np.uint8)
+                await read_into(conn, pub, c, [memoryview(flat)])  # type: ignore[arg-type]
+                # ...and cut like a fetch into separate tensors: one piece per tensor
+                per_tensor = np.zeros_like(flat)
+                view = memoryview(per_tensor)  # type: ignore[arg-type]
+                pieces = [view[s.start + m.tensors[s.index].offset - start:
+                               s.stop + m.tensors[s.index].offset - start]
+                          for s in m.segments(start, stop)]
+                await read_into(conn, pub, c, pieces)
+                assert np.array_equal(flat, pub.chunk(c)), f"{m.key} chunk {c}"
+                assert np.array_equal(per_tensor, pub.chunk(c)), f"{m.key} chunk {c}"
+        await conn.aclose()
+
+
+# -- statuses -------------------------------------------------------------------------
+
+
+async def test_not_held_not_yet_and_bad_chunk(open_holder: OpenHolder) -> None:
+    rng = rng_for("statuses")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [5000, 7000], chunk_size=4096, verified=False)
+        pub.local.mark_verified(1)
+        pub.local.end_receiving()  # a holder that will not get chunk 0: NOT_YET at once
+        key = pub.local.manifest.key
+        conn = await holder.connect()
+
+        async def refused(status: int, read: Callable[[], Awaitable[object]]) -> None:
+            with pytest.raises(NotServing) as info:
+                await read()
+            assert info.value.status == status, info.value.detail
+            buf = np.zeros(len(pub.chunk(1)), dtype=np.uint8)  # and the connection still works
+            await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+            assert np.array_equal(buf, pub.chunk(1))
+
+        dest = [memoryview(bytearray(4096))]
+        other = VersionKey("m", 99)
+        await refused(NOT_HELD, lambda: conn.read_manifest(other))
+        await refused(NOT_HELD, lambda: conn.read_chunk(other, 0, dest))
+        await refused(NOT_YET, lambda: conn.read_chunk(key, 0, dest))
+        await refused(BAD_REQUEST, lambda: conn.read_chunk(key, pub.local.manifest.num_chunks,
+                                                           dest))
+        await refused(BAD_REQUEST, lambda: conn.read_chunk(key, -1, dest))
+        holder.store.hide(key)
+        with pytest.raises(NotServing) as info:
+            await conn.read_chunk(key, 1, dest)
+        assert info.value.status == NOT_HELD
+        await conn.aclose()
+
+
+async def test_a_chunk_still_arriving_is_served_once_verified(open_holder: OpenHolder) -> None:
+    """Pipelining: a holder that is still receiving answers when it has the chunk, or
+    NOT_YET when its fetch ends without it."""
+    rng = rng_for("arriving")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [5000, 7000], chunk_size=4096, verified=False)
+        conn, other = await holder.connect(), await holder.connect()
+        buf = np.zeros(4096, dtype=np.uint8)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_into, conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+            await trio.testing.wait_all_tasks_blocked()
+            assert not buf.any()
+            pub.local.mark_verified(0)
+        assert np.array_equal(buf, pub.chunk(0))
+
+        async def end_receiving() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            pub.local.end_receiving()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(end_receiving)
+            with pytest.raises(NotServing) as info:
+                await read_into(other, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+        assert info.value.status == NOT_YET
+        await conn.aclose()
+        await other.aclose()
+
+
+# -- peer death -----------------------------------------------------------------------
+
+
+async def test_holder_death_mid_chunk(open_holder: OpenHolder) -> None:
+    rng = rng_for("death")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [64 << 20], chunk_size=64 << 20)
+        conn = await holder.connect()
+        buf = np.full(len(pub.chunk(0)), pub.data[0] ^ 0xFF, dtype=np.uint8)
+        outcome: list[BaseException | None] = []
+
+        async def read() -> None:
+            try:
+                await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+                outcome.append(None)
+            except FAILED as exc:
+                outcome.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await landing(buf, pub.data[0] ^ 0xFF)
+            await holder.kill()
+        # Bytes are reported read only when they are all exactly right.
+        assert outcome[0] is not None or np.array_equal(buf, pub.chunk(0))
+        with pytest.raises(FAILED):  # the dead holder serves no more
+            await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+        await conn.aclose()
+        with pytest.raises(FAILED):
+            await (await holder.connect()).read_chunk(pub.local.manifest.key, 0,
+                                                      [memoryview(buf)])  # type: ignore[arg-type]
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+BAD_REQUESTS = {
+    "not msgpack": _frame(b"\xc1\xc1\xc1"),
+    "unknown type id": _frame(msgpack.packb([999, 1])),
+    "wrong arity": _frame(msgpack.packb([2, 1, "m"])),
+    "wrong field type": _frame(msgpack.packb([2, 1, "m", "one", 0])),
+    "absurd length": struct.pack(">I", 0xFFFF_FFF0) + b"x" * 64,
+    "oversized frame": struct.pack(">I", MAX_FRAME + 1) + b"x" * 64,
+    "a reply as request": _frame(codec.encode(Reply(1, 0, 0))),
+    "done out of turn": _frame(codec.encode(ShmDone(1))),
+}
+
+
+@asynccontextmanager
+async def raw_connection(address: str) -> AsyncIterator[trio.SocketStream]:
+    host, _, port = address.rpartition(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        yield stream
+
+
+async def hung_up(raw: trio.SocketStream) -> None:
+    """Wait for the server to close (after a BAD_REQUEST reply at most)."""
+    with trio.fail_after(5):
+        try:
+            while await raw.receive_some(1 << 16):
+                pass
+        except trio.BrokenResourceError:
+            pass  # it closed with our bytes unread: a reset
+
+
+async def test_malformed_requests_are_dropped_and_counted(open_holder: OpenHolder) -> None:
+    rng = rng_for("malformed")
+    async with open_holder() as holder:
+        if holder.address is None:
+            pytest.skip("this transport has no wire to send malformed bytes on")
+        pub = publish(holder.store, rng, [10_000], chunk_size=4096)
+        keeper = await holder.connect()  # a well-behaved reader throughout
+        for name, data in BAD_REQUESTS.items():
+            before = len(holder.bad)
+            async with raw_connection(holder.address) as raw:
+                await raw.send_all(data)
+                await hung_up(raw)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(holder.bad) == before + 1, f"{name}: {holder.bad[before:]}"
+            buf = np.zeros(len(pub.chunk(1)), dtype=np.uint8)
+            await read_into(keeper, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+            assert np.array_equal(buf, pub.chunk(1)), name
+        async with raw_connection(holder.address) as raw:  # leaving mid-frame is no fault
+            await raw.send_all(_frame(b"\x95\x02")[:5])
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(holder.bad) == len(BAD_REQUESTS)
+        await keeper.aclose()
+
+
+# -- leases: unpublish drain and cancellation ---------------------------------------------
+
+
+async def test_unpublish_waits_for_a_read_in_flight(open_holder: OpenHolder) -> None:
+    rng = rng_for("drain")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [64 << 20], chunk_size=64 << 20)
+        key = pub.local.manifest.key
+        conn = await holder.connect()
+        buf = np.full(len(pub.chunk(0)), pub.data[0] ^ 0xFF, dtype=np.uint8)
+        read_done, drained = trio.Event(), trio.Event()
+
+        async def read() -> None:
+            await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+            read_done.set()
+
+        async def unpublish() -> None:
+            await holder.store.wait_drained(key)
+            drained.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await landing(buf, pub.data[0] ^ 0xFF)
+            holder.store.hide(key)
+            nursery.start_soon(unpublish)
+            await trio.lowlevel.checkpoint()
+            assert pub.local.inflight == 1 and not drained.is_set()
+            with trio.fail_after(10):
+                await read_done.wait()
+                await drained.wait()
+        assert np.array_equal(buf, pub.chunk(0))
+        assert holder.store.get(key) is None
+        with pytest.raises(NotServing) as info:
+            await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+        assert info.value.status == NOT_HELD
+        await conn.aclose()
+
+
+async def test_cancelled_read_releases_the_lease(open_holder: OpenHolder) -> None:
+    rng = rng_for("cancel")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [64 << 20], chunk_size=64 << 20)
+        conn = await holder.connect()
+        buf = np.full(len(pub.chunk(0)), pub.data[0] ^ 0xFF, dtype=np.uint8)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_into, conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+            await landing(buf, pub.data[0] ^ 0xFF)
+            nursery.cancel_scope.cancel()
+        await conn.aclose()
+        with trio.fail_after(10):
+            await pub.local.drained.wait()
+        assert pub.local.inflight == 0
+        again = await holder.connect()  # and the holder serves on
+        buf[:] = 0
+        await read_into(again, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+        assert np.array_equal(buf, pub.chunk(0))
+        await again.aclose()
