@@ -8,8 +8,10 @@ no ``bytes`` object is ever made of payload.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
+import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -52,16 +54,41 @@ async def _send_all(sock: trio.socket.SocketType, view: memoryview) -> None:
         sent += await sock.send(view[sent:])
 
 
-_IOV_BATCH = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
-_GATHER_BELOW = 256 << 10  # segments smaller than this go through one staging buffer
+# -- the payload path: plain sockets in worker threads ----------------------------------
+#
+# Payload moves in worker threads on a duplicate of the connection's descriptor, one
+# thread call per chunk: the syscalls run without the GIL and without an event-loop round
+# trip per ``recv``, and several connections copy in parallel.  The descriptor stays
+# non-blocking (trio owns it between chunks); Python's socket timeout makes the thread's
+# calls wait with poll() instead.  Measured here: 4 streams ~3.9 GB/s vs ~2.9 GB/s with
+# trio's ``recv_into``.
+
+_THREAD_TIMEOUT = 120.0  # a safety net; stalls are detected by the caller's deadline
 
 
-async def _send_segments(sock: trio.socket.SocketType, segments: Sequence[memoryview]) -> None:
-    """Send many buffers with vectored writes (no joining copy, few syscalls)."""
+def _dup(sock: trio.socket.SocketType) -> socket.socket:
+    plain = socket.socket(fileno=os.dup(sock.fileno()))
+    plain.settimeout(_THREAD_TIMEOUT)
+    return plain
+
+
+def _recv_exact_blocking(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransportError("connection closed mid-payload")
+        got += k
+
+
+def _send_segments_blocking(sock: socket.socket, segments: Sequence[memoryview]) -> None:
+    if len(segments) == 1:
+        sock.sendall(segments[0])
+        return
     pending = [s for s in segments if len(s)]
     while pending:
         batch = pending[:_IOV_BATCH]
-        sent = await sock.sendmsg(batch)
+        sent = sock.sendmsg(batch)
         i = 0
         while i < len(batch) and sent >= len(batch[i]):
             sent -= len(batch[i])
@@ -69,6 +96,10 @@ async def _send_segments(sock: trio.socket.SocketType, segments: Sequence[memory
         if i < len(batch):
             pending[i] = pending[i][sent:]
         del pending[:i]
+
+
+_IOV_BATCH = 512  # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
+_GATHER_BELOW = 256 << 10  # segments smaller than this go through one staging buffer
 
 
 def _staged(dest: Sequence[memoryview]) -> bool:
@@ -108,6 +139,7 @@ class TcpServer:
         self.on_bad = on_bad
         self.port = 0
         self._listener: trio.socket.SocketType | None = None
+        self._plains: dict[int, socket.socket] = {}
 
     def bind(self, host: str, port: int) -> int:
         """Bind the listening socket now, so a used port fails before anything starts."""
@@ -139,6 +171,15 @@ class TcpServer:
 
     async def _serve_conn(self, sock: trio.socket.SocketType, peer: str) -> None:
         _tune(sock)
+        fd = sock.fileno()
+        try:
+            await self._serve_requests(sock, peer)
+        finally:
+            plain = self._plains.pop(fd, None)
+            if plain is not None:
+                plain.close()
+
+    async def _serve_requests(self, sock: trio.socket.SocketType, peer: str) -> None:
         with sock:
             try:
                 while True:
@@ -151,6 +192,13 @@ class TcpServer:
                 self.on_bad(f"{peer}: {exc}")
             except OSError:
                 return  # reader reset the connection; nothing to clean up
+
+    def _plain(self, sock: trio.socket.SocketType) -> socket.socket:
+        """The thread-side twin of a connection (same descriptor, duplicated)."""
+        plain = self._plains.get(sock.fileno())
+        if plain is None:
+            plain = self._plains[sock.fileno()] = _dup(sock)
+        return plain
 
     async def _answer(self, sock: trio.socket.SocketType, peer: str, req: Any) -> None:
         if isinstance(req, ManifestRequest):
@@ -178,10 +226,8 @@ class TcpServer:
                     flipped = bytes([first[0] ^ 0xFF])
                     segments = [memoryview(flipped), first[1:],
                                 *segments[segments.index(first) + 1:]]
-                if len(segments) == 1:
-                    await _send_all(sock, segments[0])
-                else:
-                    await _send_segments(sock, segments)
+                await trio.to_thread.run_sync(_send_segments_blocking, self._plain(sock),
+                                              segments, abandon_on_cancel=True)
                 self.on_sent(peer, total)
             finally:
                 lease.__exit__(None, None, None)
@@ -205,6 +251,13 @@ class TcpConnection:
         self.peer = peer
         self._ids = itertools.count(1)
         self._staging = bytearray()
+        self._plain_sock: socket.socket | None = None  # made on first payload read
+
+    @property
+    def _plain(self) -> socket.socket:
+        if self._plain_sock is None:
+            self._plain_sock = _dup(self._sock)
+        return self._plain_sock
 
     @classmethod
     async def connect(cls, address: str, peer: str, timeout: float) -> TcpConnection:
@@ -242,10 +295,17 @@ class TcpConnection:
         except NotServing:
             raise  # a clean refusal: the connection stays usable
         except BaseException:
-            # Cancelled or failed mid-exchange: the stream is out of step.  Closing it
-            # also ends the holder's lease at once.
-            self._sock.close()
+            # Cancelled or failed mid-exchange: the stream is out of step.  Shutting it
+            # down wakes a thread still blocked on it and ends the holder's lease at once.
+            self._shutdown()
             raise
+
+    def _shutdown(self) -> None:
+        if self._plain_sock is not None:
+            with contextlib.suppress(OSError):
+                self._plain_sock.shutdown(socket.SHUT_RDWR)
+            self._plain_sock.close()
+        self._sock.close()
 
     async def _read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]
                           ) -> int:
@@ -254,19 +314,26 @@ class TcpConnection:
         if reply.length != want:
             raise RemoteProtocolError(
                 f"{self.peer} sent {reply.length} bytes for chunk {chunk}, expected {want}")
+        await trio.to_thread.run_sync(self._recv_payload, dest, want, abandon_on_cancel=True)
+        return want
+
+    def _recv_payload(self, dest: Sequence[memoryview], want: int) -> None:
+        """In a worker thread: land the payload in ``dest`` (via one staging buffer when
+        it is many small pieces)."""
         if _staged(dest):
             if len(self._staging) < want:
                 self._staging = bytearray(want)
             stage = memoryview(self._staging)[:want]
-            await _recv_exact(self._sock, stage)
+            _recv_exact_blocking(self._plain, stage)
             off = 0
             for d in dest:
                 d[:] = stage[off:off + len(d)]
                 off += len(d)
         else:
             for d in dest:
-                await _recv_exact(self._sock, d)
-        return want
+                _recv_exact_blocking(self._plain, d)
 
     async def aclose(self) -> None:
+        if self._plain_sock is not None:
+            self._plain_sock.close()
         self._sock.close()
