@@ -1,4 +1,4 @@
-"""The ``tensorhub`` command: ``peer``, ``demo``, ``status``.
+"""The ``tensorhub`` command: ``peer``, ``demo``, ``status``, ``bench``.
 
 User errors (bad options, a port in use, an unreachable seed) end with one line on
 stderr and exit code 2, never a traceback.
@@ -108,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import transfer
+    from .bench import cluster, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
+    cluster.add_options(bsub.add_parser("cluster", help="fan-out in an emulated cluster "
+                                        "vs star, gloo and Ray (needs root)"))
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
@@ -132,8 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "bench":
-            from .bench import transfer
+            from .bench import cluster, transfer
 
+            if args.bench == "cluster":
+                return cluster.run_cli(args)
             return transfer.run_cli(args)
         if args.command == "status":
             if not args.join:

@@ -10,6 +10,8 @@ line, answering each with one JSON line on stdout:
 * ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers.
 * ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
   and reports the fetch report, monotonic start / end times and the peak RSS.
+* ``{"cmd": "wait_holders", "model", "version", "count", "timeout"}`` waits until
+  ``count`` other live peers hold the version completely and names them.
 * ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
 
 Times are ``time.monotonic()``, one clock for every process on the machine.
@@ -26,8 +28,10 @@ from typing import Any
 import numpy as np
 import trio
 
+from ..cli import _labels
 from ..config import PeerConfig
 from ..demo import checksum, fill, model_specs
+from ..model import VersionKey
 from ..peer.node import Peer, open_peer
 
 
@@ -95,6 +99,9 @@ class Worker:
             if cmd.get("checksum"):
                 out["checksum"] = checksum(got.tensors)
             return out
+        if kind == "wait_holders":
+            return {"event": "holders", "holders": await self.wait_holders(
+                VersionKey(cmd["model"], cmd["version"]), cmd["count"], cmd["timeout"])}
         if kind == "unpublish":
             await self.peer.unpublish(cmd["model"], cmd["version"])
             self.buffers.pop(f"pub:{cmd['model']}@{cmd['version']}", None)
@@ -105,12 +112,27 @@ class Worker:
                     "bytes_by_transport": st.bytes_by_transport, "members": st.members}
         raise ValueError(f"unknown command {kind!r}")
 
+    async def wait_holders(self, key: VersionKey, count: int, timeout: float) -> list[str]:
+        """Names of the other live peers holding ``key`` completely, once there are
+        ``count``; ``TimeoutError`` after ``timeout`` seconds."""
+        names: list[str] = []
+        with trio.move_on_after(timeout):
+            while True:
+                names = sorted(p.name for p, h in self.peer.control.holders(key)
+                               if h.complete and p.name != self.peer.info.name)
+                if len(names) >= count:
+                    return names
+                await trio.sleep(0.02)
+        raise TimeoutError(f"{len(names)} of {count} holders of {key} after {timeout} s")
+
 
 async def main(args: argparse.Namespace) -> None:
+    stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
     cfg = PeerConfig.local(args.name, listen=args.listen,
                            join=tuple(s for s in args.join.split(",") if s),
                            chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
-                           labels=(("host", args.host),))
+                           labels=(("host", args.host), *_labels(args.label)),
+                           planning=args.planning == "on", **stall)
     async with open_peer(cfg) as peer:
         while len(peer.control.membership.live_members()) < args.expect:
             await trio.sleep(0.02)
@@ -137,4 +159,11 @@ if __name__ == "__main__":
     p.add_argument("--chunk", type=int, default=8 << 20)
     p.add_argument("--transports", default="shm,tcp")
     p.add_argument("--host", default="localhost")
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="topology label besides host (dc, rack, ...); repeatable")
+    p.add_argument("--planning", choices=("on", "off"), default="on",
+                   help="ask the coordinator for a plan (off: fetchers pick holders)")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="seconds without progress before a source counts as stalled "
+                        "(default: the local preset's)")
     trio.run(main, p.parse_args())

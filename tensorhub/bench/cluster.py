@@ -1,0 +1,486 @@
+"""``tensorhub bench cluster``: one version fanned out across an emulated cluster, next to
+what users run today, in one run and the same namespaces.
+
+Theory of operation
+-------------------
+:func:`~tensorhub.bench.netns.open_cluster` builds ``--hosts`` namespaces (``h0`` is the
+trainer, ``h1`` ... are rollouts; with ``--dcs 2`` the hosts are split into two DCs joined
+by a capped, delayed link). :func:`open_mesh` starts one TensorHub peer per host inside its
+namespace (:mod:`tensorhub.bench.worker`, TCP only, labels ``host``, ``dc``, ``rack``
+and ``nic_bps``, the NIC cap, which the planner's fan-out limits follow),
+driven by JSON lines; each worker's stderr goes to ``<scratch>/<name>.log`` and the tails
+are printed if anything fails. Then, for each of ``--runs``:
+
+(a) *star*: the trainer publishes a fresh version and every rollout fetches it with
+    ``sources=["trainer"]`` at once: TensorHub with planning off;
+(b) *TensorHub*: the same with no sources named: each fetcher asks the version's
+    coordinator for a plan and follows it (``PeerConfig.planning``); with ``--no-plan``
+    the fetchers choose holders themselves (not the publisher if another has the chunk,
+    then the least loaded).
+
+A fan-out's time is max(end) - min(start) of the rollouts' fetches, each a
+``time.monotonic()`` read in the worker: one clock for every namespace. Every fetch is
+digest-verified by the peer before it returns. With DCs, the bytes that crossed between
+DCs come from the kernel counters of the router's legs (:meth:`Cluster.wan_bytes`).
+
+Elastic: after the last TensorHub run, the last host's peer leaves and a fresh peer
+(``joiner``) starts there, waits until it sees every other holder and fetches with the
+same options; its time is compared with what that host took in the star run, where it
+pulled from a trainer busy serving every rollout.
+
+The peers are then ended and the baselines of :mod:`tensorhub.bench.baselines` (plain TCP
+star, gloo broadcast, Ray) run in the same namespaces to the same rollouts. Every time is
+printed next to its fluid lower bound; the figures of issue 6 follow, each with its bound
+and whether it was met, and ``--json`` adds one JSON line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import TensorHubError
+from ..protocol.topology import fluid_bound
+from .baselines import BASELINES, BaselineError, parse_size
+from .netns import Cluster, Host, open_cluster, read_line
+from .transfer import figure
+
+MODEL = "bench"
+TRAINER = "trainer"
+JOINER = "joiner"
+_PORT = 7700
+_JOINER_PORT = 7701  # the leaving peer's port may linger
+_STALL_TIMEOUT_S = 60.0
+"""Workers' stall limit per chunk read: a star fetch shares the trainer's NIC (or the WAN)
+``window x rollouts`` ways, so one 8 MiB chunk can take ~10 s without anything stalling."""
+_SETUP_TIMEOUT_S = 120.0
+_FETCH_TIMEOUT_S = 900.0
+_ROOT = str(Path(__file__).resolve().parents[2])
+_EXTRAS = {"gloo": "torch", "ray": "ray"}
+_KEYS = {"star": "tcp_star", "gloo": "gloo", "ray": "ray"}
+"""JSON keys of the baselines: ``star_s`` is TensorHub's star, the plain TCP one differs."""
+
+
+class ClusterBenchError(TensorHubError):
+    """A worker failed or answered with an error; the message names it."""
+
+
+class _Worker:
+    """One bench worker peer inside a host's namespace, spoken to in JSON lines."""
+
+    def __init__(self, cluster: Cluster, host: Host, name: str, port: int, join: str,
+                 expect: int, chunk: int, plan: bool) -> None:
+        self.name = name
+        self.host = host
+        self.control = f"{host.ip}:{port}"
+        self.log = cluster.scratch_dir / f"{name}.log"
+        self.prepared = 0
+        argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
+                "--listen", self.control, "--join", join, "--expect", str(expect),
+                "--chunk", str(chunk), "--transports", "tcp", "--host", host.name,
+                "--label", f"dc=dc{host.dc}", "--label", f"rack=dc{host.dc}-r0",
+                "--label", f"nic_bps={cluster.nic_mbit * 1e6 / 8:g}",
+                "--planning", "on" if plan else "off",
+                "--stall-timeout", str(_STALL_TIMEOUT_S)]  # fmt: skip
+        path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+        with self.log.open("w") as log:
+            self.process: subprocess.Popen[str] = cluster.run(
+                host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                text=True, env={**os.environ, "PYTHONPATH": path},
+            )  # fmt: skip
+
+    def send(self, **cmd: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(cmd) + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, event: str, timeout_s: float) -> dict[str, Any]:
+        try:
+            reply: dict[str, Any] = json.loads(read_line(self.process, timeout_s))
+        except (TimeoutError, EOFError) as error:
+            raise ClusterBenchError(f"{self.name}: {error}") from error
+        if reply.get("event") != event:
+            raise ClusterBenchError(f"{self.name}: {reply.get('error', reply)} "
+                                    f"(expected {event!r})")
+        return reply
+
+    def call(self, event: str, timeout_s: float = _SETUP_TIMEOUT_S, **cmd: Any
+             ) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.expect(event, timeout_s)
+
+    def prepare(self, size: int) -> None:
+        """Pre-faulted ``into`` buffers of ``size`` bytes (a rollout's fixed weights)."""
+        if self.prepared != size:
+            self.call("prepared", cmd="prepare", model=MODEL, shape="large", size=size)
+            self.prepared = size
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.send(cmd="quit")
+                self.process.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as error:
+            return f"(no log: {error})"
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """One version fanned out to every rollout of a :class:`Mesh`."""
+
+    fetches: dict[str, dict[str, Any]]
+    """Per rollout, its worker's ``fetched`` reply (start, end, seconds, report, ...)."""
+    published: dict[str, Any]
+    """The trainer's ``published`` reply (its checksum, RSS)."""
+    wan_bytes: int | None
+    """Bytes that crossed between DCs meanwhile (kernel counters); None with one DC."""
+
+    @property
+    def seconds(self) -> float:
+        """From the first rollout's start to the last one's end."""
+        return self.completion_s(self.fetches)
+
+    def completion_s(self, names: Sequence[str] | dict[str, Any]) -> float:
+        """From the first rollout's start to the last of ``names``' end."""
+        start = min(f["start"] for f in self.fetches.values())
+        return float(max(self.fetches[n]["end"] for n in names) - start)
+
+    def sources(self) -> dict[str, dict[str, int]]:
+        """Per rollout, bytes received per source."""
+        return {n: f["report"]["bytes_by_source"] for n, f in self.fetches.items()}
+
+    def plans(self) -> dict[str, str]:
+        """Per rollout, the plan it followed (coordinator and epoch) or why none."""
+        return {n: f["report"].get("plan", "") for n, f in self.fetches.items()}
+
+
+class Mesh:
+    """A TensorHub peer on every host of a cluster; made by :func:`open_mesh`."""
+
+    def __init__(self, cluster: Cluster, chunk: int, plan: bool) -> None:
+        self.cluster = cluster
+        self.chunk = chunk
+        self.plan = plan
+        self.workers: dict[str, _Worker] = {}
+        self.seed = f"{cluster.hosts[0].ip}:{_PORT}"
+
+    @property
+    def trainer(self) -> _Worker:
+        return self.workers[TRAINER]
+
+    @property
+    def rollouts(self) -> list[_Worker]:
+        return [w for name, w in self.workers.items() if name != TRAINER]
+
+    def _start(self, hosts: Sequence[tuple[Host, str, int]], expect: int) -> None:
+        started = []
+        for host, name, port in hosts:
+            self.workers[name] = worker = _Worker(self.cluster, host, name, port, self.seed,
+                                                  expect, self.chunk, self.plan)
+            started.append(worker)
+        for worker in started:
+            worker.expect("ready", _SETUP_TIMEOUT_S)
+
+    def fanout(self, version: int, size: int, *, sources: Sequence[str] | None = None,
+               keep: bool = False, checksum: bool = False) -> Fanout:
+        """The trainer publishes ``version`` (``size`` bytes); every rollout fetches it at
+        once into its buffers. Unless ``keep``, everyone drops the version afterwards."""
+        published = self.trainer.call("published", cmd="publish", model=MODEL,
+                                      version=version, shape="large", size=size)
+        for worker in self.rollouts:
+            worker.prepare(size)
+            worker.call("holders", cmd="wait_holders", model=MODEL, version=version, count=1,
+                        timeout=_SETUP_TIMEOUT_S)
+        wan_before = self.cluster.wan_bytes() if self.cluster.dcs > 1 else None
+        for worker in self.rollouts:
+            worker.send(cmd="fetch", model=MODEL, version=version, into=True,
+                        sources=None if sources is None else list(sources),
+                        checksum=checksum)
+        fetches = {w.name: w.expect("fetched", _FETCH_TIMEOUT_S) for w in self.rollouts}
+        wan = None if wan_before is None else self.cluster.wan_bytes() - wan_before
+        if not keep:
+            for worker in [*self.rollouts, self.trainer]:
+                worker.call("unpublished", cmd="unpublish", model=MODEL, version=version)
+        return Fanout(fetches, published, wan)
+
+    def join_late(self, host: Host, version: int, size: int
+                  ) -> tuple[dict[str, Any], int | None]:
+        """The peer on ``host`` leaves; a fresh one (:data:`JOINER`) starts there, waits
+        until it sees every other holder of ``version`` and fetches it. Returns its
+        ``fetched`` reply and the bytes that crossed between DCs meanwhile."""
+        self.workers.pop(host.name).close()
+        holders = len(self.workers)
+        self._start([(host, JOINER, _JOINER_PORT)], expect=holders + 1)
+        joiner = self.workers[JOINER]
+        joiner.prepare(size)
+        joiner.call("holders", cmd="wait_holders", model=MODEL, version=version,
+                    count=holders, timeout=_SETUP_TIMEOUT_S)
+        wan_before = self.cluster.wan_bytes() if self.cluster.dcs > 1 else None
+        fetched = joiner.call("fetched", _FETCH_TIMEOUT_S, cmd="fetch", model=MODEL,
+                              version=version, into=True, sources=None)
+        return fetched, None if wan_before is None else self.cluster.wan_bytes() - wan_before
+
+
+@contextmanager
+def open_mesh(cluster: Cluster, chunk: int = 8 << 20, plan: bool = True) -> Iterator[Mesh]:
+    """Start a TensorHub peer on every host (``trainer`` on ``h0``, rollouts named after
+    their hosts; ``plan``: they follow the coordinator's plans), yield the :class:`Mesh`,
+    and end the peers on the way out. If the block fails, the tail of every peer's log is
+    printed to stderr first."""
+    mesh = Mesh(cluster, chunk, plan)
+    try:
+        mesh._start([(h, TRAINER if i == 0 else h.name, _PORT)
+                     for i, h in enumerate(cluster.hosts)], expect=len(cluster.hosts))
+        yield mesh
+    except BaseException:
+        for worker in mesh.workers.values():
+            print(f"--- {worker.name} on {worker.host.name}: last lines of {worker.log}",
+                  file=sys.stderr)
+            print(worker.tail(), file=sys.stderr)
+        raise
+    finally:
+        for worker in mesh.workers.values():
+            worker.close()
+
+
+# -- the benchmark ------------------------------------------------------------------------
+
+
+def bound_s(cluster: Cluster, size: int) -> float:
+    """The fluid lower bound of a fan-out from ``h0`` to every other host of ``cluster``:
+    max{S/u_s, S/d_min, n*S/(u_s + sum u_i)}, and with DCs the inter-DC cut S/wan."""
+    nic = cluster.nic_mbit * 1e6 / 8
+    wan = cluster.wan_mbit * 1e6 / 8 if cluster.dcs > 1 and cluster.wan_mbit else float("inf")
+    return fluid_bound(size, nic, nic, [nic] * (len(cluster.hosts) - 1),
+                       wan_bytes=size if cluster.dcs > 1 else 0.0, wan_bps=wan)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Everything one benchmark run measured, in seconds and bytes."""
+
+    star: list[Fanout]
+    tensorhub: list[Fanout]
+    joiner: dict[str, Any]
+    joiner_wan_bytes: int | None
+    joiner_host: str
+    remote: list[str]
+    """Rollouts outside the trainer's DC."""
+    baselines: dict[str, float]
+    baseline_wan_bytes: dict[str, int]
+
+
+def measure(args: argparse.Namespace, size: int, chunk: int, baselines: Sequence[str]
+            ) -> tuple[Measured, float, int]:
+    """Build the cluster, run every measurement, remove it all; (results, bound, mtu)."""
+    with open_cluster(args.hosts, args.nic_mbit, dcs=args.dcs,
+                      wan_mbit=args.wan_mbit if args.dcs > 1 else None,
+                      wan_delay_ms=args.wan_delay_ms if args.dcs > 1 else 0.0) as cluster:
+        bound = bound_s(cluster, size)
+        star, tensorhub = [], []
+        with open_mesh(cluster, chunk, args.plan) as mesh:
+            for run in range(args.runs):
+                star.append(mesh.fanout(2 * run + 1, size, sources=[TRAINER]))
+                _say("star", star[-1], bound, size)
+                last = run == args.runs - 1
+                tensorhub.append(mesh.fanout(2 * run + 2, size, keep=last))
+                _say("TensorHub", tensorhub[-1], bound, size)
+            joiner_host = cluster.hosts[-1]
+            joiner, joiner_wan = mesh.join_late(joiner_host, 2 * args.runs, size)
+        seconds: dict[str, float] = {}
+        wan_bytes: dict[str, int] = {}
+        for name in baselines:
+            wan_before = cluster.wan_bytes() if cluster.dcs > 1 else 0
+            try:
+                seconds[name] = BASELINES[name](cluster, size)
+            except BaselineError as error:
+                raise ClusterBenchError(f"baseline {name}: {error}") from error
+            if cluster.dcs > 1:
+                wan_bytes[name] = cluster.wan_bytes() - wan_before
+            print(f"  measured {name} baseline: {seconds[name]:.2f} s", flush=True)
+        remote = [h.name for h in cluster.hosts[1:] if h.dc != 0]
+        return (Measured(star, tensorhub, joiner, joiner_wan, joiner_host.name, remote,
+                         seconds, wan_bytes), bound, cluster.mtu)
+
+
+def _planned(fans: list[Fanout]) -> str:
+    """The share of fetched bytes that came from the source the plan named."""
+    reports = [x["report"] for f in fans for x in f.fetches.values()]
+    planned = sum(r.get("planned_bytes", 0) for r in reports) / sum(r["bytes"] for r in reports)
+    return f"{planned:.0%} of bytes from planned sources"
+
+
+def _say(what: str, fan: Fanout, bound: float, size: int) -> None:
+    crossed = "" if fan.wan_bytes is None else f", {fan.wan_bytes / size:.2f} x size crossed"
+    print(f"  measured {what} fan-out: {fan.seconds:.2f} s ({fan.seconds / bound:.2f} x "
+          f"bound{crossed})", flush=True)
+
+
+def report(m: Measured, bound: float, size: int, nic_mbit: float, plan: bool
+           ) -> tuple[list[tuple[str, float, float, str]], list[dict[str, Any]]]:
+    """Rows (what, seconds, its bound, note) and the figures of issue 6."""
+    med = statistics.median
+    star_s = med(f.seconds for f in m.star)
+    th_s = med(f.seconds for f in m.tensorhub)
+    one_fetch = size / (nic_mbit * 1e6 / 8)
+    busy_s = med(f.fetches[m.joiner_host]["seconds"] for f in m.star)
+    joiner_s = float(m.joiner["seconds"])
+
+    def crossed(fans: list[Fanout]) -> str:
+        wan = [f.wan_bytes for f in fans if f.wan_bytes is not None]
+        return f"{med(wan) / size:.2f} x size crossed DCs" if wan else ""
+
+    non_trainer = sum(n for f in m.tensorhub for s in f.sources().values()
+                      for src, n in s.items() if src != TRAINER)
+    rows = [
+        ("TensorHub fan-out" + ("" if plan else ", --no-plan"), th_s, bound,
+         "; ".join(filter(None, [crossed(m.tensorhub), _planned(m.tensorhub),
+                                 f"{non_trainer / len(m.tensorhub) / size:.2f} x size "
+                                 "from non-trainer sources"]))),
+        ("TensorHub star, sources=[trainer]", star_s, bound, crossed(m.star)),
+    ]
+    for name, seconds in m.baselines.items():
+        wan = m.baseline_wan_bytes.get(name)
+        rows.append((f"baseline {_KEYS[name].replace('_', ' ')}", seconds, bound,
+                     "" if wan is None else f"{wan / size:.2f} x size crossed DCs"))
+    figures = [
+        figure("fanout_vs_fluid_bound", th_s / bound, "ratio", 1.25, "lower"),
+        figure("fanout_vs_star", th_s / star_s, "ratio", 0.35, "lower"),
+    ]
+    for name, label in (("gloo", "fanout_vs_gloo"), ("ray", "fanout_vs_ray")):
+        if name in m.baselines:
+            figures.append(figure(label, th_s / m.baselines[name], "ratio", 0.5, "lower"))
+    if m.remote:
+        th_remote = med(f.completion_s(m.remote) for f in m.tensorhub)
+        star_remote = med(f.completion_s(m.remote) for f in m.star)
+        rows += [("TensorHub, remote DC done", th_remote, bound, ""),
+                 ("TensorHub star, remote DC done", star_remote, bound, "")]
+        crossed_bytes = med(f.wan_bytes or 0 for f in m.tensorhub)
+        figures += [
+            figure("interdc_bytes_vs_size", crossed_bytes / size, "ratio", 1.05, "lower"),
+            figure("remote_dc_speedup_vs_star", star_remote / th_remote, "ratio", 3, "higher"),
+        ]
+    sources = ", ".join(f"{k} {v / size:.2f}" for k, v in
+                        sorted(m.joiner["report"]["bytes_by_source"].items()))
+    joined = f"x size from: {sources}"
+    if m.joiner_wan_bytes is not None:
+        joined += f"; {m.joiner_wan_bytes / size:.2f} x size crossed DCs"
+    rows += [(f"joiner on {m.joiner_host}, after the fan-out", joiner_s, one_fetch, joined),
+             (f"{m.joiner_host} in the star run (busy trainer)", busy_s, one_fetch, "")]
+    figures.append(figure("joiner_speedup_vs_trainer", busy_s / joiner_s, "ratio", 3,
+                          "higher"))
+    return rows, figures
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", type=int, default=8,
+                   help="emulated hosts: h0 is the trainer, the others rollouts (default 8)")
+    p.add_argument("--nic-mbit", type=float, default=400.0, help="each host's NIC, both ways")
+    p.add_argument("--size", type=parse_size, default=parse_size("256MiB"),
+                   help="bytes per version (default 256MiB)")
+    p.add_argument("--chunk", type=parse_size, default=parse_size("8MiB"),
+                   help="chunk size (default 8MiB)")
+    p.add_argument("--dcs", type=int, choices=(1, 2), default=1,
+                   help="datacenters: hosts split in halves; h0 in the first")
+    p.add_argument("--wan-mbit", type=float, default=100.0, help="inter-DC link (with --dcs 2)")
+    p.add_argument("--wan-delay-ms", type=float, default=20.0,
+                   help="round trip the inter-DC link adds (with --dcs 2)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="star and TensorHub fan-outs each (median); baselines run once")
+    p.add_argument("--baselines", default="star,gloo,ray",
+                   help="comma-separated subset of star (plain TCP), gloo, ray; '' for none")
+    p.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True,
+                   help="TensorHub fetchers follow the coordinator's plan (default); "
+                        "--no-plan: they choose holders themselves")
+    p.add_argument("--json", action="store_true", help="last line: JSON with figures")
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    """The chosen baselines; ``ClusterBenchError`` for options that cannot run here."""
+    chosen = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    for name in chosen:
+        if name not in BASELINES:
+            raise ClusterBenchError(f"unknown baseline {name!r}; choose from "
+                                    f"{', '.join(BASELINES)}")
+        if name in _EXTRAS and importlib.util.find_spec(_EXTRAS[name]) is None:
+            raise ClusterBenchError(f"baseline {name} needs {_EXTRAS[name]}: pip install "
+                                    f"'tensorhub[bench]' (or --baselines without {name})")
+    if args.hosts < 3 or args.hosts < 2 * args.dcs or args.runs < 1:
+        raise ClusterBenchError("need --hosts >= 3, two hosts per DC, and --runs >= 1")
+    return chosen
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    chosen = _check(args)
+    size, chunk = args.size, args.chunk
+    rollouts = args.hosts - 1
+    where = (f"{args.dcs} DCs, {args.wan_mbit:g} Mbit / {args.wan_delay_ms:g} ms between"
+             if args.dcs > 1 else "1 DC")
+    print(f"cluster benchmark: trainer + {rollouts} rollouts, {args.nic_mbit:g} Mbit NICs, "
+          f"{where}; {size / 2**20:g} MiB, chunk {chunk / 2**20:g} MiB, "
+          f"median of {args.runs} run(s)", flush=True)
+    m, bound, mtu = measure(args, size, chunk, chosen)
+    rows, figures = report(m, bound, size, args.nic_mbit, args.plan)
+    print(f"\nfluid lower bound: {bound:.2f} s")
+    print(f"{'what':<40} {'seconds':>8} {'bound':>7} {'x bound':>8}  notes")
+    for what, seconds, its_bound, note in rows:
+        print(f"{what:<40} {seconds:>8.2f} {its_bound:>7.2f} {seconds / its_bound:>8.2f}  "
+              f"{note}")
+    print()
+    print(f"{'figure':<28} {'value':>9} {'bound':>7}  ok")
+    for f in figures:
+        sign = ">=" if f["better"] == "higher" else "<="
+        print(f"{f['name']:<28} {f['value']:>9.3f} {sign}{f['bound']:>5}  "
+              f"{'yes' if f['ok'] else 'NO'}")
+    if args.json:
+        print(json.dumps({
+            "figures": figures,
+            "baselines": {"fluid_bound_s": bound,
+                          "star_s": statistics.median(f.seconds for f in m.star),
+                          **{f"{_KEYS[k]}_s": v for k, v in m.baselines.items()},
+                          **{f"{_KEYS[k]}_wan_bytes": v
+                             for k, v in m.baseline_wan_bytes.items()}},
+            "measured": {
+                "tensorhub_s": [f.seconds for f in m.tensorhub],
+                "star_s": [f.seconds for f in m.star],
+                "tensorhub_wan_bytes": [f.wan_bytes for f in m.tensorhub],
+                "star_wan_bytes": [f.wan_bytes for f in m.star],
+                "remote_rollouts": m.remote,
+                "tensorhub_remote_s": [f.completion_s(m.remote) for f in m.tensorhub]
+                if m.remote else [],
+                "star_remote_s": [f.completion_s(m.remote) for f in m.star] if m.remote else [],
+                "tensorhub_done_s": [{n: f.completion_s([n]) for n in f.fetches}
+                                     for f in m.tensorhub],
+                "bytes_by_source": [f.sources() for f in m.tensorhub],
+                "plans": [f.plans() for f in m.tensorhub],
+                "joiner_host": m.joiner_host, "joiner_s": m.joiner["seconds"],
+                "joiner_bytes_by_source": m.joiner["report"]["bytes_by_source"],
+                "joiner_wan_bytes": m.joiner_wan_bytes,
+                "busy_trainer_s": [f.fetches[m.joiner_host]["seconds"] for f in m.star],
+            },
+            "settings": {"hosts": args.hosts, "rollouts": rollouts, "nic_mbit": args.nic_mbit,
+                         "size_bytes": size, "chunk_bytes": chunk, "dcs": args.dcs,
+                         "wan_mbit": args.wan_mbit if args.dcs > 1 else None,
+                         "wan_delay_ms": args.wan_delay_ms if args.dcs > 1 else None,
+                         "runs": args.runs, "plan": args.plan, "baselines": chosen,
+                         "mtu": mtu},
+        }))
+    return 0
+
