@@ -32,9 +32,14 @@ from tensorhub.protocol.membership import (
     MESSAGES,
     STATUSES,
     SUSPECT,
+    Ack,
+    Gossip,
+    IndirectPing,
     Membership,
     MemberState,
+    Nack,
     Ping,
+    PushPull,
     Update,
 )
 from tensorhub.protocol.suspicion import Health, Suspicion, suspicion_bounds
@@ -66,8 +71,8 @@ def test_crash_is_detected_by_everyone_within_the_bound() -> None:
     sim = _sim(8, seed=1)
     crashed_at = sim.now
     sim.crash(3)
-    low, high = suspicion_bounds(LOCAL.suspicion_mult, LOCAL.suspicion_max_mult, 8,
-                                 LOCAL.probe_interval)
+    _, high = suspicion_bounds(LOCAL.suspicion_mult, LOCAL.suspicion_max_mult, 8,
+                               LOCAL.probe_interval)
     bound = 2 * LOCAL.probe_interval + high + 2 * math.log2(8) * LOCAL.gossip_interval
     sim.run_until(crashed_at + bound)
     for i in sim.live():
@@ -167,7 +172,7 @@ def test_messages_are_plain_frozen_wire_types() -> None:
         if tp in allowed:
             return
         if dataclasses.is_dataclass(tp):
-            assert tp.__dataclass_params__.frozen  # type: ignore[attr-defined]
+            assert tp.__dataclass_params__.frozen  # type: ignore[union-attr]
             for hint in typing.get_type_hints(tp).values():
                 check(hint)
             return
@@ -180,6 +185,26 @@ def test_messages_are_plain_frozen_wire_types() -> None:
     for cls in MESSAGES:
         check(cls)
         assert {"sender", "sender_name"} <= {f.name for f in dataclasses.fields(cls)}
+
+
+def test_messages_round_trip_through_the_wire_codec() -> None:
+    from tensorhub.errors import RemoteProtocolError
+    from tensorhub.protocol import codec, messages
+
+    messages.register_all()
+    info = PeerInfo("a", "a:1", "a:2", (("dc", "x"), ("rack", "r1")))
+    alive, suspect = Update(0, "a", 3, "a", info), Update(1, "b", 0, "a", None)
+    samples = [Ping("a:1", "a", 1, "b", (alive, suspect)),
+               IndirectPing("a:1", "a", 2, "b", "b:1", ()), Ack("a:1", "a", 1, (alive,)),
+               Nack("a:1", "a", 1), Gossip("a:1", "a", (suspect,)),
+               PushPull("a:1", "a", b"d" * 12, (alive,), True)]
+    assert {type(m) for m in samples} == set(MESSAGES)
+    for msg in samples:
+        assert codec.decode(codec.encode(msg)) == msg
+    wire = bytearray(codec.encode(Gossip("a:1", "a", (suspect,))))
+    wire[wire.index(b"\x01\xa1b")] = 9  # the update's kind: 1 -> 9
+    with pytest.raises(RemoteProtocolError):
+        codec.decode(bytes(wire))
 
 
 def test_malformed_update_is_refused() -> None:
@@ -235,7 +260,7 @@ class MembershipMachine(RuleBasedStateMachine):
             self.inflight.append((self.now, src, ADDR[o.dest], o.msg))
 
     def _deliver(self, k: int) -> None:
-        _, src, dst, msg = self.inflight.pop(k)
+        _, _, dst, msg = self.inflight.pop(k)
         node = self.nodes[dst]
         if node is not None:
             self._send(dst, node.receive(self.now, msg))

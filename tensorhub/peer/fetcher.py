@@ -168,11 +168,17 @@ class Fetch:
 
     def _pick(self) -> tuple[int, PeerInfo] | None:
         holders = [(p, h) for p, h in self.view(self.key) if self._usable(p.name)]
+        complete = {p.name for p, h in holders if h.complete}
         for chunk in self.pending:
             planned = self.planned.get(chunk)
             if planned is not None and self._usable(planned.name) \
                     and chunk not in self.lacks.get(planned.name, ()):
-                return chunk, planned
+                if planned.name in complete or self.load.get(planned.name, 0) == 0:
+                    return chunk, planned
+                # A parent that is still receiving gets one request at a time: more
+                # would share our link between chunks it has not even got yet, and
+                # delay every level of the tree by that many chunk-times.
+                continue
             best: tuple[tuple[int, int, str], PeerInfo] | None = None
             for peer, holding in holders:
                 if chunk in self.lacks.get(peer.name, ()) or not (
@@ -230,7 +236,7 @@ class Fetch:
                     if not ok:
                         self.pending.append(chunk)
                         self.pending.sort()
-                        self.changed.set()
+                    self.changed.set()  # a slot or a source is free again
         finally:
             for conn in conns.values():
                 await conn.aclose()

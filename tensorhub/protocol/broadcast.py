@@ -50,6 +50,13 @@ class BroadcastQueue(Generic[T]):
         if not self._where:
             return ()
         buckets = self._buckets
+        if len(self._where) <= count:  # everything goes: shift every bucket up by one
+            out = tuple(item for bucket in buckets[:limit] for item in reversed(bucket.values()))
+            buckets.insert(0, {})
+            for subject in self._where:
+                self._where[subject] += 1
+            self._retire_beyond(limit)
+            return out
         picked: list[tuple[int, dict[str, T]]] = []
         need = count
         for sent in range(min(limit, len(buckets))):

@@ -15,16 +15,19 @@ round-robin list.  No ack within ``probe_timeout``: ``indirect_checks`` others p
 for us and nack if they hear nothing.  No ack by the end of the interval: we suspect
 it and tell it so.  A suspicion turns into death when its Lifeguard timer runs out
 (suspicion.py: log(N)-scaled, shortened by independent confirmations).  Missed nacks
-and refutations lower our local health, which stretches our probe interval and timeout.
+and refutations lower our local health, which stretches our probe interval, probe
+timeout and suspicion timeouts.
 
 Dissemination: every change is queued (broadcast.py) and piggybacked on pings, acks
-and a gossip round to ``gossip_fanout`` members, about ``retransmit_mult*log10(N+1)``
-times each.  Every ``push_pull_interval`` we send our view digest to one member; if
-the digests differ the two exchange full state.  A joiner sends its full state to its
-seeds.  A "dead" learnt by state exchange only makes us suspect (memberlist's rule), so
-a stale view cannot kill a healthy member.  Tombstones (dead/left) are forgotten after
-``dead_reap_after``; the addresses of failed members are kept for RECONNECT_TIMEOUT
-and, as Serf does, we now and then exchange state with one, which heals partitions.
+and gossip rounds to ``gossip_fanout`` members, about ``retransmit_mult*log10(N+1)``
+times each.  A gossip round runs at most once per ``gossip_interval``, and at once when
+news arrives after a quiet spell.  Every ``push_pull_interval`` we send our view digest
+to one member; if the digests differ the two exchange full state.  A joiner sends its
+full state to its seeds.  A "dead" learnt by state exchange only makes us suspect
+(memberlist's rule): a stale view cannot kill a healthy member.  Tombstones (dead/left)
+are forgotten after ``dead_reap_after``; the addresses of failed members are kept for
+RECONNECT_TIMEOUT and, as Serf does, we now and then exchange state with one, which
+heals partitions.
 
 Inputs carry ``now``; outputs are :class:`Outbound` messages, plus :class:`MemberEvent`
 records the caller drains.  No clock, no socket, randomness only from the rng given.
@@ -32,14 +35,12 @@ records the caller drains.  No clock, no socket, randomness only from the rng gi
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 import random
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from types import MappingProxyType
 from typing import cast
 
@@ -47,12 +48,17 @@ from ..config import PeerConfig
 from ..errors import LocalProtocolError
 from ..model import PeerInfo
 from .broadcast import BroadcastQueue
-from .suspicion import Health, Suspicion, suspicion_bounds
+from .probe import Probe, Prober
+from .suspicion import Health, Suspicion
+from .view import ALIVE, DEAD, LEFT, RANK, STATUSES, SUSPECT, MemberState, View
 
-ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
-STATUSES = (ALIVE, SUSPECT, DEAD, LEFT)  # index = wire ``kind`` = precedence rank
-_A, _S, _D, _L = range(4)
-_RANK = {s: i for i, s in enumerate(STATUSES)}
+__all__ = [
+    "ALIVE", "DEAD", "LEFT", "MESSAGES", "STATUSES", "SUSPECT", "Ack", "Gossip", "IndirectPing",
+    "MemberEvent", "MemberState", "Membership", "MembershipStatistics", "Message", "Nack",
+    "Outbound", "Ping", "PushPull", "Update",
+]
+
+_A, _S, _D, _L = range(4)  # an Update's kind: the rank of STATUSES
 
 HEALTH_LIMIT = 8           # Lifeguard: timeouts stretch up to 8x on an unhealthy peer
 PIGGYBACK_PROBE = 8        # updates riding on a ping or ack
@@ -62,7 +68,7 @@ RECONNECT_TIMEOUT = 24 * 3600.0  # failed members' addresses kept this long (as 
 RECONNECT_MAX = 4096       # ... and at most this many (oldest forgotten first)
 EVENTS_MAX = 65536         # undrained events kept; older ones are dropped and counted
 
-_T_SUSPECT, _T_REAP, _T_RELAY, _T_FORGET = range(4)
+_T_SUSPECT, _T_REAP, _T_FORGET = range(3)
 
 
 # -- wire messages ---------------------------------------------------------------------
@@ -154,13 +160,6 @@ class Outbound:
 
 
 @dataclass(frozen=True, slots=True)
-class MemberState:
-    info: PeerInfo
-    status: str
-    incarnation: int
-
-
-@dataclass(frozen=True, slots=True)
 class MemberEvent:
     kind: str  # joined, alive, suspect, dead, left
     name: str
@@ -187,25 +186,6 @@ class MembershipStatistics:
     events_dropped: int
 
 
-class _Probe:
-    __slots__ = ("ack_deadline", "end", "indirect", "nacks", "nacks_expected", "seq", "target")
-
-    def __init__(self, target: str, seq: int, ack_deadline: float, end: float) -> None:
-        self.target = target
-        self.seq = seq
-        self.ack_deadline = ack_deadline
-        self.end = end
-        self.indirect = False
-        self.nacks_expected = 0
-        self.nacks = 0
-
-
-@lru_cache(maxsize=1 << 16)
-def _entry_hash(name: str, incarnation: int, kind: int) -> int:
-    key = f"{name}\x00{incarnation}\x00{kind}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-
-
 class Membership:
     """One peer's SWIM + Lifeguard membership.  Call :meth:`tick` at (or after)
     :meth:`next_deadline`, :meth:`receive` for every message; send what they return."""
@@ -220,26 +200,13 @@ class Membership:
         self._inc = 0
         self._left = False
         self._seeds: tuple[str, ...] = ()
-        self._states: dict[str, MemberState] = {}
-        self._records: dict[str, Update] = {}   # latest full record per member
-        self._keys: dict[str, int] = {}         # others' incarnation * 4 + rank
-        self._dead_since: dict[str, float] = {}
-        self._failed: dict[str, tuple[str, float]] = {}  # name -> (control, failed at)
-        self._live: list[str] = []              # alive or suspect, not me
-        self._live_pos: dict[str, int] = {}
-        self._digest_sum = 0
-        self._digest_count = 0
-        self._full: tuple[Update, ...] | None = None
+        self._view = View(me.name, RECONNECT_MAX)
         self._suspicions: dict[str, Suspicion] = {}
         self._queue: BroadcastQueue[Update] = BroadcastQueue(config.gossip_queue)
         self._health = Health(HEALTH_LIMIT)
-        self._timers: list[tuple[float, int, int, str, int]] = []
+        self._timers: list[tuple[float, int, int, str]] = []
         self._timer_seq = 0
-        self._seq = 0
-        self._relays: dict[int, tuple[str, int]] = {}
-        self._probe: _Probe | None = None
-        self._probe_order: list[str] = []
-        self._probe_index = 0
+        self._prober = Prober(rng)
         self._events: deque[MemberEvent] = deque(maxlen=EVENTS_MAX)
         self._events_dropped = 0
         self._refuted = False
@@ -249,7 +216,7 @@ class Membership:
         self._next_probe = now + rng.random() * config.probe_interval
         self._next_gossip = now + rng.random() * config.gossip_interval
         self._next_push_pull = now + rng.random() * config.push_pull_interval
-        self._set_self()
+        self._set_self(ALIVE, now)
 
     # -- public API ------------------------------------------------------------------
 
@@ -261,7 +228,6 @@ class Membership:
         """Send our full state to each seed (a control address) and ask for theirs.
         While we know no other member, the join is retried every probe interval."""
         self._seeds = tuple(s for s in seeds if s != self._addr)
-        self._queue.put(self._name, self._records[self._name])
         out: list[Outbound] = []
         self._send_join(out)
         return out
@@ -272,24 +238,20 @@ class Membership:
         if self._left:
             return []
         self._left = True
-        self._probe = None
-        self._digest_remove(self._name, self._inc, _A)
-        self._states[self._name] = MemberState(self.me, LEFT, self._inc)
-        record = Update(_L, self._name, self._inc, self._name, self.me)
-        self._records[self._name] = record
-        self._queue.put(self._name, record)
-        self._full = None
-        return [Outbound(self._control(n), Gossip(self._addr, self._name, (record,)))
-                for n in self._pick(self._cfg.gossip_fanout, None)]
+        self._prober.current = None
+        record = self._set_self(LEFT, now)
+        return [Outbound(self._view.control(n), Gossip(self._addr, self._name, (record,)))
+                for n in self._view.pick(self._rng, self._cfg.gossip_fanout, None)]
 
     def next_deadline(self) -> float:
         deadline = self._next_gossip if len(self._queue) else math.inf
         if self._left:
             return deadline
-        deadline = min(deadline, self._next_probe, self._next_push_pull)
-        p = self._probe
+        deadline = min(deadline, self._next_probe, self._next_push_pull,
+                       self._prober.relay_deadline())
+        p = self._prober.current
         if p is not None:
-            deadline = min(deadline, p.end if p.indirect else p.ack_deadline)
+            deadline = min(deadline, p.deadline())
         if self._timers:
             deadline = min(deadline, self._timers[0][0])
         return deadline
@@ -302,20 +264,18 @@ class Membership:
             return out
         timers = self._timers
         while timers and timers[0][0] <= now:
-            _, _, kind, name, num = heapq.heappop(timers)
+            _, _, kind, name = heapq.heappop(timers)
             if kind == _T_SUSPECT:
                 self._suspicion_expired(now, name, out)
             elif kind == _T_REAP:
                 self._reap(now, name)
-            elif kind == _T_RELAY:
-                relay = self._relays.pop(num, None)
-                if relay is not None:
-                    out.append(Outbound(relay[0], Nack(self._addr, self._name, relay[1])))
             else:
-                entry = self._failed.get(name)
+                entry = self._view.failed.get(name)
                 if entry is not None and entry[1] + RECONNECT_TIMEOUT <= now:
-                    del self._failed[name]
-        p = self._probe
+                    del self._view.failed[name]
+        for requester, seq in self._prober.overdue_relays(now):
+            out.append(Outbound(requester, Nack(self._addr, self._name, seq)))
+        p = self._prober.current
         if p is not None:
             if not p.indirect and now >= p.ack_deadline:
                 self._send_indirect(p, out)
@@ -340,7 +300,7 @@ class Membership:
         if self._left:
             if kind is Ping or kind is IndirectPing or kind is PushPull:
                 out.append(Outbound(m.sender, Gossip(
-                    self._addr, self._name, (self._records[self._name],))))
+                    self._addr, self._name, (self._view.records[self._name],))))
             return out
         self._refuted = False
         replied = False
@@ -358,9 +318,7 @@ class Membership:
             self._merge(now, ack.updates, False, out)
             self._on_ack(ack, out)
         elif kind is Nack:
-            p = self._probe
-            if p is not None and p.seq == cast(Nack, m).seq:
-                p.nacks += 1
+            self._prober.nacked(cast(Nack, m).seq)
         elif kind is IndirectPing:
             ind = cast(IndirectPing, m)
             self._merge(now, ind.updates, False, out)
@@ -369,27 +327,27 @@ class Membership:
             self._merge(now, cast(Gossip, m).updates, False, out)
         else:
             replied = self._on_push_pull(now, cast(PushPull, m), out)
-        if self._refuted and not replied:
+        if self._refuted and not replied:  # whoever accused us hears the refutation
             out.append(Outbound(m.sender, Gossip(
-                self._addr, self._name, (self._records[self._name],))))
+                self._addr, self._name, (self._view.records[self._name],))))
         return out
 
     def members(self) -> Mapping[str, MemberState]:
         """Every member we know, tombstones and ourselves included (a read-only view)."""
-        return MappingProxyType(self._states)
+        return MappingProxyType(self._view.states)
 
     def live_members(self) -> list[PeerInfo]:
         """Alive and suspect members (ourselves included), by name."""
-        return sorted((st.info for st in self._states.values() if st.status in (ALIVE, SUSPECT)),
-                      key=lambda info: info.name)
+        states = self._view.states
+        return sorted((states[n].info for n in (*self._view.live, self._name)
+                       if states[n].status in (ALIVE, SUSPECT)), key=lambda info: info.name)
 
     def is_live(self, name: str) -> bool:
-        st = self._states.get(name)
-        return st is not None and st.status in (ALIVE, SUSPECT)
+        return self._view.is_live(name) or (name == self._name and not self._left)
 
     def digest(self) -> bytes:
         """Order-free digest of the live part of the view: equal digests, equal views."""
-        return self._digest_sum.to_bytes(8, "little") + self._digest_count.to_bytes(4, "little")
+        return self._view.digest()
 
     def drain_events(self) -> list[MemberEvent]:
         if not self._events:
@@ -399,23 +357,18 @@ class Membership:
         return events
 
     def statistics(self) -> MembershipStatistics:
-        statuses = [st.status for st in self._states.values()]
-        c = self._counts
+        statuses = [st.status for st in self._view.states.values()]
         return MembershipStatistics(
-            incarnation=self._inc, alive=statuses.count(ALIVE),
-            suspect=statuses.count(SUSPECT),
-            tombstones=statuses.count(DEAD) + statuses.count(LEFT),
-            health=self._health.score, probes=c["probes"], probes_failed=c["probes_failed"],
-            suspicions=c["suspicions"], refutations=c["refutations"], received=c["received"],
-            misdirected=c["misdirected"], push_pulls=c["push_pulls"],
-            reconnects=c["reconnects"], broadcast_queue=len(self._queue),
-            broadcasts_dropped=self._queue.dropped, events_dropped=self._events_dropped)
+            incarnation=self._inc, alive=statuses.count(ALIVE), suspect=statuses.count(SUSPECT),
+            tombstones=statuses.count(DEAD) + statuses.count(LEFT), health=self._health.score,
+            broadcast_queue=len(self._queue), broadcasts_dropped=self._queue.dropped,
+            events_dropped=self._events_dropped, **self._counts)
 
     # -- the view ----------------------------------------------------------------------
 
     def _merge(self, now: float, updates: tuple[Update, ...], sync: bool,
                out: list[Outbound]) -> None:
-        keys = self._keys
+        keys = self._view.keys
         for u in updates:
             kind = u.kind
             if sync and kind == _D:
@@ -430,60 +383,38 @@ class Membership:
     def _apply(self, now: float, u: Update, kind: int, out: list[Outbound]) -> None:
         name = u.name
         if name == self._name:
-            self._about_me(u, out)
+            self._about_me(now, u, out)
             return
-        st = self._states.get(name)
+        st = self._view.states.get(name)
         if st is None:  # a tombstone of a member we do not know teaches nothing
             if u.info is not None and u.kind <= _S:
-                self._change(now, name, kind, u.incarnation, u.origin, u.info, None, u)
+                self._change(now, name, kind, u.incarnation, u.origin, u.info, u)
             return
-        if u.incarnation == st.incarnation and kind == _RANK[st.status]:
+        if u.incarnation == st.incarnation and kind == RANK[st.status]:
             if kind == _S:
                 self._confirm(name, u.origin)
             return
         info = st.info if u.info is None or u.info == st.info else u.info
-        self._change(now, name, kind, u.incarnation, u.origin, info, st, u)
+        self._change(now, name, kind, u.incarnation, u.origin, info, u)
 
     def _change(self, now: float, name: str, kind: int, inc: int, origin: str,
-                info: PeerInfo, old: MemberState | None, heard: Update | None = None) -> None:
-        old_kind = _RANK[old.status] if old is not None else _L
-        self._states[name] = MemberState(info, STATUSES[kind], inc)
-        self._keys[name] = inc * 4 + kind
-        if old is not None and old_kind <= _S:
-            self._digest_remove(name, old.incarnation, old_kind)
-        if kind <= _S:
-            self._digest_add(name, inc, kind)
-            if old_kind > _S:
-                self._live_add(name)
-        elif old_kind <= _S:
-            self._live_remove(name)
-        self._suspicions.pop(name, None)
-        if kind == _S:
-            n = len(self._live) + 1
-            low, high = suspicion_bounds(self._cfg.suspicion_mult, self._cfg.suspicion_max_mult,
-                                         n, self._cfg.probe_interval)
-            expected = int(self._cfg.suspicion_mult) - 2
-            s = Suspicion(now, inc, origin, 0 if n - 2 < expected else expected, low, high)
-            self._suspicions[name] = s
-            self._push_timer(s.deadline(), _T_SUSPECT, name)
-        if kind >= _D:
-            self._dead_since[name] = now
-            self._push_timer(now + self._cfg.dead_reap_after, _T_REAP, name)
-        else:
-            self._dead_since.pop(name, None)
-        if kind == _D:
-            self._failed.pop(name, None)
-            self._failed[name] = (info.control, now)
-            if len(self._failed) > RECONNECT_MAX:
-                del self._failed[next(iter(self._failed))]
-        else:
-            self._failed.pop(name, None)
+                info: PeerInfo, heard: Update | None = None) -> None:
         if heard is not None and heard.kind == kind and heard.info is info:
             record = heard  # share the record we were sent: peers' views hold one object
         else:
             record = Update(kind, name, inc, origin, info)
-        self._records[name] = record
-        self._full = None
+        old = self._view.set(name, MemberState(info, STATUSES[kind], inc), record, now)
+        old_kind = RANK[old.status] if old is not None else _L
+        if kind <= _S < old_kind:
+            self._prober.insert(name)
+        self._suspicions.pop(name, None)
+        if kind == _S:
+            s = Suspicion.for_cluster(now, inc, origin, len(self._view.live) + 1, self._cfg,
+                                      self._health)
+            self._suspicions[name] = s
+            self._push_timer(s.deadline(), _T_SUSPECT, name)
+        if kind >= _D:
+            self._push_timer(now + self._cfg.dead_reap_after, _T_REAP, name)
         if kind != _A:  # suspicions and deaths travel without the member's info
             record = heard if heard is not None and heard.kind == kind and heard.info is None \
                 else Update(kind, name, inc, origin, None)
@@ -497,73 +428,40 @@ class Membership:
             self._push_timer(s.deadline(), _T_SUSPECT, name)
             self._queue.put(name, Update(_S, name, s.incarnation, accuser, None))
 
-    def _about_me(self, u: Update, out: list[Outbound]) -> None:
+    def _about_me(self, now: float, u: Update, out: list[Outbound]) -> None:
         if self._left or u.incarnation < self._inc:
             return
-        if u.incarnation == self._inc and u.kind == _A and (u.info is None or u.info == self.me):
+        if u.incarnation == self._inc and u.kind == _A and u.info == self.me:
             return
         if u.kind != _A:
             self._health.apply(1)
-        self._digest_remove(self._name, self._inc, _A)
         self._inc = u.incarnation + 1
-        self._set_self()
+        record = self._set_self(ALIVE, now)
         self._counts["refutations"] += 1
         self._refuted = True
-        record = self._records[self._name]
-        self._queue.put(self._name, record)
-        out.extend(Outbound(self._control(n), Gossip(self._addr, self._name, (record,)))
-                   for n in self._pick(self._cfg.gossip_fanout, None))
+        out.extend(Outbound(self._view.control(n), Gossip(self._addr, self._name, (record,)))
+                   for n in self._view.pick(self._rng, self._cfg.gossip_fanout, None))
 
-    def _set_self(self) -> None:
-        self._states[self._name] = MemberState(self.me, ALIVE, self._inc)
-        self._records[self._name] = Update(_A, self._name, self._inc, self._name, self.me)
-        self._digest_add(self._name, self._inc, _A)
-        self._full = None
+    def _set_self(self, status: str, now: float) -> Update:
+        kind = RANK[status]
+        record = Update(kind, self._name, self._inc, self._name, self.me)
+        self._view.set(self._name, MemberState(self.me, status, self._inc), record, now)
+        self._queue.put(self._name, record)
+        return record
 
     def _suspicion_expired(self, now: float, name: str, out: list[Outbound]) -> None:
         s = self._suspicions.get(name)
         if s is None or s.deadline() > now:
             return
-        st = self._states[name]
-        self._change(now, name, _D, s.incarnation, self._name, st.info, st)
+        info = self._view.states[name].info
+        self._change(now, name, _D, s.incarnation, self._name, info)
         # If it is only slow, it refutes when it hears this.
-        out.append(Outbound(st.info.control, Gossip(
+        out.append(Outbound(info.control, Gossip(
             self._addr, self._name, (Update(_D, name, s.incarnation, self._name, None),))))
 
     def _reap(self, now: float, name: str) -> None:
-        st = self._states.get(name)
-        if st is None or st.status not in (DEAD, LEFT):
-            return
-        if self._dead_since[name] + self._cfg.dead_reap_after > now:
-            return
-        del self._states[name], self._records[name], self._dead_since[name], self._keys[name]
-        self._full = None
-        entry = self._failed.get(name)
-        if entry is not None:
-            self._push_timer(entry[1] + RECONNECT_TIMEOUT, _T_FORGET, name)
-
-    def _digest_add(self, name: str, inc: int, kind: int) -> None:
-        self._digest_sum = (self._digest_sum + _entry_hash(name, inc, kind)) & 0xFFFFFFFFFFFFFFFF
-        self._digest_count += 1
-
-    def _digest_remove(self, name: str, inc: int, kind: int) -> None:
-        self._digest_sum = (self._digest_sum - _entry_hash(name, inc, kind)) & 0xFFFFFFFFFFFFFFFF
-        self._digest_count -= 1
-
-    def _live_add(self, name: str) -> None:
-        self._live_pos[name] = len(self._live)
-        self._live.append(name)
-        # A newcomer is probed within one round-robin cycle, at a random place in it.
-        order = self._probe_order
-        pos = self._probe_index + int(self._rng.random() * (len(order) - self._probe_index + 1))
-        order.insert(pos, name)
-
-    def _live_remove(self, name: str) -> None:
-        pos = self._live_pos.pop(name)
-        last = self._live.pop()
-        if last != name:
-            self._live[pos] = last
-            self._live_pos[last] = pos
+        if self._view.reap(name, now, self._cfg.dead_reap_after) and name in self._view.failed:
+            self._push_timer(self._view.failed[name][1] + RECONNECT_TIMEOUT, _T_FORGET, name)
 
     def _emit(self, event: MemberEvent) -> None:
         if len(self._events) == EVENTS_MAX:
@@ -575,87 +473,67 @@ class Membership:
     def _start_probe(self, now: float, out: list[Outbound]) -> None:
         interval = self._health.scale(self._cfg.probe_interval)
         self._next_probe = now + interval
-        target = self._next_target()
+        target = self._prober.next_target(self._view)
         if target is None:
             self._send_join(out)  # we know nobody (yet): keep knocking on the seeds
             return
-        self._seq += 1
         self._counts["probes"] += 1
         timeout = self._health.scale(self._cfg.probe_timeout)
-        self._probe = _Probe(target, self._seq, now + timeout, now + interval)
-        out.append(Outbound(self._control(target), Ping(
-            self._addr, self._name, self._seq, target, self._piggyback(target))))
+        p = self._prober.begin(target, now + timeout, now + interval)
+        out.append(Outbound(self._view.control(target), Ping(
+            self._addr, self._name, p.seq, target, self._piggyback(target))))
 
-    def _next_target(self) -> str | None:
-        order = self._probe_order
-        for _ in range(2):
-            while self._probe_index < len(order):
-                name = order[self._probe_index]
-                self._probe_index += 1
-                if name in self._live_pos:
-                    return name
-            order[:] = self._live
-            self._rng.shuffle(order)
-            self._probe_index = 0
-        return None
-
-    def _send_indirect(self, p: _Probe, out: list[Outbound]) -> None:
+    def _send_indirect(self, p: Probe, out: list[Outbound]) -> None:
         p.indirect = True
-        st = self._states.get(p.target)
+        st = self._view.states.get(p.target)
         if st is None:
             return
-        helpers = self._pick(self._cfg.indirect_checks, p.target)
+        helpers = self._view.pick(self._rng, self._cfg.indirect_checks, p.target)
         p.nacks_expected = len(helpers)
         for name in helpers:
-            out.append(Outbound(self._control(name), IndirectPing(
+            out.append(Outbound(self._view.control(name), IndirectPing(
                 self._addr, self._name, p.seq, p.target, st.info.control,
                 self._queue.take(PIGGYBACK_PROBE, self._limit()))))
 
-    def _probe_failed(self, now: float, p: _Probe, out: list[Outbound]) -> None:
-        self._probe = None
+    def _probe_failed(self, now: float, p: Probe, out: list[Outbound]) -> None:
+        self._prober.current = None
         self._counts["probes_failed"] += 1
         # Lifeguard: missing nacks mean *we* may be the problem.
         self._health.apply(p.nacks_expected - p.nacks if p.nacks_expected else 1)
-        st = self._states.get(p.target)
+        st = self._view.states.get(p.target)
         if st is None or st.status == SUSPECT:
             self._confirm(p.target, self._name)
             return
         if st.status != ALIVE:
             return
         self._counts["suspicions"] += 1
-        self._change(now, p.target, _S, st.incarnation, self._name, st.info, st)
+        self._change(now, p.target, _S, st.incarnation, self._name, st.info)
         out.append(Outbound(st.info.control, Gossip(self._addr, self._name, (
             Update(_S, p.target, st.incarnation, self._name, None),))))
 
     def _on_ack(self, msg: Ack, out: list[Outbound]) -> None:
-        relay = self._relays.pop(msg.seq, None)
+        relay = self._prober.relays.pop(msg.seq, None)
         if relay is not None:
             out.append(Outbound(relay[0], Ack(self._addr, self._name, relay[1], ())))
-            return
-        p = self._probe
-        if p is not None and p.seq == msg.seq:
-            self._probe = None
+        elif self._prober.acked(msg.seq):
             self._health.apply(-1)
 
     def _relay(self, now: float, msg: IndirectPing, out: list[Outbound]) -> None:
         if msg.target == self._name:
             return
-        self._seq += 1
-        self._relays[self._seq] = (msg.sender, msg.seq)
-        self._push_timer(now + NACK_AFTER * self._cfg.probe_timeout, _T_RELAY, "", self._seq)
-        out.append(Outbound(msg.target_control, Ping(
-            self._addr, self._name, self._seq, msg.target, ())))
+        seq = self._prober.relay(msg.sender, msg.seq, now + NACK_AFTER * self._cfg.probe_timeout)
+        out.append(Outbound(msg.target_control, Ping(self._addr, self._name, seq, msg.target, ())))
 
     # -- dissemination -------------------------------------------------------------------
 
     def _limit(self) -> int:
-        return self._cfg.retransmit_mult * math.ceil(math.log10(len(self._live) + 2))
+        return self._cfg.retransmit_mult * math.ceil(math.log10(len(self._view.live) + 2))
 
     def _piggyback(self, dest: str) -> tuple[Update, ...]:
         updates = self._queue.take(PIGGYBACK_PROBE, self._limit())
-        st = self._states.get(dest)
+        st = self._view.states.get(dest)
         if st is not None and (st.status == SUSPECT or st.status == DEAD):
-            updates = (self._records[dest], *updates)  # so that it can refute
+            updates = (self._view.records[dest], *updates)  # so that it can refute
         return updates
 
     def _gossip(self, now: float, out: list[Outbound]) -> None:
@@ -665,70 +543,46 @@ class Membership:
         if not len(self._queue):
             return
         limit = self._limit()
-        for name in self._pick(self._cfg.gossip_fanout, None):
+        for name in self._view.pick(self._rng, self._cfg.gossip_fanout, None):
             updates = self._queue.take(PIGGYBACK_GOSSIP, limit)
             if not updates:
                 break
-            out.append(Outbound(self._control(name), Gossip(self._addr, self._name, updates)))
+            out.append(Outbound(self._view.control(name), Gossip(
+                self._addr, self._name, updates)))
 
     def _push_pull(self, now: float, out: list[Outbound]) -> None:
         interval = self._cfg.push_pull_interval
         nxt = self._next_push_pull + interval
         self._next_push_pull = nxt if nxt > now else now + interval
-        if self._live:
+        view = self._view
+        if view.live:
             self._counts["push_pulls"] += 1
-            peer = self._pick(1, None)[0]
-            out.append(Outbound(self._control(peer), PushPull(
-                self._addr, self._name, self.digest(), (), False)))
-        failed = len(self._failed)
-        if failed and self._rng.random() < failed / (len(self._live) + 1):
-            names = list(self._failed)
-            control = self._failed[names[int(self._rng.random() * failed)]][0]
+            peer = view.pick(self._rng, 1, None)[0]
+            out.append(Outbound(view.control(peer), PushPull(
+                self._addr, self._name, view.digest(), (), False)))
+        failed = len(view.failed)
+        if failed and self._rng.random() < failed / (len(view.live) + 1):
+            names = list(view.failed)
+            control = view.failed[names[int(self._rng.random() * failed)]][0]
             self._counts["reconnects"] += 1
             out.append(Outbound(control, PushPull(
-                self._addr, self._name, self.digest(), self._full_state(), True)))
+                self._addr, self._name, view.digest(), view.full_state(), True)))
 
     def _on_push_pull(self, now: float, msg: PushPull, out: list[Outbound]) -> bool:
         if msg.members:
             self._merge(now, msg.members, True, out)
-        if msg.want_reply or (not msg.members and msg.digest != self.digest()):
+        view = self._view
+        if msg.want_reply or (not msg.members and msg.digest != view.digest()):
             out.append(Outbound(msg.sender, PushPull(
-                self._addr, self._name, self.digest(), self._full_state(),
-                not msg.want_reply)))
+                self._addr, self._name, view.digest(), view.full_state(), not msg.want_reply)))
             return True
         return False
 
     def _send_join(self, out: list[Outbound]) -> None:
         for seed in self._seeds:
             out.append(Outbound(seed, PushPull(
-                self._addr, self._name, self.digest(), self._full_state(), True)))
+                self._addr, self._name, self._view.digest(), self._view.full_state(), True)))
 
-    def _full_state(self) -> tuple[Update, ...]:
-        if self._full is None:
-            self._full = tuple(self._records.values())
-        return self._full
-
-    # -- helpers -----------------------------------------------------------------------
-
-    def _control(self, name: str) -> str:
-        return self._states[name].info.control
-
-    def _pick(self, k: int, exclude: str | None) -> list[str]:
-        """Up to ``k`` distinct random live members other than ``exclude``."""
-        live = self._live
-        n = len(live)
-        if n <= 2 * k + 1:
-            chosen = [x for x in live if x != exclude]
-            self._rng.shuffle(chosen)
-            return chosen[:k]
-        rnd = self._rng.random
-        out: list[str] = []
-        while len(out) < k:
-            x = live[int(rnd() * n)]
-            if x != exclude and x not in out:
-                out.append(x)
-        return out
-
-    def _push_timer(self, when: float, kind: int, name: str, num: int = 0) -> None:
+    def _push_timer(self, when: float, kind: int, name: str) -> None:
         self._timer_seq += 1
-        heapq.heappush(self._timers, (when, self._timer_seq, kind, name, num))
+        heapq.heappush(self._timers, (when, self._timer_seq, kind, name))

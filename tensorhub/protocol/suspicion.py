@@ -1,4 +1,4 @@
-"""Lifeguard's two local-health mechanisms, as plain arithmetic on times passed in.
+"""Lifeguard's local-health mechanisms, as plain arithmetic on times passed in.
 
 Theory of operation
 -------------------
@@ -17,13 +17,16 @@ rule), because a bigger cluster needs more gossip rounds to tell the suspect.
 *Local health* (Lifeguard "LHA-Probe").  A score in ``[0, limit)`` rises when our own
 probes fail without the expected nacks (our network or our process is the likely
 culprit) and when we must refute a suspicion of ourselves, and falls with every
-successful probe.  Probe intervals and timeouts are multiplied by ``score + 1``, so a
-peer that is itself slow probes less often and waits longer before accusing others.
+successful probe.  Probe intervals and timeouts, and the suspicion timeouts of the
+suspicions we start, are multiplied by ``score + 1``: a peer that is itself slow probes
+less often and waits longer before it accuses others or declares them dead.
 """
 
 from __future__ import annotations
 
 import math
+
+from ..config import PeerConfig
 
 
 def suspicion_bounds(mult: float, max_mult: float, members: int, interval: float,
@@ -47,6 +50,18 @@ class Suspicion:
         self.max_timeout = max_timeout
         # The first accuser started the timer; it does not count as a confirmation.
         self.accusers: dict[str, None] = {accuser: None}
+
+    @classmethod
+    def for_cluster(cls, start: float, incarnation: int, accuser: str, members: int,
+                    config: PeerConfig, health: Health) -> Suspicion:
+        """Timeouts for a cluster of ``members``, stretched by our own ill health.  As
+        memberlist does, expect ``suspicion_mult - 2`` confirmations (none in a cluster
+        too small to give them): the nominal timeout is hit two probe intervals early."""
+        low, high = suspicion_bounds(config.suspicion_mult, config.suspicion_max_mult,
+                                     members, config.probe_interval)
+        expected = int(config.suspicion_mult) - 2
+        return cls(start, incarnation, accuser, 0 if members - 2 < expected else expected,
+                   health.scale(low), health.scale(high))
 
     @property
     def confirmations(self) -> int:
