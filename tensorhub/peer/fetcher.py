@@ -161,7 +161,13 @@ class Fetch:
     def poke(self) -> None:
         """Gossip changed the holder view: wake workers waiting for a source."""
         self.lacks.clear()
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every waiting worker.  Only the notifier replaces the event, so a waiter
+        can never be left on an event nobody will set."""
         self.changed.set()
+        self.changed = trio.Event()
 
     def _usable(self, name: str) -> bool:
         return name != self.me and self.benched.get(name, 0.0) <= trio.current_time()
@@ -236,7 +242,7 @@ class Fetch:
                     if not ok:
                         self.pending.append(chunk)
                         self.pending.sort()
-                    self.changed.set()  # a slot or a source is free again
+                    self._notify()  # a slot or a source is free again
         finally:
             for conn in conns.values():
                 await conn.aclose()
@@ -252,9 +258,9 @@ class Fetch:
         for until in self.benched.values():
             if now < until < wake:
                 wake = until
-        self.changed = trio.Event()
+        changed = self.changed
         with trio.move_on_at(wake):
-            await self.changed.wait()
+            await changed.wait()
 
     async def _read(self, conns: dict[str, Connection], chunk: int, peer: PeerInfo) -> bool:
         name = peer.name
