@@ -13,6 +13,8 @@ from typing import Any
 
 from .errors import ConfigError
 
+DEFAULT_CHUNK_SIZE = 4 << 20
+
 
 def parse_hostport(text: str) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``; raises :class:`ConfigError` on bad input."""
@@ -77,8 +79,10 @@ class PeerConfig:
     """Inbound/outbound control messages buffered; excess gossip is dropped and counted."""
 
     # -- data plane -------------------------------------------------------------
-    chunk_size: int = 8 << 20
-    """Bytes per chunk: big enough to amortise per-request cost, small enough to pipeline."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Bytes per chunk: the unit of verification, so of store-and-forward.  Each level of a
+    transfer tree lags its parent by one chunk-time; per-chunk costs grow below ~4 MiB.
+    Measured (8 emulated hosts, 400 Mbit, 256 MiB): 2/4/8 MiB -> 1.28/1.16/1.30x bound."""
 
     digest_algo: str = "blake3"
     """Per-chunk digest. blake3 runs ~5 GB/s per core here vs ~1.4 for sha256."""

@@ -25,7 +25,7 @@ import blake3
 import numpy as np
 import trio
 
-from .config import PeerConfig
+from .config import DEFAULT_CHUNK_SIZE, PeerConfig
 from .model import VersionKey
 
 MODEL = "demo-llm"
@@ -274,7 +274,7 @@ def _worker_main(argv: list[str]) -> None:
     p.add_argument("--join", default="")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--expect", type=int, required=True)
-    p.add_argument("--chunk", type=int, default=8 << 20)
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--transports", default="shm,tcp")
     trio.run(_worker, p.parse_args(argv))
 

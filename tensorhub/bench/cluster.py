@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import DEFAULT_CHUNK_SIZE
 from ..errors import TensorHubError
 from ..protocol.topology import fluid_bound
 from .baselines import BASELINES, BaselineError, parse_size
@@ -395,7 +396,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nic-mbit", type=float, default=400.0, help="each host's NIC, both ways")
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"),
                    help="bytes per version (default 256MiB)")
-    p.add_argument("--chunk", type=parse_size, default=parse_size("8MiB"),
+    p.add_argument("--chunk", type=parse_size, default=DEFAULT_CHUNK_SIZE,
                    help="chunk size (default 8MiB)")
     p.add_argument("--dcs", type=int, choices=(1, 2), default=1,
                    help="datacenters: hosts split in halves; h0 in the first")

@@ -26,6 +26,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from ..config import DEFAULT_CHUNK_SIZE
 from ..demo import _free_ports, parse_size
 
 RAW_SERVER = r"""
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="1GiB", help="bytes per transfer (default 1GiB)")
-    p.add_argument("--chunk", default="8MiB", help="chunk size (default 8MiB)")
+    p.add_argument("--chunk", default=str(DEFAULT_CHUNK_SIZE),
+                   help=f"chunk size (default {DEFAULT_CHUNK_SIZE >> 20}MiB)")
     p.add_argument("--runs", type=int, default=3, help="runs per measurement (median)")
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
 

@@ -29,7 +29,7 @@ import numpy as np
 import trio
 
 from ..cli import _labels
-from ..config import PeerConfig
+from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
 from ..demo import checksum, fill, model_specs
 from ..model import VersionKey
 from ..peer.node import Peer, open_peer
@@ -156,7 +156,7 @@ if __name__ == "__main__":
     p.add_argument("--listen", required=True)
     p.add_argument("--join", default="")
     p.add_argument("--expect", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=8 << 20)
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--transports", default="shm,tcp")
     p.add_argument("--host", default="localhost")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
