@@ -276,16 +276,19 @@ class Fetch:
                 conn = conns[name] = await self.connect(peer)
             limit = self._stall_limit(name, sum(len(d) for d in dest))
             started = trio.current_time()
+            algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
+
+            def verify(landed: Sequence[memoryview]) -> None:
+                if _digest(algo, landed) != expected:
+                    raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
+                                         source=name)
+
             with trio.move_on_after(limit) as scope:
-                n = await conn.read_chunk(self.key, chunk, dest)
+                n = await conn.read_chunk(self.key, chunk, dest, verify)
             if scope.cancelled_caught:
                 raise TransportError(f"stalled: chunk {chunk} took over {limit:.2f}s")
             self._observe(name, n, trio.current_time() - started)
             self.report.chunks_received += 1
-            digest = await trio.to_thread.run_sync(_digest, self.manifest.digest_algo, dest)
-            if digest != self.manifest.chunk_digests[chunk]:
-                raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
-                                     source=name)
         except NotServing as ns:
             if ns.status == NOT_YET:
                 self.lacks.setdefault(name, set()).add(chunk)
@@ -293,6 +296,7 @@ class Fetch:
                 await self._drop(conns, name, f"refused: {ns.detail}", math.inf)
             return False
         except IntegrityError as exc:
+            self.report.chunks_received += 1  # received in full, then refused
             self.report.integrity_failures[name] = self.report.integrity_failures.get(name, 0) + 1
             await self._drop(conns, name, str(exc), math.inf)
             return False

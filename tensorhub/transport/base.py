@@ -10,11 +10,13 @@ unpublish waits for leases to end.  Every transport is checked by one conformanc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 from ..model import VersionKey
+
+Verifier = Callable[[Sequence[memoryview]], None]
 
 
 class NotServing(Exception):
@@ -59,9 +61,12 @@ class Connection(Protocol):
     async def read_manifest(self, key: VersionKey) -> bytes: ...
 
     async def read_chunk(
-        self, key: VersionKey, chunk: int, dest: Sequence[memoryview]
+        self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
+        verify: Verifier | None = None,
     ) -> int:
-        """Fill ``dest`` (whose sizes add up to the chunk) and return the bytes read."""
+        """Fill ``dest`` (whose sizes add up to the chunk) and return the bytes read.
+        ``verify(dest)``, if given, runs once the bytes have landed -- in the same worker
+        thread where the transport copies in one -- and raises if they are bad."""
         ...
 
     async def aclose(self) -> None: ...

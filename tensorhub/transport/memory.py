@@ -16,7 +16,7 @@ import trio
 
 from ..errors import RemoteProtocolError, TransportError
 from ..model import VersionKey
-from .base import Provider
+from .base import Provider, Verifier
 
 PIECE = 1 << 20
 """Bytes copied between checkpoints."""
@@ -68,7 +68,8 @@ class MemoryConnection:
         self._check()
         return self._server.provider.manifest_bytes(key)
 
-    async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]) -> int:
+    async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
+                         verify: Verifier | None = None) -> int:
         await trio.lowlevel.checkpoint()
         self._check()
         provider = self._server.provider
@@ -86,6 +87,8 @@ class MemoryConnection:
             if corrupt and out:
                 out[0][0] ^= 0xFF
         self._server.on_sent(self._reader, want)
+        if verify is not None:
+            verify(dest)
         return want
 
     async def _copy(self, src: list[memoryview], dest: list[memoryview]) -> None:

@@ -44,7 +44,7 @@ from ..protocol.dataplane import (
     ShmHello,
     ShmWelcome,
 )
-from .base import NotServing, Provider
+from .base import NotServing, Provider, Verifier
 from .tcp import TcpConnection, _recv_frame, _send_frame
 
 Iovecs = npt.NDArray[np.uint64]
@@ -312,7 +312,8 @@ class ShmConnection(TcpConnection):
             raise RemoteProtocolError(f"{self.peer} granted {got} of {want} bytes")
         return np.concatenate(parts)
 
-    async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]) -> int:
+    async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
+                         verify: Verifier | None = None) -> int:
         if self._sock.fileno() < 0:
             raise TransportError(f"connection to {self.peer} is closed")
         if any(d.readonly for d in dest):
@@ -326,6 +327,8 @@ class ShmConnection(TcpConnection):
             await trio.to_thread.run_sync(_readv_all, self._pid, local, remote)
             self._check_holder()
             await _send_frame(self._sock, ShmDone(req_id))
+            if verify is not None:
+                await trio.to_thread.run_sync(verify, dest)
         except NotServing:
             raise  # a whole reply was read: in step, and nothing is leased
         except BaseException:

@@ -33,7 +33,7 @@ from ..protocol.dataplane import (
     ShmChunkRequest,
     ShmHello,
 )
-from .base import NotServing, Provider
+from .base import NotServing, Provider, Verifier
 
 _LEN = struct.Struct(">I")
 _SOCKBUF = 4 << 20
@@ -118,9 +118,24 @@ async def _recv_frame(sock: trio.socket.SocketType) -> Any:
     return codec.decode(bytes(body), MAX_FRAME)
 
 
-async def _send_frame(sock: trio.socket.SocketType, msg: Any) -> None:
+def _frame(msg: Any) -> bytes:
     data = codec.encode(msg, MAX_FRAME)
-    await _send_all(sock, memoryview(_LEN.pack(len(data)) + data))
+    return _LEN.pack(len(data)) + data
+
+
+async def _send_frame(sock: trio.socket.SocketType, msg: Any) -> None:
+    await _send_all(sock, memoryview(_frame(msg)))
+
+
+def _recv_frame_blocking(sock: socket.socket) -> Any:
+    head = bytearray(FRAME_HEADER)
+    _recv_exact_blocking(sock, memoryview(head))
+    (size,) = _LEN.unpack(head)
+    if size > MAX_FRAME:
+        raise RemoteProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+    body = bytearray(size)
+    _recv_exact_blocking(sock, memoryview(body))
+    return codec.decode(bytes(body), MAX_FRAME)
 
 
 def _tune(sock: trio.socket.SocketType) -> None:
@@ -220,14 +235,16 @@ class TcpServer:
                 return
             try:
                 total = sum(len(s) for s in segments)
-                await _send_frame(sock, Reply(req.req_id, OK, total))
                 if self.provider.corrupt_hook(peer) and total:
                     first = next(s for s in segments if len(s))
                     flipped = bytes([first[0] ^ 0xFF])
                     segments = [memoryview(flipped), first[1:],
                                 *segments[segments.index(first) + 1:]]
+                head = _frame(Reply(req.req_id, OK, total))
+                # Header and payload leave in one vectored write from a worker thread.
                 await trio.to_thread.run_sync(_send_segments_blocking, self._plain(sock),
-                                              segments, abandon_on_cancel=True)
+                                              [memoryview(head), *segments],
+                                              abandon_on_cancel=True)
                 self.on_sent(peer, total)
             finally:
                 lease.__exit__(None, None, None)
@@ -289,9 +306,10 @@ class TcpConnection:
         await _recv_exact(self._sock, memoryview(buf))
         return bytes(buf)
 
-    async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]) -> int:
+    async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
+                         verify: Verifier | None = None) -> int:
         try:
-            return await self._read_chunk(key, chunk, dest)
+            return await self._read_chunk(key, chunk, dest, verify)
         except NotServing:
             raise  # a clean refusal: the connection stays usable
         except BaseException:
@@ -307,31 +325,45 @@ class TcpConnection:
             self._plain_sock.close()
         self._sock.close()
 
-    async def _read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview]
-                          ) -> int:
-        reply = await self._exchange(ChunkRequest(next(self._ids), key.model, key.version, chunk))
+    async def _read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
+                          verify: Verifier | None) -> int:
+        req = ChunkRequest(next(self._ids), key.model, key.version, chunk)
+        reply = await trio.to_thread.run_sync(self._exchange_blocking, req, dest, verify,
+                                              abandon_on_cancel=True)
+        if reply.status != OK:
+            raise NotServing(reply.status, reply.detail or f"status {reply.status}")
+        return reply.length
+
+    def _exchange_blocking(self, req: ChunkRequest, dest: Sequence[memoryview],
+                           verify: Verifier | None) -> Reply:
+        """In a worker thread: one whole request / reply / payload exchange, so the
+        event loop does nothing per chunk but hand it over."""
+        sock = self._plain
+        sock.sendall(_frame(req))
+        reply = _recv_frame_blocking(sock)
+        if not isinstance(reply, Reply) or reply.req_id != req.req_id:
+            raise RemoteProtocolError(f"{self.peer} answered out of turn")
+        if reply.status != OK:
+            return reply
         want = sum(len(d) for d in dest)
         if reply.length != want:
             raise RemoteProtocolError(
-                f"{self.peer} sent {reply.length} bytes for chunk {chunk}, expected {want}")
-        await trio.to_thread.run_sync(self._recv_payload, dest, want, abandon_on_cancel=True)
-        return want
-
-    def _recv_payload(self, dest: Sequence[memoryview], want: int) -> None:
-        """In a worker thread: land the payload in ``dest`` (via one staging buffer when
-        it is many small pieces)."""
+                f"{self.peer} sent {reply.length} bytes for chunk {req.chunk}, expected {want}")
         if _staged(dest):
             if len(self._staging) < want:
                 self._staging = bytearray(want)
             stage = memoryview(self._staging)[:want]
-            _recv_exact_blocking(self._plain, stage)
+            _recv_exact_blocking(sock, stage)
             off = 0
             for d in dest:
                 d[:] = stage[off:off + len(d)]
                 off += len(d)
         else:
             for d in dest:
-                _recv_exact_blocking(self._plain, d)
+                _recv_exact_blocking(sock, d)
+        if verify is not None:
+            verify(dest)  # while the bytes are still in cache
+        return reply
 
     async def aclose(self) -> None:
         if self._plain_sock is not None:
