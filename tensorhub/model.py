@@ -172,12 +172,20 @@ class Manifest:
         }
 
     def encode(self) -> bytes:
-        out: bytes = msgpack.packb(self.to_wire(), use_bin_type=True)
-        return out
+        """The wire form (computed once: a manifest is immutable)."""
+        cached: bytes | None = self.__dict__.get("_encoded")
+        if cached is None:
+            cached = msgpack.packb(self.to_wire(), use_bin_type=True)
+            object.__setattr__(self, "_encoded", cached)
+        return cached
 
     def manifest_id(self) -> bytes:
         """A digest of the encoded manifest: what the reference table carries."""
-        return hashlib.sha256(self.encode()).digest()[:16]
+        cached: bytes | None = self.__dict__.get("_id")
+        if cached is None:
+            cached = hashlib.sha256(self.encode()).digest()[:16]
+            object.__setattr__(self, "_id", cached)
+        return cached
 
     @classmethod
     def from_wire(cls, obj: Any) -> Manifest:
@@ -220,6 +228,7 @@ def _manifest_from_wire(obj: Any) -> Manifest:
     tensors: list[TensorSpec] = []
     offset = 0
     names: set[str] = set()
+    dtypes: dict[str, np.dtype[Any]] = {}
     raw_tensors = obj["tensors"]
     if not isinstance(raw_tensors, list):
         raise bad("tensors")
@@ -232,12 +241,14 @@ def _manifest_from_wire(obj: Any) -> Manifest:
         names.add(name)
         if not isinstance(dtype, str) or len(dtype) > 16:
             raise bad("dtype")
-        try:
-            dt = np.dtype(dtype)
-        except TypeError:
-            raise bad(f"dtype {dtype!r}") from None
-        if dt.hasobject or dt.itemsize == 0:
-            raise bad(f"dtype {dtype!r}")
+        dt = dtypes.get(dtype)
+        if dt is None:
+            try:
+                dt = dtypes[dtype] = np.dtype(dtype)
+            except TypeError:
+                raise bad(f"dtype {dtype!r}") from None
+            if dt.hasobject or dt.itemsize == 0:
+                raise bad(f"dtype {dtype!r}")
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_NDIM

@@ -195,6 +195,9 @@ class Fetch:
                 if chunk in self.lacks.get(peer.name, ()) or not (
                         holding.has(chunk) or peer.name in self.upstream):
                     continue
+                if peer.name in self.upstream and not holding.complete \
+                        and self.load.get(peer.name, 0) >= RELAY_DEPTH:
+                    continue  # a named parent still receiving: chunks in order, as planned
                 rank = (int(holding.publisher == peer.name), self.load.get(peer.name, 0),
                         peer.name)
                 if best is None or rank < best[0]:
