@@ -6,9 +6,6 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from tensorhub import PeerConfig
 from tensorhub.demo import _free_ports, _Proc
@@ -23,16 +20,6 @@ def detection_bound(cfg: PeerConfig, n: int) -> float:
     _, suspicion_max = suspicion_bounds(cfg.suspicion_mult, cfg.suspicion_max_mult, n,
                                         cfg.probe_interval)
     return 3 * cfg.probe_interval + suspicion_max + 3 * math.log2(n) * cfg.gossip_interval
-
-
-@pytest.fixture
-def procs() -> Iterator[list[_Proc]]:
-    started: list[_Proc] = []
-    yield started
-    for p in started:
-        if p.p.poll() is None:
-            p.p.kill()
-        p.p.wait(5)
 
 
 def test_kill_9_is_detected_everywhere_and_references_disappear(procs: list[_Proc]) -> None:

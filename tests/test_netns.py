@@ -16,13 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import leftovers
 
 from tensorhub.bench import baselines, netns
 from tensorhub.bench.netns import ClusterUnavailable, cleanup_stale, open_cluster
@@ -117,30 +117,6 @@ def _round_trips(cluster: netns.Cluster, src: str, dsts: list[str]) -> dict[str,
     ping = _python(cluster, src, PING, *(cluster.host(d).ip for d in dsts))
     out = ping.communicate(timeout=10)[0]
     return {ip: float(rtt) for ip, rtt in (line.split() for line in out.splitlines())}
-
-
-@pytest.fixture(scope="module")
-def cluster_support() -> None:
-    try:
-        with open_cluster(1, 100):
-            pass
-    except ClusterUnavailable as error:
-        pytest.skip(f"cannot build an emulated cluster here: {error}")
-
-
-@pytest.fixture(scope="module")
-def wan_support(cluster_support: None) -> None:
-    try:
-        netns.check_support(dcs=2)
-    except ClusterUnavailable as error:
-        pytest.skip(f"cannot build a multi-DC cluster here: {error}")
-
-
-def _leftovers(prefix: str) -> list[str]:
-    """Namespaces and scratch dirs of the cluster with this prefix."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
-    return names + [p.name for p in Path(tempfile.gettempdir()).glob(f"{prefix}*")]
 
 
 # -- the relay, on loopback -------------------------------------------------------------
@@ -273,9 +249,9 @@ def test_everything_is_removed_when_the_body_raises(wan_support: None) -> None:
         open_cluster(2, nic_mbit=100, dcs=2, wan_delay_ms=2) as cluster,
     ):
         sleeper = cluster.run("h1", ["sleep", "60"])
-        assert len(_leftovers(cluster.prefix)) == 5  # sw, h0, h1, rt, scratch
+        assert len(leftovers(cluster.prefix)) == 5  # sw, h0, h1, rt, scratch
         raise RuntimeError("boom")
-    assert _leftovers(cluster.prefix) == []
+    assert leftovers(cluster.prefix) == []
     assert sleeper.poll() is not None
 
 
@@ -301,10 +277,10 @@ def _owner(prefix: str) -> tuple[subprocess.Popen[str], str]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_everything_is_removed_on_signal(wan_support: None, sig: signal.Signals) -> None:
     owner, prefix = _owner("")
-    assert len(_leftovers(prefix)) == 5
+    assert len(leftovers(prefix)) == 5
     owner.send_signal(sig)
     owner.wait(timeout=20)
-    assert _leftovers(prefix) == []
+    assert leftovers(prefix) == []
 
 
 @pytest.mark.netns
@@ -313,18 +289,18 @@ def test_cleanup_stale_removes_what_a_killed_run_left(wan_support: None) -> None
     assert cleanup_stale(prefix) == []  # the owner lives: not stale
     owner.kill()
     owner.wait()
-    leftovers = _leftovers(prefix)  # SIGKILL: no chance to clean up
-    assert len(leftovers) == 5
+    left = leftovers(prefix)  # SIGKILL: no chance to clean up
+    assert len(left) == 5
     orphans = [  # the sleeper and the relay outlived their owner
         int(pid)
-        for name in leftovers[:-1]
+        for name in left[:-1]
         for pid in subprocess.run(
             ["ip", "netns", "pids", name], capture_output=True, text=True
         ).stdout.split()
     ]
     assert len(orphans) == 2
-    assert sorted(cleanup_stale(prefix)) == sorted(leftovers)
-    assert _leftovers(prefix) == []
+    assert sorted(cleanup_stale(prefix)) == sorted(left)
+    assert leftovers(prefix) == []
     assert all(_dead(pid) for pid in orphans)
 
 

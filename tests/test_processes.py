@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-
-import pytest
 
 from tensorhub.demo import _free_ports, _Proc
 
 SIZE = 24 << 20
-
-
-@pytest.fixture
-def procs() -> Iterator[list[_Proc]]:
-    started: list[_Proc] = []
-    yield started
-    for p in started:
-        if p.p.poll() is None:
-            p.p.kill()
-        p.p.wait(5)
 
 
 def spawn(procs: list[_Proc], name: str, role: str, port: int, seed: str, expect: int) -> _Proc:

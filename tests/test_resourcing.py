@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import pytest
 import trio
 
 import tensorhub
@@ -17,17 +16,6 @@ from tensorhub.demo import _free_ports, _Proc, checksum
 
 SIZE = 48 << 20
 CHUNK = 1 << 20
-
-
-@pytest.fixture
-def procs() -> Iterator[list[_Proc]]:
-    started: list[_Proc] = []
-    yield started
-    for p in started:
-        if p.p.poll() is None:
-            os.kill(p.p.pid, signal.SIGCONT)
-            p.p.kill()
-        p.p.wait(5)
 
 
 def worker(name: str, role: str, port: int, seed: str) -> _Proc:

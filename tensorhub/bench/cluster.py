@@ -53,8 +53,8 @@ from ..config import DEFAULT_CHUNK_SIZE
 from ..errors import TensorHubError
 from ..protocol.topology import fluid_bound
 from .baselines import BASELINES, BaselineError, parse_size
+from .figures import figure, print_figures
 from .netns import Cluster, Host, open_cluster, read_line
-from .transfer import figure
 
 MODEL = "bench"
 TRAINER = "trainer"
@@ -445,11 +445,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"{what:<40} {seconds:>8.2f} {its_bound:>7.2f} {seconds / its_bound:>8.2f}  "
               f"{note}")
     print()
-    print(f"{'figure':<28} {'value':>9} {'bound':>7}  ok")
-    for f in figures:
-        sign = ">=" if f["better"] == "higher" else "<="
-        print(f"{f['name']:<28} {f['value']:>9.3f} {sign}{f['bound']:>5}  "
-              f"{'yes' if f['ok'] else 'NO'}")
+    print_figures(figures)
     if args.json:
         print(json.dumps({
             "figures": figures,

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..config import DEFAULT_CHUNK_SIZE
 from ..demo import _free_ports, parse_size
+from .figures import figure, print_figures
 
 RAW_SERVER = r"""
 import socket, sys, numpy as np
@@ -175,12 +176,6 @@ def run(size: int, chunk: int, runs: int) -> dict[str, Any]:
     return results
 
 
-def figure(name: str, value: float, unit: str, bound: float, better: str) -> dict[str, Any]:
-    ok = value >= bound if better == "higher" else value <= bound
-    return {"name": name, "value": round(value, 4), "unit": unit, "bound": bound,
-            "better": better, "ok": ok}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tensorhub bench transfer", description=__doc__)
     add_options(p)
@@ -236,11 +231,7 @@ def run_cli(args: argparse.Namespace) -> int:
     for label, secs, rate in rows:
         print(f"{label:<52} {secs:>8.3f} {rate / 1e9:>7.2f}")
     print()
-    print(f"{'figure':<28} {'value':>9} {'bound':>7}  ok")
-    for f in figures:
-        sign = ">=" if f["better"] == "higher" else "<="
-        print(f"{f['name']:<28} {f['value']:>9.3f} {sign}{f['bound']:>5}  "
-              f"{'yes' if f['ok'] else 'NO'}")
+    print_figures(figures)
     if args.json:
         print(json.dumps({
             "figures": figures,
