@@ -251,7 +251,7 @@ def _print_version(v: int, rows: list[dict[str, Any]]) -> None:
     print(f"version {v}  ({rows[0]['bytes'] / (1 << 20):.1f} MiB)")
     print(f"  {'rollout':<11} {'seconds':>8} {'MB/s':>8}  {'verified':<8} served by")
     for r in rows:
-        src = ", ".join(f"{k} {b / (1 << 20):.1f} MiB"
+        src = ", ".join(f"{k} {b / (1 << 20):.1f} MiB over {r['transport_by_source'].get(k, '?')}"
                         for k, b in sorted(r["bytes_by_source"].items()))
         print(f"  {r['rollout']:<11} {r['seconds']:>8.3f} {r['mb_per_s']:>8.0f}  "
               f"{'yes' if r['verified'] else 'NO':<8} {src}")

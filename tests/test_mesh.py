@@ -248,3 +248,35 @@ async def test_planning_off_lets_fetchers_choose() -> None:
             await r.wait_for_version("m", None)
         got = await r.fetch("m", 1)
         assert got.report.plan == "planning off" and got.report.planned_bytes == 0
+
+
+async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
+    from tensorhub.transport.shm import shm_available
+
+    ok, why = shm_available()
+    if not ok:
+        pytest.skip(f"same-host transport unavailable here: {why}")
+    async with mesh(2, labels=(("host", "box1"),)) as (pub, r):
+        w = weights(3, 4)
+        await pub.publish("m", 3, w)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        got = await r.fetch("m", 3)
+        assert got.report.transport_by_source == {"p0": "shm"}
+        assert r.statistics().bytes_by_transport == {"shm": got.report.bytes}
+        assert r.statistics().shm == "available"
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+
+
+async def test_different_hosts_use_tcp() -> None:
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(tensorhub.open_peer(
+            PeerConfig.local("a", labels=(("host", "box1"),))))
+        b = await stack.enter_async_context(tensorhub.open_peer(PeerConfig.local(
+            "b", labels=(("host", "box2"),), join=(a.info.control.removeprefix("tcp://"),))))
+        await a.publish("m", 1, weights(1, 1))
+        with trio.fail_after(10):
+            await b.wait_for_version("m", None)
+        got = await b.fetch("m", 1)
+        assert got.report.transport_by_source == {"a": "tcp"}
