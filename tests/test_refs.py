@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from hypothesis import given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hypothesis import strategies as st
 
 from tensorhub.model import VersionKey
@@ -122,3 +123,90 @@ def test_newer_than_splits_into_bounded_parts() -> None:
     assert len(parts) > 1
     assert sum(len(p) for p in parts) == 51
     assert all(sum(e.wire_size() for e in p) <= 1000 for p in parts)
+
+
+class RefTableMachine(RuleBasedStateMachine):
+    """Random interleavings of local changes, digest exchanges, crashes and restarts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = {name: 1 for name in ORIGINS}
+        self.tables = {name: RefTable(name, 1) for name in ORIGINS}
+        self.dead: set[str] = set()
+        self.seen: dict[tuple[str, str], Stamp] = {}
+
+    def live(self) -> list[str]:
+        return [n for n in ORIGINS if n not in self.dead]
+
+    @rule(who=st.sampled_from(ORIGINS), version=st.integers(0, 3),
+          chunks=st.sets(st.integers(0, 9)), drop=st.booleans())
+    def change(self, who: str, version: int, chunks: set[int], drop: bool) -> None:
+        if who in self.dead:
+            return
+        t = self.tables[who]
+        if drop:
+            t.drop_local(VersionKey("m", version))
+        else:
+            t.put_local(holding("m", version, chunks))
+
+    @rule(a=st.sampled_from(ORIGINS), b=st.sampled_from(ORIGINS),
+          max_bytes=st.sampled_from([200, 4096]))
+    def exchange(self, a: str, b: str, max_bytes: int) -> None:
+        if a in self.dead or b in self.dead or a == b:
+            return
+        ta, tb = self.tables[a], self.tables[b]
+        for part in tb.newer_than(ta.digest(), max_bytes):
+            for e in part:
+                if e.origin not in self.dead:
+                    ta.merge(e)
+        if tb.wants_from(ta.digest()):  # push-pull: a knows something newer
+            for part in ta.newer_than(tb.digest(), max_bytes):
+                for e in part:
+                    if e.origin not in self.dead:
+                        tb.merge(e)
+
+    @rule(who=st.sampled_from(ORIGINS))
+    def crash(self, who: str) -> None:
+        if who in self.dead or len(self.dead) >= 2:
+            return
+        self.dead.add(who)
+        for n in self.live():
+            self.tables[n].forget(who)  # membership declared it dead everywhere
+
+    @rule(who=st.sampled_from(ORIGINS))
+    def restart(self, who: str) -> None:
+        if who not in self.dead:
+            return
+        self.dead.discard(who)
+        self.gen[who] += 1
+        self.tables[who] = RefTable(who, self.gen[who])
+
+    @invariant()
+    def stamps_never_go_backwards(self) -> None:
+        for n in self.live():
+            for e in self.tables[n].origins():
+                prev = self.seen.get((n, e.origin))
+                if prev is not None and e.origin not in self.dead:
+                    assert (e.stamp.generation, e.stamp.seq) >= (prev.generation, prev.seq)
+                self.seen[(n, e.origin)] = e.stamp
+
+    @invariant()
+    def dead_origins_hold_nothing(self) -> None:
+        for n in self.live():
+            assert not any(e.origin in self.dead for e in self.tables[n].origins())
+
+    def teardown(self) -> None:
+        # Quiescence: everyone exchanges with everyone; then all live tables agree.
+        live = self.live()
+        for _ in range(2):
+            for a in live:
+                for b in live:
+                    self.exchange(a, b, 4096)
+        want = {n: self.tables[n].local for n in live}
+        for n in live:
+            got = {e.origin: e for e in self.tables[n].origins()}
+            assert got == want
+
+
+TestRefTableMachine = RefTableMachine.TestCase
+TestRefTableMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
