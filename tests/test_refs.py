@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from hypothesis import given, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tensorhub.model import VersionKey
 from tensorhub.protocol.refs import Holding, OriginEntry, RefTable, Stamp, bitmap_of
