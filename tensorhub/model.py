@@ -183,7 +183,7 @@ class Manifest:
         """A digest of the encoded manifest: what the reference table carries."""
         cached: bytes | None = self.__dict__.get("_id")
         if cached is None:
-            cached = hashlib.sha256(self.encode()).digest()[:16]
+            cached = manifest_id_of(self.encode())
             object.__setattr__(self, "_id", cached)
         return cached
 
@@ -198,12 +198,25 @@ class Manifest:
             raise RemoteProtocolError(f"malformed manifest: {exc}") from None
 
     @classmethod
-    def decode(cls, data: bytes) -> Manifest:
+    def decode(cls, data: bytes, expected_id: bytes | None = None) -> Manifest:
+        """Parse a manifest from the wire.  With ``expected_id`` the bytes are checked
+        against it first: a manifest whose encoding does not hash to the id the
+        reference table carries is refused before it is parsed."""
+        if expected_id is not None and manifest_id_of(data) != expected_id:
+            raise RemoteProtocolError("manifest does not match its id")
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises a zoo of types on bad input
             raise RemoteProtocolError(f"malformed manifest encoding: {exc}") from None
-        return cls.from_wire(obj)
+        manifest = cls.from_wire(obj)
+        if expected_id is not None:  # these exact bytes are its canonical encoding
+            object.__setattr__(manifest, "_encoded", bytes(data))
+            object.__setattr__(manifest, "_id", expected_id)
+        return manifest
+
+
+def manifest_id_of(encoded: bytes) -> bytes:
+    return hashlib.sha256(encoded).digest()[:16]
 
 
 def _manifest_from_wire(obj: Any) -> Manifest:

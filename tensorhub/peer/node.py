@@ -377,8 +377,8 @@ class Peer:
                         data = await conn.read_manifest(key)
                     finally:
                         await conn.aclose()
-                    manifest = Manifest.decode(data)
-                    if manifest.manifest_id() != holding.manifest_id or manifest.key != key:
+                    manifest = Manifest.decode(data, expected_id=holding.manifest_id)
+                    if manifest.key != key:
                         raise RemoteProtocolError(f"{peer.name} sent a non-matching manifest")
                     return manifest, holding.publisher
                 except (TransportError, RemoteProtocolError, NotServing, OSError) as exc:
