@@ -18,7 +18,7 @@ import time
 from .report import SCENARIOS, Context, Figure, print_table
 
 # Modules whose @scenario functions run, in this order (append new ones).
-SCENARIO_MODULES = ("simulations.membership_scenarios",)
+SCENARIO_MODULES = ("simulations.membership_scenarios", "simulations.coordinator_scenarios")
 
 
 def main(argv: list[str] | None = None) -> int:

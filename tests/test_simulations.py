@@ -60,3 +60,12 @@ def test_same_seed_same_trace_hash(ctx: Context) -> None:
     print("trace hashes", first)
     assert first == again
     assert more[:2] == first and more[2] not in first
+
+
+def test_coordinator_handover_and_split_views(ctx: Context) -> None:
+    from simulations.coordinator_scenarios import coordinator
+
+    figures = _by_name(coordinator(ctx))
+    assert figures["coord_moved_extra"].value == 0
+    assert figures["dual_epoch_plans"].value == 0
+    assert "0 not on the final epoch" in figures["dual_epoch_plans"].detail
