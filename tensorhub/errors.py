@@ -54,6 +54,11 @@ class VersionUnavailable(TensorHubError, LookupError):
         super().__init__(f"{text}: {detail}" if detail else text)
 
 
+class RetentionError(LocalProtocolError):
+    """Dropping this copy would lose the last replica of a version that must stay readable
+    (and offloading it to host memory is configured off)."""
+
+
 class ConsistencyError(TensorHubError):
     """Peers or ranks disagree about something that must be identical."""
 

@@ -6,13 +6,14 @@ a fixed id block so that a module can append messages without shifting anyone el
 
 from __future__ import annotations
 
-from . import codec, control, coordination, dataplane, membership
+from . import codec, control, coordination, dataplane, groups, membership
 
 _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (1, dataplane.MESSAGES),     # 1..9: data plane
     (10, control.MESSAGES),      # 10..19: reference-table anti-entropy
     (20, membership.MESSAGES),   # 20..49: SWIM membership
     (50, coordination.MESSAGES), # 50..59: per-version coordinators
+    (60, groups.MESSAGES),       # 60..69: model-parallel group switches
 )
 
 

@@ -1,0 +1,268 @@
+"""Version lifecycle: when a multi-rank publish is sealed, what ``latest`` means at a
+peer, and which versions retention keeps readable.
+
+Theory of operation
+-------------------
+Sealing.  Version ``v`` of a model is published by the ``world`` ranks of one publishing
+group: rank ``s`` announces shard ``s`` of ``v`` in the reference table together with
+``world``, a *layout id* (a digest of the whole declared layout; every rank of one
+publish passes the same one) and the manifest id of its shard.  Any other holder whose
+buffers contain all of publish shard ``s`` (whatever its own layout) may claim it too,
+with the same ``world``, layout id and manifest id; a holder of only part of a shard makes
+no claim for it.  :func:`seal_status` reads these announcements
+(:class:`ShardClaim`) and says, per version, whether it is *sealed*: every shard
+``0..world-1`` has at least one complete holder, and all holders agree on ``world``,
+on the layout id and, per shard, on the manifest id.  Otherwise the :class:`Seal`
+names what is missing and who disagrees with whom.  A version that is not sealed does
+not exist for readers; a rank that dies before its shard is complete leaves the version
+unsealed everywhere, and :meth:`Seal.reason` reports it.  Sealing is a pure function of
+the current table, so every peer that has merged the same entries reaches the same
+verdict.
+
+Latest.  A :class:`VersionView` keeps, per model, the seal status computed from the
+latest table snapshot the shell gave it, plus the highest version it has ever seen
+sealed.  ``latest`` is that maximum, so it never goes backwards at this peer even when
+the version later loses holders; fetching such a version then raises
+:class:`~tensorhub.errors.VersionUnavailable` (from :meth:`VersionView.require`) while
+``latest`` keeps naming it until a newer one seals.  :meth:`VersionView.update` returns
+the versions newer than everything reported before, ascending, each exactly once in the
+view's lifetime: the shell wakes ``wait_for_version`` waiters with exactly that list.
+The view is per process; a restarted peer starts a new, again monotonic, history.
+
+Retention.  A :class:`RetentionPolicy` per model says which versions must stay
+readable: the ``keep_latest`` newest sealed versions plus every pinned one
+(:func:`retained`).  Before a holder drops its copy of a shard (unpublish, or making
+room), :func:`must_offload` says whether it holds the last complete copy of a shard of
+a retained version: then the shell first copies the shard into host memory and keeps
+announcing (and serving) it from there, or, when the policy forbids offloading, the
+call raises :class:`RetentionError`.  The host copy is dropped once :func:`retained`
+no longer contains its version.  The decision is local to one table snapshot: if the
+last two holders drop within one gossip round, each sees the other and both drop (not
+covered here; closing it needs drop intents in the table).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from ..errors import ConsistencyError, LocalProtocolError, RetentionError, VersionUnavailable
+
+
+@dataclass(frozen=True, slots=True)
+class ShardClaim:
+    """One holder's announcement of one shard of one version of a model."""
+
+    origin: str
+    version: int
+    shard: int
+    world: int
+    layout_id: bytes
+    complete: bool
+    manifest_id: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shard < self.world:
+            raise LocalProtocolError(
+                f"{self.origin} claims shard {self.shard} of a world of {self.world}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    """Holders of one version that disagree on one property, grouped by what they claim."""
+
+    what: str
+    """``"world"``, ``"layout id"`` or ``"manifest of shard N"``."""
+    claims: tuple[tuple[str, tuple[str, ...]], ...]
+    """``(claimed value as text, origins claiming it)``, sorted."""
+
+    def __str__(self) -> str:
+        parts = "; ".join(f"{value} from {', '.join(who)}" for value, who in self.claims)
+        return f"holders disagree on the {self.what}: {parts}"
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """The seal status of one version, as one table snapshot shows it."""
+
+    version: int
+    world: int | None
+    """The world all holders agree on; None when they disagree."""
+    layout_id: bytes | None
+    missing: tuple[int, ...]
+    """Shards with no complete holder (only known when the world is agreed)."""
+    conflicts: tuple[Conflict, ...]
+
+    @property
+    def sealed(self) -> bool:
+        return not self.missing and not self.conflicts
+
+    def reason(self) -> str:
+        """Why the version is not sealed (empty when it is)."""
+        why = [str(c) for c in self.conflicts]
+        if self.missing:
+            why.append(f"shards {list(self.missing)} of {self.world} have no complete holder")
+        return "; ".join(why)
+
+    def check(self, model: str) -> None:
+        """Raise unless sealed: ConsistencyError on disagreement, else VersionUnavailable."""
+        if self.conflicts:
+            raise ConsistencyError(f"model {model!r} version {self.version}: {self.reason()}")
+        if self.missing:
+            raise VersionUnavailable(model, self.version, self.reason())
+
+
+def _conflict(what: str, values: dict[str, set[str]]) -> tuple[Conflict, ...]:
+    if len(values) < 2:
+        return ()
+    return (Conflict(what, tuple((v, tuple(sorted(o))) for v, o in sorted(values.items()))),)
+
+
+def seal_status(claims: Iterable[ShardClaim]) -> dict[int, Seal]:
+    """Seal status of every version that ``claims`` (all about one model) mention."""
+    by_version: dict[int, list[ShardClaim]] = defaultdict(list)
+    for c in claims:
+        by_version[c.version].append(c)
+    out: dict[int, Seal] = {}
+    for version, cs in sorted(by_version.items()):
+        worlds: dict[str, set[str]] = defaultdict(set)
+        layouts: dict[str, set[str]] = defaultdict(set)
+        manifests: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        for c in cs:
+            worlds[str(c.world)].add(c.origin)
+            layouts[c.layout_id.hex()].add(c.origin)
+            manifests[c.shard][c.manifest_id.hex()].add(c.origin)
+        conflicts = _conflict("world", worlds) + _conflict("layout id", layouts)
+        for shard, ms in sorted(manifests.items()):
+            conflicts += _conflict(f"manifest of shard {shard}", ms)
+        world = cs[0].world if len(worlds) == 1 else None
+        missing: tuple[int, ...] = ()
+        if world is not None:
+            covered = {c.shard for c in cs if c.complete}
+            missing = tuple(s for s in range(world) if s not in covered)
+        layout_id = cs[0].layout_id if len(layouts) == 1 else None
+        out[version] = Seal(version, world, layout_id, missing, conflicts)
+    return out
+
+
+@dataclass
+class _ModelState:
+    latest: int | None = None
+    seals: dict[int, Seal] = field(default_factory=dict)
+
+
+class VersionView:
+    """One peer's view of which versions are sealed; ``latest`` never goes backwards.
+
+    Call :meth:`update` with a model's claims whenever the reference table changes
+    for that model; wake ``wait_for_version`` waiters with what it returns.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[str, _ModelState] = {}
+
+    def update(self, model: str, claims: Iterable[ShardClaim]) -> tuple[int, ...]:
+        """Take a new table snapshot of ``model``; return the versions sealed in it that
+        are newer than every version reported before, ascending (each reported once)."""
+        state = self._models.setdefault(model, _ModelState())
+        state.seals = seal_status(claims)
+        floor = -1 if state.latest is None else state.latest
+        newer = tuple(v for v, s in state.seals.items() if s.sealed and v > floor)
+        if newer:
+            state.latest = newer[-1]
+        return newer
+
+    def latest(self, model: str) -> int | None:
+        """The highest version of ``model`` ever seen sealed here (None if none)."""
+        state = self._models.get(model)
+        return None if state is None else state.latest
+
+    def sealed(self, model: str) -> tuple[int, ...]:
+        """Versions of ``model`` sealed in the latest snapshot, ascending."""
+        state = self._models.get(model)
+        return () if state is None else tuple(v for v, s in state.seals.items() if s.sealed)
+
+    def unsealed(self, model: str) -> tuple[Seal, ...]:
+        """Versions newer than ``latest`` that holders announce but that are not sealed:
+        the publishes still in progress or stuck (see :meth:`Seal.reason`)."""
+        state = self._models.get(model)
+        if state is None:
+            return ()
+        floor = -1 if state.latest is None else state.latest
+        return tuple(s for v, s in state.seals.items() if v > floor and not s.sealed)
+
+    def require(self, model: str, version: int) -> Seal:
+        """The seal of a version about to be fetched; raises unless it is sealed now."""
+        state = self._models.get(model)
+        seal = None if state is None else state.seals.get(version)
+        if seal is None:
+            raise VersionUnavailable(model, version, "no live peer holds any shard of it")
+        seal.check(model)
+        return seal
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """Which versions of one model must stay readable while peers drop their copies."""
+
+    keep_latest: int = 1
+    """The newest ``keep_latest`` sealed versions are retained.  The default, 1, keeps
+    ``latest`` fetchable for joiners; more costs host memory on the last holders; 0
+    retains only pins."""
+    pins: frozenset[int] = frozenset()
+    """Versions retained whatever their age (e.g. an evaluation checkpoint)."""
+    offload: bool = True
+    """The last holder of a retained shard copies it to host memory before dropping it.
+    False refuses such drops with :class:`RetentionError` instead (for peers whose host
+    memory is too small to take a model)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep_latest, bool) or not isinstance(self.keep_latest, int) \
+                or self.keep_latest < 0:
+            raise LocalProtocolError(f"keep_latest must be an int >= 0, got {self.keep_latest!r}")
+        if not isinstance(self.pins, frozenset) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.pins):
+            raise LocalProtocolError(f"pins must be a frozenset of versions, got {self.pins!r}")
+        if not isinstance(self.offload, bool):
+            raise LocalProtocolError(f"offload must be a bool, got {self.offload!r}")
+
+    def pin(self, version: int) -> RetentionPolicy:
+        return replace(self, pins=self.pins | {version})
+
+    def unpin(self, version: int) -> RetentionPolicy:
+        return replace(self, pins=self.pins - {version})
+
+
+def retained(sealed_versions: Iterable[int], policy: RetentionPolicy) -> frozenset[int]:
+    """The versions ``policy`` keeps readable, given a model's currently sealed versions."""
+    newest = heapq.nlargest(policy.keep_latest, set(sealed_versions))
+    return frozenset(newest) | policy.pins
+
+
+def must_offload(model: str, version: int, shard: int, me: str,
+                 claims: Iterable[ShardClaim], policy: RetentionPolicy) -> bool:
+    """Whether peer ``me`` must copy ``shard`` of ``version`` to host memory before
+    dropping it: it is the last complete holder of a shard of a retained version.
+
+    ``claims`` are all the claims about ``model`` in the current table (``me``'s own
+    included).  Raises :class:`RetentionError` when the copy is needed but the policy
+    does not allow offloading.
+    """
+    claims = list(claims)
+    sealed = [v for v, s in seal_status(claims).items() if s.sealed]
+    if version not in retained(sealed, policy):
+        return False
+    holders = {c.origin for c in claims if c.version == version and c.shard == shard
+               and c.complete}
+    if holders != {me}:
+        return False
+    if not policy.offload:
+        raise RetentionError(
+            f"{me} holds the last complete copy of shard {shard} of model {model!r} "
+            f"version {version}, which is retained, and offloading to host memory is off: "
+            "unpin it, lower keep_latest, or enable offload"
+        )
+    return True

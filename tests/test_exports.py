@@ -1,0 +1,27 @@
+"""The public surface: exactly these names, each importable from ``tensorhub``."""
+
+from __future__ import annotations
+
+import tensorhub
+
+PUBLIC = {
+    "BlockingPeer", "ConfigError", "ConsistencyError", "FetchReport", "Fetched",
+    "IntegrityError", "LocalProtocolError", "Manifest", "Peer", "PeerClosed", "PeerConfig",
+    "PeerInfo", "PeerStats", "RemoteProtocolError", "RetentionError", "TensorHubError",
+    "TensorSpec", "TransportError", "VersionKey", "VersionUnavailable", "__version__",
+    "open_peer",
+}
+
+
+def test_public_names_are_exactly_the_documented_ones() -> None:
+    assert set(tensorhub.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(tensorhub, name) is not None
+
+
+def test_errors_say_whose_fault() -> None:
+    assert issubclass(tensorhub.IntegrityError, tensorhub.RemoteProtocolError)
+    assert issubclass(tensorhub.RetentionError, tensorhub.LocalProtocolError)
+    assert issubclass(tensorhub.VersionUnavailable, LookupError)
+    assert all(issubclass(getattr(tensorhub, n), tensorhub.TensorHubError)
+               for n in PUBLIC if n.endswith("Error") and n != "TensorHubError")
