@@ -92,6 +92,15 @@ class BlockingPeer:
     def unpublish(self, model: str, version: int) -> None:
         self._call(self.peer.unpublish, model, version)
 
+    def pin(self, model: str, version: int) -> None:
+        self._call(self._sync, self.peer.pin, model, version)
+
+    def unpin(self, model: str, version: int) -> None:
+        self._call(self._sync, self.peer.unpin, model, version)
+
+    async def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
     def statistics(self) -> PeerStats:
         result: PeerStats = self._call(self._sync_stats)
         return result

@@ -101,6 +101,15 @@ class PeerConfig:
     """Ask the version's coordinator for a plan (who pulls what from whom). Off: every
     fetcher picks holders itself (nearest, least loaded)."""
 
+    retain_latest: int = 1
+    """Retention: the newest ``retain_latest`` complete versions of every model (and the
+    versions pinned at this peer) must stay readable.  When this peer is the last
+    complete holder of such a version, ``unpublish`` first copies it to host memory."""
+
+    retention_offload: bool = True
+    """Off: ``unpublish`` of the last copy of a retained version raises RetentionError
+    instead of copying it (for hosts without memory to spare)."""
+
     transports: tuple[str, ...] = ("shm", "tcp")
     """Data-plane transports in order of preference. ``shm`` is used only between peers
     on the same host (same ``host`` label and same kernel); ``tcp`` works everywhere."""
@@ -145,6 +154,8 @@ class PeerConfig:
             raise ConfigError("max_message_bytes must be in [64 KiB, 1 GiB]")
         if self.gossip_queue < 16:
             raise ConfigError("gossip_queue must be >= 16")
+        if not 0 <= self.retain_latest <= 1 << 20:
+            raise ConfigError("retain_latest must be in [0, 2**20]")
         if not self.nic_bps > 0:
             raise ConfigError("nic_bps must be > 0")
         if self.max_inflight_bytes < 4096:

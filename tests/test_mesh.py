@@ -41,7 +41,9 @@ async def mesh(n: int, **cfg: object) -> AsyncIterator[list[tensorhub.Peer]]:
 
 
 async def test_publish_fetch_latest_and_sources() -> None:
-    async with mesh(3) as (pub, a, b):
+    # Planning off: this is about the fetcher's own choice (a holder that is not the
+    # publisher first); plans have their own test below.
+    async with mesh(3, planning=False) as (pub, a, b):
         w = weights(1)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -176,7 +178,7 @@ async def test_unpublish_while_a_reader_is_mid_fetch() -> None:
 
 
 async def test_fetch_with_no_holder_left_names_what_is_missing() -> None:
-    async with mesh(2, stall_timeout=0.5) as (pub, r):
+    async with mesh(2, stall_timeout=0.5, retain_latest=0) as (pub, r):
         await pub.publish("m", 1, weights(1, 1))
         with trio.fail_after(10):
             await r.wait_for_version("m", None)
@@ -280,3 +282,61 @@ async def test_different_hosts_use_tcp() -> None:
             await b.wait_for_version("m", None)
         got = await b.fetch("m", 1)
         assert got.report.transport_by_source == {"a": "tcp"}
+
+
+async def test_last_holder_of_the_latest_version_offloads_it_before_unpublishing() -> None:
+    async with mesh(2) as (pub, r):
+        w = weights(5, 2)
+        expected = {k: v.copy() for k, v in w.items()}
+        await pub.publish("m", 5, w)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        await pub.unpublish("m", 5)  # the only copy of the latest version
+        for v in w.values():
+            v[...] = 0  # the trainer reuses its buffers at once
+        got = await r.fetch("m", 5)  # served from the publisher's host copy
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], expected[k])
+        assert pub.statistics().holdings == {"m@5": "complete"}
+        # a newer version makes 5 unretained: the host copy goes away everywhere
+        await pub.publish("m", 6, weights(6, 1))
+        with trio.fail_after(10):
+            while "m@5" in pub.statistics().holdings:
+                await trio.sleep(0.01)
+        with trio.fail_after(10):
+            assert await r.wait_for_version("m", 5) == 6
+
+
+async def test_retention_without_offload_refuses_and_keeps_serving() -> None:
+    async with mesh(2, retention_offload=False) as (pub, r):
+        w = weights(1, 1)
+        await pub.publish("m", 1, w)
+        with pytest.raises(tensorhub.RetentionError, match="last complete copy"):
+            await pub.unpublish("m", 1)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        got = await r.fetch("m", 1)  # nothing was lost
+        np.testing.assert_array_equal(got.tensors["embed"], w["embed"])
+        with trio.fail_after(10):
+            while [p.name for p, h in pub.control.holders(tensorhub.VersionKey("m", 1))
+                   if h.complete and p.name != "p0"] != ["p1"]:
+                await trio.sleep(0.01)
+        await pub.unpublish("m", 1)  # now r holds it too: no retention needed
+        assert pub.statistics().holdings == {}
+
+
+async def test_pinned_version_stays_readable_and_latest_never_goes_back() -> None:
+    async with mesh(2, retain_latest=0) as (pub, r):
+        await pub.publish("m", 1, weights(1, 1))
+        pub.pin("m", 1)
+        await pub.unpublish("m", 1)
+        assert pub.statistics().holdings == {"m@1": "complete"}  # kept: pinned
+        with trio.fail_after(10):
+            assert await r.wait_for_version("m", None) == 1
+        pub.unpin("m", 1)
+        with trio.fail_after(10):
+            while r.control.readable("m"):  # the host copy is gone everywhere
+                await trio.sleep(0.01)
+        assert await r.latest("m") == 1  # monotonic, though nobody holds it now
+        with pytest.raises(VersionUnavailable):
+            await r.fetch("m", "latest")

@@ -24,6 +24,7 @@ from ..errors import (
     ConsistencyError,
     LocalProtocolError,
     RemoteProtocolError,
+    RetentionError,
     TransportError,
     VersionUnavailable,
 )
@@ -145,10 +146,15 @@ class Peer:
         self.bad_inputs: list[str] = []
         self._shm = shm_available() if "shm" in config.transports else (False, "not enabled")
         self._shm_refused: dict[str, str] = {}
+        self._pins: set[VersionKey] = set()
+        self._offloaded: set[VersionKey] = set()
+        """Versions served from our own host copies (retention), not caller arrays."""
+        self._nursery: trio.Nursery
 
     # -- lifecycle --------------------------------------------------------------------
 
     async def _start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
         await nursery.start(self._server.serve)
         self.control = ControlPlane(self.info, self.config, random.Random(),
                                     trio.current_time(), time.time_ns() // 1000)
@@ -172,6 +178,8 @@ class Peer:
     def _after_change(self) -> None:
         if self.control.changes != self._seen_changes:
             self._seen_changes = self.control.changes
+            if self._offloaded:
+                self._release_unretained()
             self._changed.set()
             self._changed = trio.Event()
             for f in self._fetches:
@@ -243,12 +251,60 @@ class Peer:
             await self._changed.wait()
 
     async def unpublish(self, model: str, version: int) -> None:
-        """Stop serving ``model@version`` now; return once in-flight reads have drained."""
+        """Stop serving ``model@version`` from the caller's arrays now; return once reads
+        of them have drained, after which the caller may overwrite them.
+
+        Retention: if the version must stay readable (one of the newest
+        ``retain_latest`` versions, or pinned here) and this peer is its last complete
+        holder, it is first copied to host memory this peer keeps serving from, until it
+        is no longer retained; with ``retention_offload`` off that raises
+        :class:`RetentionError` instead and nothing changes."""
         key = VersionKey(check_model_name(model), check_version(version))
-        if self.store.hide(key) is None:
+        local = self.store.get(key)
+        if local is None or local.hidden:
             raise LocalProtocolError(f"{key} is not held here")
+        if local.complete and self._retained(key) and not self._other_complete_holders(key):
+            if not self.config.retention_offload:
+                raise RetentionError(
+                    f"{key} is retained and this peer holds its last complete copy; "
+                    "offload is off (PeerConfig.retention_offload), so it stays published")
+            copies = await trio.to_thread.run_sync(
+                lambda: [np.array(a, copy=True) for a in local.arrays])
+            await self.store.swap(LocalVersion(local.manifest, copies, local.publisher,
+                                               verified=True))
+            self._offloaded.add(key)
+            return
+        self.store.hide(key)
         self._send(self.control.drop_holding(key))
         await self.store.wait_drained(key)
+        self._offloaded.discard(key)
+
+    def pin(self, model: str, version: int) -> None:
+        """Keep ``model@version`` readable while this peer lives (see :meth:`unpublish`)."""
+        self._pins.add(VersionKey(check_model_name(model), check_version(version)))
+
+    def unpin(self, model: str, version: int) -> None:
+        self._pins.discard(VersionKey(check_model_name(model), check_version(version)))
+        self._release_unretained()
+
+    def _retained(self, key: VersionKey) -> bool:
+        if key in self._pins:
+            return True
+        newest = self.control.readable(key.model)[-self.config.retain_latest:] \
+            if self.config.retain_latest else []
+        return key.version in newest
+
+    def _other_complete_holders(self, key: VersionKey) -> list[str]:
+        return [p.name for p, h in self.control.holders(key)
+                if h.complete and p.name != self.info.name]
+
+    def _release_unretained(self) -> None:
+        """Drop host copies of versions that are no longer retained."""
+        for key in [k for k in self._offloaded if not self._retained(k)]:
+            self._offloaded.discard(key)
+            if self.store.hide(key) is not None:
+                self._send(self.control.drop_holding(key))
+                self._nursery.start_soon(self.store.wait_drained, key)
 
     async def fetch(self, model: str, version: int | str = "latest",
                     into: Mapping[str, Any] | None = None, *,

@@ -152,6 +152,16 @@ class Store:
             local.end_receiving()  # readers waiting for a chunk get NOT_HELD now
         return local
 
+    async def swap(self, new: LocalVersion) -> None:
+        """Serve ``new`` (same version, other memory) from now on; return when reads of
+        the old memory have drained."""
+        old = self.versions.get(new.manifest.key)
+        self.versions[new.manifest.key] = new
+        if old is not None:
+            old.hidden = True
+            old.end_receiving()
+            await old.drained.wait()
+
     async def wait_drained(self, key: VersionKey) -> None:
         local = self.versions.get(key)
         if local is None:

@@ -63,6 +63,7 @@ class ControlPlane:
         self.coordination = Coordination(me.name, me.control, generation)
         self.nic_bps = float(config.nic_bps)
         self.changes = 0
+        self._latest: dict[str, int] = {}
         self._next_gossip = now
         self._events: list[MemberEvent] = []
 
@@ -149,10 +150,19 @@ class ControlPlane:
                 out.append((members[origin].info, holding))
         return out
 
+    def readable(self, model: str) -> list[int]:
+        """Versions of ``model`` that some live peer holds completely, ascending."""
+        return [v for v in self.refs.versions(model)
+                if any(h.complete for _, h in self.holders(VersionKey(model, v)))]
+
     def latest(self, model: str) -> int | None:
-        versions = [v for v in self.refs.versions(model)
-                    if any(h.complete for _, h in self.holders(VersionKey(model, v)))]
-        return versions[-1] if versions else None
+        """The newest readable version; never goes backwards at this peer (a version
+        whose holders all left stays ``latest``; fetching it then says what is missing)."""
+        versions = self.readable(model)
+        seen = self._latest.get(model)
+        if versions and (seen is None or versions[-1] > seen):
+            self._latest[model] = seen = versions[-1]
+        return seen
 
     # -- internals ----------------------------------------------------------------
 
