@@ -48,7 +48,8 @@ def test_two_dcs_move_about_one_copy_between_them(wan_support: None) -> None:
     print(f"inter-DC bytes: {fan.wan_bytes / SIZE:.3f} x size; sources: {fan.sources()}")
     assert fan.wan_bytes >= SIZE  # the remote DC got its copy across the link
     assert leftovers(cluster.prefix) == []
-    assert fan.wan_bytes <= 1.5 * SIZE  # loose for now; issue 6 asks <= 1.05 at 256 MiB
+    # One copy crosses (plus TCP/IP headers, ~0.5% at MTU 9000); a star would send two.
+    assert fan.wan_bytes <= 1.1 * SIZE
 
 
 @pytest.mark.netns
