@@ -118,11 +118,9 @@ class Manifest:
     chunk_size: int
     digest_algo: str
     chunk_digests: tuple[bytes, ...]
-    _by_name: dict[str, int] = field(init=False, repr=False, compare=False)
     _ends: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_name", {t.name: i for i, t in enumerate(self.tensors)})
         object.__setattr__(self, "_ends", [t.end for t in self.tensors])
 
     @property
@@ -139,9 +137,6 @@ class Manifest:
     @property
     def num_chunks(self) -> int:
         return -(-self.total_bytes // self.chunk_size) if self.total_bytes else 0
-
-    def index_of(self, name: str) -> int:
-        return self._by_name[name]
 
     def chunk_range(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.chunk_size

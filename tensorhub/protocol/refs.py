@@ -131,9 +131,6 @@ class RefTable:
         self._set_local(after)
         return True
 
-    def local_holding(self, key: VersionKey) -> Holding | None:
-        return next((h for h in self.local.holdings if h.key == key), None)
-
     # -- anti-entropy ------------------------------------------------------------
 
     def digest(self) -> tuple[Stamp, ...]:
@@ -188,10 +185,6 @@ class RefTable:
             self._forgotten[origin] = entry.stamp
         return entry is not None
 
-    def reap(self, origin: str) -> None:
-        """Forget the tombstone of ``origin`` (membership reaped it)."""
-        self._forgotten.pop(origin, None)
-
     # -- queries -----------------------------------------------------------------
 
     def origins(self) -> Iterator[OriginEntry]:
@@ -214,6 +207,3 @@ class RefTable:
             if h.model == model and h.complete
         }
         return sorted(found)
-
-    def models(self) -> list[str]:
-        return sorted({h.model for e in self._entries.values() for h in e.holdings})
