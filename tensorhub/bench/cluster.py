@@ -54,7 +54,8 @@ from ..errors import TensorHubError
 from ..protocol.topology import fluid_bound
 from .baselines import BASELINES, BaselineError, parse_size
 from .figures import figure, print_figures
-from .netns import Cluster, Host, open_cluster, read_line
+from .netns import Cluster, Host, open_cluster
+from .worker import WorkerClient
 
 MODEL = "bench"
 TRAINER = "trainer"
@@ -76,7 +77,7 @@ class ClusterBenchError(TensorHubError):
     """A worker failed or answered with an error; the message names it."""
 
 
-class _Worker:
+class _Worker(WorkerClient):
     """One bench worker peer inside a host's namespace, spoken to in JSON lines."""
 
     def __init__(self, cluster: Cluster, host: Host, name: str, port: int, join: str,
@@ -95,45 +96,17 @@ class _Worker:
                 "--stall-timeout", str(_STALL_TIMEOUT_S)]  # fmt: skip
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
         with self.log.open("w") as log:
-            self.process: subprocess.Popen[str] = cluster.run(
+            process: subprocess.Popen[str] = cluster.run(
                 host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 text=True, env={**os.environ, "PYTHONPATH": path},
             )  # fmt: skip
-
-    def send(self, **cmd: Any) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(cmd) + "\n")
-        self.process.stdin.flush()
-
-    def expect(self, event: str, timeout_s: float) -> dict[str, Any]:
-        try:
-            reply: dict[str, Any] = json.loads(read_line(self.process, timeout_s))
-        except (TimeoutError, EOFError) as error:
-            raise ClusterBenchError(f"{self.name}: {error}") from error
-        if reply.get("event") != event:
-            raise ClusterBenchError(f"{self.name}: {reply.get('error', reply)} "
-                                    f"(expected {event!r})")
-        return reply
-
-    def call(self, event: str, timeout_s: float = _SETUP_TIMEOUT_S, **cmd: Any
-             ) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.expect(event, timeout_s)
+        super().__init__(name, process, _SETUP_TIMEOUT_S)
 
     def prepare(self, size: int) -> None:
         """Pre-faulted ``into`` buffers of ``size`` bytes (a rollout's fixed weights)."""
         if self.prepared != size:
             self.call("prepared", cmd="prepare", model=MODEL, shape="large", size=size)
             self.prepared = size
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.send(cmd="quit")
-                self.process.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
 
     def tail(self, lines: int = 20) -> str:
         try:

@@ -22,13 +22,14 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from ..config import DEFAULT_CHUNK_SIZE
 from ..demo import _free_ports, parse_size
 from .figures import figure, print_figures
+from .worker import WorkerClient
 
 RAW_SERVER = r"""
 import socket, sys, numpy as np
@@ -41,47 +42,6 @@ for _ in range(runs):
     conn.sendall(memoryview(buf))
     conn.close()
 """
-
-
-class JsonProc:
-    """A worker process spoken to in JSON lines."""
-
-    def __init__(self, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, bufsize=1)
-
-    def send(self, **cmd: Any) -> None:
-        stdin: IO[str] = self.p.stdin  # type: ignore[assignment]
-        stdin.write(json.dumps(cmd) + "\n")
-        stdin.flush()
-
-    def expect(self, event: str, timeout: float = 300) -> dict[str, Any]:
-        stdout: IO[str] = self.p.stdout  # type: ignore[assignment]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.name} exited with code {self.p.wait()}")
-            obj: dict[str, Any] = json.loads(line)
-            if obj.get("event") == "error":
-                raise RuntimeError(f"{self.name}: {obj['error']}")
-            if obj.get("event") == event:
-                return obj
-        raise TimeoutError(f"{self.name}: no {event!r} within {timeout}s")
-
-    def call(self, event: str, **cmd: Any) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.expect(event)
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            try:
-                self.send(cmd="quit")
-                self.p.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait()
 
 
 def raw_socket_seconds(size: int, runs: int) -> list[float]:
@@ -126,14 +86,16 @@ def run(size: int, chunk: int, runs: int) -> dict[str, Any]:
     seed = f"127.0.0.1:{ports[0]}"
     names = ["pub", "f_tcp", "f_shm", "a", "b", "c"]
     transports = {"f_shm": "shm,tcp"}
-    procs: dict[str, JsonProc] = {}
+    procs: dict[str, WorkerClient] = {}
     results: dict[str, Any] = {}
     try:
         for i, name in enumerate(names):
             argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
                     "--listen", f"127.0.0.1:{ports[i]}", "--expect", str(len(names)),
                     "--chunk", str(chunk), "--transports", transports.get(name, "tcp")]
-            procs[name] = JsonProc(name, argv + (["--join", seed] if i else []))
+            argv += ["--join", seed] if i else []
+            procs[name] = WorkerClient(name, subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
         for p in procs.values():
             p.expect("ready", 60)
         pub = procs["pub"]
@@ -142,7 +104,7 @@ def run(size: int, chunk: int, runs: int) -> dict[str, Any]:
         results["publisher_rss_growth_mib"] = (published["rss_after_mib"]
                                                - published["rss_before_mib"])
 
-        def single(proc: JsonProc, model: str) -> list[dict[str, Any]]:
+        def single(proc: WorkerClient, model: str) -> list[dict[str, Any]]:
             out = []
             for _ in range(runs):
                 got = proc.call("fetched", cmd="fetch", model=model, version=1,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from typing import Any
@@ -31,8 +32,10 @@ import trio
 from ..cli import _labels
 from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
 from ..demo import checksum, fill, model_specs
+from ..errors import TensorHubError
 from ..model import VersionKey
 from ..peer.node import Peer, open_peer
+from .netns import read_line
 
 
 def rss_mib() -> tuple[float, float]:
@@ -65,6 +68,51 @@ def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, np.ndar
         arr.reshape(-1).view(np.uint8)[::4096] = 1  # pre-fault every page
         out[name] = arr
     return out
+
+
+class WorkerError(TensorHubError):
+    """A worker reported an error, answered out of turn, went silent or exited."""
+
+
+class WorkerClient:
+    """The driver's side: one JSON command per line in, one JSON reply per line out."""
+
+    def __init__(self, name: str, process: subprocess.Popen[str],
+                 timeout_s: float = 300.0) -> None:
+        self.name = name
+        self.process = process
+        self.timeout_s = timeout_s
+        """How long a reply may take unless a call says otherwise."""
+
+    def send(self, **cmd: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(cmd) + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, event: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """The next reply, which must be ``event``."""
+        try:
+            reply: dict[str, Any] = json.loads(
+                read_line(self.process, timeout_s or self.timeout_s))
+        except (TimeoutError, EOFError, json.JSONDecodeError) as error:
+            raise WorkerError(f"{self.name}: {error}") from error
+        if reply.get("event") != event:
+            raise WorkerError(f"{self.name}: {reply.get('error', reply)} (expected {event!r})")
+        return reply
+
+    def call(self, event: str, timeout_s: float | None = None, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.expect(event, timeout_s)
+
+    def close(self) -> None:
+        """Ask the worker to leave the mesh; kill it if it does not within 10 s."""
+        if self.process.poll() is None:
+            try:
+                self.send(cmd="quit")
+                self.process.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
 
 
 class Worker:
