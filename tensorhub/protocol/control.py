@@ -90,8 +90,9 @@ class ControlPlane:
         if isinstance(msg, RefsDigest):
             return self._on_digest(msg)
         if isinstance(msg, RefsDelta):
-            if any([self.refs.merge(e) for e in msg.entries if self._accept(e.origin)]):
-                self._table_changed()
+            merged = [e for e in msg.entries if self._accept(e.origin) and self.refs.merge(e)]
+            if merged:
+                self._table_changed(merged)
             return []
         if isinstance(msg, CoordRequest):
             return self._on_coord_request(msg)
@@ -111,13 +112,13 @@ class ControlPlane:
 
     def put_holding(self, holding: Holding) -> list[Outbound]:
         self.refs.put_local(holding)
-        self._table_changed()
+        self._table_changed([self.refs.local])
         return self._push_local()
 
     def drop_holding(self, key: VersionKey) -> list[Outbound]:
         if not self.refs.drop_local(key):
             return []
-        self._table_changed()
+        self._table_changed([self.refs.local])
         return self._push_local()
 
     # -- coordinators ---------------------------------------------------------------
@@ -194,15 +195,18 @@ class ControlPlane:
             return None
         return NodeInfo.from_peer(member.info, self.nic_bps)
 
-    def _table_changed(self) -> None:
+    def _table_changed(self, entries: list[OriginEntry]) -> None:
+        """Look only at the entries that changed: new versions join the election, and
+        completed holdings turn fetchers into sources in the plans we keep."""
         self.changes += 1
-        keys = {h.key for e in self.refs.origins() for h in e.holdings}
+        keys = {h.key for e in entries for h in e.holdings}
         if not keys <= self.coordination.keys:
             self.coordination.keys |= keys
             self.coordination.elect(self)
-        for key in self.coordination.planners.keys() & keys:
-            for name in self.complete_holders_of(key):
-                self.coordination.peer_complete(key, name)
+        for e in entries:
+            for h in e.holdings:
+                if h.complete and h.key in self.coordination.planners:
+                    self.coordination.peer_complete(h.key, e.origin)
 
     def _on_coord_request(self, msg: CoordRequest) -> list[Outbound]:
         dest, out = self.coordination.on_request(msg, self)
