@@ -25,6 +25,7 @@ DIGEST_ALGOS = ("blake3", "sha256")
 MAX_MODEL_NAME = 200
 MAX_TENSOR_NAME = 1000
 MAX_NDIM = 16
+MAX_LAYOUT_ID = 32
 
 
 def new_hasher(algo: str) -> Any:
@@ -71,21 +72,42 @@ class PeerInfo:
 
 @dataclass(frozen=True, order=True)
 class VersionKey:
+    """What one manifest describes: ``shard`` of ``model@version`` in layout ``layout``.
+
+    A version published by one process is the single shard 0 of the trivial layout
+    (``layout == b""``: every tensor whole), so ``VersionKey(model, version)`` names it.
+    A multi-rank publish has one key per rank, and a consumer that fetched its own
+    slices in another layout holds them under that layout's id and its rank."""
+
     model: str
     version: int
+    shard: int = 0
+    layout: bytes = b""
+
+    @property
+    def whole(self) -> bool:
+        return self.shard == 0 and not self.layout
 
     def __str__(self) -> str:
-        return f"{self.model}@{self.version}"
+        if self.whole:
+            return f"{self.model}@{self.version}"
+        return f"{self.model}@{self.version}[shard {self.shard} of layout {self.layout.hex()[:8]}]"
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a version: its name, dtype (numpy ``dtype.str``), shape, place."""
+    """One tensor of a version: its name, dtype (numpy ``dtype.str``), shape, place.
+
+    In a shard, ``shape`` is the local slice's shape; ``global_shape`` and ``start``
+    (both empty for a whole tensor) give the full tensor's shape and where the slice
+    begins in it, so the slice is ``[start[d], start[d] + shape[d])`` along each dim."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
+    global_shape: tuple[int, ...] = ()
+    start: tuple[int, ...] = ()
     nbytes: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +119,17 @@ class TensorSpec:
     @property
     def end(self) -> int:
         return self.offset + self.nbytes
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (``shape`` itself when this is not a slice)."""
+        return self.global_shape or self.shape
+
+    @property
+    def box(self) -> tuple[tuple[int, int], ...]:
+        """The slice as ``(start, stop)`` per dim of the whole tensor."""
+        start = self.start or (0,) * len(self.shape)
+        return tuple((a, a + n) for a, n in zip(start, self.shape, strict=True))
 
 
 @dataclass(frozen=True)
@@ -118,6 +151,10 @@ class Manifest:
     chunk_size: int
     digest_algo: str
     chunk_digests: tuple[bytes, ...]
+    shard: int = 0
+    world: int = 1
+    layout: bytes = b""
+    """Which shard of which layout this manifest describes (see :class:`VersionKey`)."""
     _ends: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,7 +162,7 @@ class Manifest:
 
     @property
     def key(self) -> VersionKey:
-        return VersionKey(self.model, self.version)
+        return VersionKey(self.model, self.version, self.shard, self.layout)
 
     @property
     def total_bytes(self) -> int:
@@ -160,10 +197,13 @@ class Manifest:
         return {
             "model": self.model,
             "version": self.version,
-            "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in self.tensors],
+            "tensors": [[t.name, t.dtype, list(t.shape), t.offset]
+                        + ([list(t.global_shape), list(t.start)] if t.global_shape else [])
+                        for t in self.tensors],
             "chunk_size": self.chunk_size,
             "digest_algo": self.digest_algo,
             "chunk_digests": list(self.chunk_digests),
+            "shard": [self.shard, self.world, self.layout],
         }
 
     def encode(self) -> bytes:
@@ -219,9 +259,15 @@ def _manifest_from_wire(obj: Any) -> Manifest:
         return RemoteProtocolError(f"malformed manifest: {what}")
 
     if not isinstance(obj, dict) or set(obj) != {
-        "model", "version", "tensors", "chunk_size", "digest_algo", "chunk_digests"
+        "model", "version", "tensors", "chunk_size", "digest_algo", "chunk_digests", "shard"
     }:
         raise bad("wrong fields")
+    sh = obj["shard"]
+    if not (isinstance(sh, list) and len(sh) == 3 and _is_count(sh[0]) and _is_count(sh[1])
+            and sh[0] < sh[1] and isinstance(sh[2], bytes) and len(sh[2]) <= MAX_LAYOUT_ID
+            and (sh[1] == 1 or sh[2])):
+        raise bad("shard")
+    shard, world, layout = sh
     model, version = obj["model"], obj["version"]
     if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_NAME:
         raise bad("model")
@@ -241,9 +287,9 @@ def _manifest_from_wire(obj: Any) -> Manifest:
     if not isinstance(raw_tensors, list):
         raise bad("tensors")
     for item in raw_tensors:
-        if not isinstance(item, list) or len(item) != 4:
+        if not isinstance(item, list) or len(item) not in (4, 6):
             raise bad("tensor entry")
-        name, dtype, shape, toff = item
+        name, dtype, shape, toff = item[:4]
         if not isinstance(name, str) or not 0 < len(name) <= MAX_TENSOR_NAME or name in names:
             raise bad("tensor name")
         names.add(name)
@@ -266,7 +312,17 @@ def _manifest_from_wire(obj: Any) -> Manifest:
             raise bad("shape")
         if toff != offset:
             raise bad("tensor offsets are not contiguous")
-        spec = TensorSpec(name, dt.str, tuple(shape), toff)
+        gshape: tuple[int, ...] = ()
+        start: tuple[int, ...] = ()
+        if len(item) == 6:
+            gs, st = item[4], item[5]
+            if not (isinstance(gs, list) and isinstance(st, list)
+                    and len(gs) == len(st) == len(shape)
+                    and all(_is_count(x) and x < 2**40 for x in (*gs, *st))
+                    and all(a + n <= g for a, n, g in zip(st, shape, gs, strict=True))):
+                raise bad(f"slice of tensor {name!r}")
+            gshape, start = tuple(gs), tuple(st)
+        spec = TensorSpec(name, dt.str, tuple(shape), toff, gshape, start)
         if spec.nbytes >= 2**50:
             raise bad("tensor too large")
         offset += spec.nbytes
@@ -277,7 +333,12 @@ def _manifest_from_wire(obj: Any) -> Manifest:
         raise bad("chunk digest count")
     if not all(isinstance(d, bytes) and 16 <= len(d) <= 64 for d in digests):
         raise bad("chunk digest")
-    return Manifest(model, version, tuple(tensors), chunk_size, algo, tuple(digests))
+    return Manifest(model, version, tuple(tensors), chunk_size, algo, tuple(digests),
+                    shard, world, layout)
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
 
 
 def as_host_array(obj: Any, name: str) -> np.ndarray[Any, Any]:

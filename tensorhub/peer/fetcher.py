@@ -134,7 +134,10 @@ class Fetch:
     def __init__(self, *, me: str, local: LocalVersion, view: HolderView, connect: Connector,
                  upstream: frozenset[str], window: int, stall_timeout: float,
                  on_progress: Callable[[], None],
-                 plan: Sequence[tuple[PeerInfo, int, int]] = ()) -> None:
+                 plan: Sequence[tuple[PeerInfo, int, int]] = (),
+                 only: Sequence[int] | None = None) -> None:
+        """``only``, when given, limits the fetch to those chunks (a resharding fetch
+        needs just the chunks that overlap its slices)."""
         self.me = me
         self.local = local
         self.manifest = local.manifest
@@ -155,7 +158,9 @@ class Fetch:
         self.rate: dict[str, float] = {}
         """Measured bytes/s per source (EWMA), for stall timeouts that fit each link."""
         self.on_progress = on_progress
-        self.pending = [c for c in range(self.manifest.num_chunks) if not local.verified[c]]
+        wanted = range(self.manifest.num_chunks) if only is None else sorted(set(only))
+        self.pending = [c for c in wanted if not local.verified[c]]
+        self.wanted = len(wanted)
         self.claimed: dict[int, str] = {}
         self.load: dict[str, int] = {}
         self.dropped: dict[str, str] = {}
@@ -213,7 +218,7 @@ class Fetch:
             for s in self.manifest.segments(*self.manifest.chunk_range(c))
         })
         dropped = "; ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items()))
-        return (f"no live holder for {len(self.pending)} of {self.manifest.num_chunks} chunks "
+        return (f"no live holder for {len(self.pending)} of {self.wanted} chunks "
                 f"(tensors {names[:8]}{' ...' if len(names) > 8 else ''})"
                 + (f"; dropped sources: {dropped}" if dropped else ""))
 
@@ -223,7 +228,7 @@ class Fetch:
             for _ in range(self.window):
                 nursery.start_soon(self._worker)
         self.report.seconds = trio.current_time() - start
-        self.report.verified = self.local.complete
+        self.report.verified = not self.pending and not self.claimed
         self.report.dropped_sources = dict(self.dropped)
         return self.report
 

@@ -41,13 +41,24 @@ from ..model import (
 from ..protocol import codec
 from ..protocol.control import ControlPlane
 from ..protocol.coordination import CoordinatorAnswer
+from ..protocol.layout import execute
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding
+from ..protocol.resharding import plan_reshard
+from ..protocol.sharding import WHOLE, Sharding
+from ..protocol.versions import Seal
 from ..transport.base import Connection, NotServing
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection, TcpServer
-from .fetcher import Fetch, FetchReport, _digest, allocate_flat, prepare_destination
+from .fetcher import (
+    Fetch,
+    FetchReport,
+    HolderView,
+    _digest,
+    allocate_flat,
+    prepare_destination,
+)
 from .store import LocalVersion, Store
 from .zmq_trio import ZmqRouter
 
@@ -88,6 +99,13 @@ class PeerStats:
     reports: tuple[dict[str, Any], ...] = field(default=())
 
 
+def _spec_named(manifest: Manifest, name: str) -> TensorSpec | None:
+    for t in manifest.tensors:
+        if t.name == name:
+            return t
+    return None
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -95,20 +113,25 @@ def _free_port(host: str) -> int:
         return port
 
 
-def build_manifest(model: str, version: int, arrays: list[tuple[str, np.ndarray[Any, Any]]],
-                   chunk_size: int, algo: str) -> Manifest:
-    """Specs, chunking and digests of arrays laid end to end (runs in a worker thread)."""
+def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, Any]]],
+                   chunk_size: int, algo: str, world: int = 1,
+                   placed: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+                   ) -> Manifest:
+    """Specs, chunking and digests of arrays laid end to end (runs in a worker thread).
+    ``placed`` gives, per array, its global shape and start when it is a slice."""
     specs, offset = [], 0
-    for name, arr in arrays:
-        specs.append(TensorSpec(name, arr.dtype.str, tuple(arr.shape), offset))
+    for i, (name, arr) in enumerate(arrays):
+        gshape, start = placed[i] if placed is not None else ((), ())
+        specs.append(TensorSpec(name, arr.dtype.str, tuple(arr.shape), offset, gshape, start))
         offset += arr.nbytes
-    skeleton = Manifest(model, version, tuple(specs), chunk_size, algo, ())
+    skeleton = Manifest(key.model, key.version, tuple(specs), chunk_size, algo, ())
     views = [byte_view(a) for _, a in arrays]
     digests = []
     for c in range(skeleton.num_chunks):
         segs = skeleton.segments(*skeleton.chunk_range(c))
         digests.append(_digest(algo, [views[s.index][s.start:s.stop] for s in segs]))
-    return Manifest(model, version, tuple(specs), chunk_size, algo, tuple(digests))
+    return Manifest(key.model, key.version, tuple(specs), chunk_size, algo, tuple(digests),
+                    key.shard, world, key.layout)
 
 
 class Peer:
@@ -146,7 +169,8 @@ class Peer:
         self.bad_inputs: list[str] = []
         self._shm = shm_available() if "shm" in config.transports else (False, "not enabled")
         self._shm_refused: dict[str, str] = {}
-        self._pins: set[VersionKey] = set()
+        self._pins: set[tuple[str, int]] = set()
+        self._resharding: set[VersionKey] = set()
         self._offloaded: set[VersionKey] = set()
         """Versions served from our own host copies (retention), not caller arrays."""
         self._nursery: trio.Nursery
@@ -215,17 +239,29 @@ class Peer:
 
     # -- API ----------------------------------------------------------------------------
 
-    async def publish(self, model: str, version: int, tensors: Mapping[str, Any]) -> Manifest:
-        """Register references to ``tensors`` (copies nothing) as ``model@version``."""
-        key = VersionKey(check_model_name(model), check_version(version))
-        if not tensors:
+    async def publish(self, model: str, version: int, tensors: Mapping[str, Any], *,
+                      layout: Sharding | None = None) -> Manifest:
+        """Register references to ``tensors`` (copies nothing) as ``model@version``.
+
+        With ``layout``, this process is one rank of a publishing group and ``tensors``
+        are its slices: split tensors (``layout.split``) hold this rank's part, the
+        others are whole.  The version becomes visible to readers (``latest``, ``fetch``,
+        ``wait_for_version``) only once every rank has published and all agree: it is
+        *sealed*.  Until then :meth:`unsealed` says what is missing."""
+        spec = layout or WHOLE
+        if not isinstance(spec, Sharding):
+            raise LocalProtocolError(f"layout must be a Sharding, got {type(spec).__name__}")
+        key = VersionKey(check_model_name(model), check_version(version),
+                         spec.rank if spec.size > 1 else 0, spec.layout_id)
+        if not tensors and spec.size == 1:
             raise LocalProtocolError("publish needs at least one tensor")
         if self.store.get(key) is not None:
             raise LocalProtocolError(f"{key} is already held here; unpublish it first")
         arrays = [(str(name), as_host_array(t, str(name))) for name, t in tensors.items()]
+        placed = [spec.place(name, a.shape) for name, a in arrays]
         manifest = await trio.to_thread.run_sync(
-            build_manifest, key.model, key.version, arrays, self.config.chunk_size,
-            self.config.digest_algo)
+            build_manifest, key, arrays, self.config.chunk_size, self.config.digest_algo,
+            spec.size, placed)
         mid = manifest.manifest_id()
         for peer, holding in self.control.holders(key):
             if holding.manifest_id != mid:
@@ -235,6 +271,12 @@ class Peer:
         self.store.add(local)
         self._send(self.control.put_holding(local.holding()))
         return manifest
+
+    def unsealed(self, model: str) -> list[str]:
+        """Versions of ``model`` newer than ``latest`` that some rank announced but that
+        are not sealed, each with the reason (a rank missing, ranks disagreeing)."""
+        return [f"version {s.version}: {s.reason()}"
+                for s in self.control.unsealed(check_model_name(model))]
 
     async def latest(self, model: str) -> int | None:
         """The newest complete version of ``model`` any live holder has, or None."""
@@ -250,20 +292,25 @@ class Peer:
                 return v
             await self._changed.wait()
 
-    async def unpublish(self, model: str, version: int) -> None:
+    async def unpublish(self, model: str, version: int, *,
+                        layout: Sharding | None = None) -> None:
         """Stop serving ``model@version`` from the caller's arrays now; return once reads
-        of them have drained, after which the caller may overwrite them.
+        of them have drained, after which the caller may overwrite them.  ``layout`` is
+        the sharding it was published or fetched with.
 
         Retention: if the version must stay readable (one of the newest
-        ``retain_latest`` versions, or pinned here) and this peer is its last complete
-        holder, it is first copied to host memory this peer keeps serving from, until it
-        is no longer retained; with ``retention_offload`` off that raises
-        :class:`RetentionError` instead and nothing changes."""
-        key = VersionKey(check_model_name(model), check_version(version))
+        ``retain_latest`` sealed versions, or pinned here) and this peer is the last
+        complete holder of its shard, the shard is first copied to host memory this peer
+        keeps serving from, until it is no longer retained; with ``retention_offload``
+        off that raises :class:`RetentionError` instead and nothing changes."""
+        spec = layout or WHOLE
+        key = VersionKey(check_model_name(model), check_version(version),
+                         spec.rank if spec.size > 1 else 0, spec.layout_id)
         local = self.store.get(key)
         if local is None or local.hidden:
             raise LocalProtocolError(f"{key} is not held here")
-        if local.complete and self._retained(key) and not self._other_complete_holders(key):
+        if local.complete and not local.derived and self._retained(key) \
+                and not self._other_complete_holders(key):
             if not self.config.retention_offload:
                 raise RetentionError(
                     f"{key} is retained and this peer holds its last complete copy; "
@@ -281,14 +328,14 @@ class Peer:
 
     def pin(self, model: str, version: int) -> None:
         """Keep ``model@version`` readable while this peer lives (see :meth:`unpublish`)."""
-        self._pins.add(VersionKey(check_model_name(model), check_version(version)))
+        self._pins.add((check_model_name(model), check_version(version)))
 
     def unpin(self, model: str, version: int) -> None:
-        self._pins.discard(VersionKey(check_model_name(model), check_version(version)))
+        self._pins.discard((check_model_name(model), check_version(version)))
         self._release_unretained()
 
     def _retained(self, key: VersionKey) -> bool:
-        if key in self._pins:
+        if (key.model, key.version) in self._pins:
             return True
         newest = self.control.readable(key.model)[-self.config.retain_latest:] \
             if self.config.retain_latest else []
@@ -296,7 +343,7 @@ class Peer:
 
     def _other_complete_holders(self, key: VersionKey) -> list[str]:
         return [p.name for p, h in self.control.holders(key)
-                if h.complete and p.name != self.info.name]
+                if h.complete and not h.derived and p.name != self.info.name]
 
     def _release_unretained(self) -> None:
         """Drop host copies of versions that are no longer retained."""
@@ -308,38 +355,172 @@ class Peer:
 
     async def fetch(self, model: str, version: int | str = "latest",
                     into: Mapping[str, Any] | None = None, *,
-                    sources: Sequence[str] | None = None) -> Fetched:
+                    sources: Sequence[str] | None = None,
+                    layout: Sharding | None = None) -> Fetched:
         """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it.
+
+        Only sealed versions can be fetched (see :meth:`publish`).  ``layout`` asks for
+        the slices rank ``layout.rank`` of that sharding holds (default: every tensor
+        whole); they are assembled from whichever holders' slices intersect them, each
+        source chunk verified against its digest before a byte of it is used.  Holders
+        with the same layout and rank are read whole, without resharding.
 
         ``sources`` restricts the holders to read from (by peer name), e.g. to follow a
         plan; a named source that is itself still receiving is asked for every chunk and
         serves each as soon as it has verified it (pipelining).  The fetch waits up to
         ``stall_timeout`` for a named source to appear as a holder."""
         check_model_name(model)
+        spec = layout or WHOLE
+        if not isinstance(spec, Sharding):
+            raise LocalProtocolError(f"layout must be a Sharding, got {type(spec).__name__}")
         if version == "latest":
             resolved = self.control.latest(model)
             if resolved is None:
-                raise VersionUnavailable(model, "latest", "no complete version is known")
+                raise VersionUnavailable(model, "latest", "no sealed version is known")
         elif isinstance(version, int):
             resolved = check_version(version)
         else:
             raise LocalProtocolError(f"version must be an int or 'latest', got {version!r}")
-        key = VersionKey(model, resolved)
+        key = VersionKey(model, resolved, spec.rank if spec.size > 1 else 0, spec.layout_id)
         held = self.store.get(key)
         if held is not None and held.complete and not held.hidden and into is None:
             names = [t.name for t in held.manifest.tensors]
             return Fetched(resolved, dict(zip(names, held.arrays, strict=True)),
                            FetchReport(model, resolved, verified=True))
-        if held is not None:
+        if held is not None or key in self._resharding:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
         allowed = frozenset(sources) if sources is not None else None
+        seal = await self._sealed(model, resolved, wait=allowed is not None)
+        same = [p for p, h in self.control.holders(key) if p.name != self.info.name
+                and (allowed is None or p.name in allowed)]
+        if key.layout != seal.layout_id and not same:
+            return await self._reshard(key, seal, spec, into, allowed)
+        return await self._fetch_key(key, into, allowed, derived=key.layout != seal.layout_id)
+
+    async def _sealed(self, model: str, version: int, wait: bool) -> Seal:
+        """The seal of ``model@version``; with ``wait``, wait up to ``stall_timeout`` for
+        it (the view may lag behind a publish we were told about)."""
+        deadline = trio.current_time() + self.config.stall_timeout
+        while True:
+            try:
+                return self.control.seal(model, version)
+            except VersionUnavailable:
+                if not wait or trio.current_time() >= deadline:
+                    raise
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
+
+    async def _reshard(self, key: VersionKey, seal: Seal, spec: Sharding,
+                       into: Mapping[str, Any] | None, allowed: frozenset[str] | None
+                       ) -> Fetched:
+        """Assemble our slices from the publish shards that intersect them."""
+        assert seal.world is not None and seal.layout_id is not None
+        self._resharding.add(key)
+        try:
+            started = trio.current_time()
+            src = [VersionKey(key.model, key.version, s, seal.layout_id)
+                   for s in range(seal.world)]
+            got: dict[int, tuple[Manifest, str]] = {}
+
+            async def manifest_of(s: int) -> None:
+                got[s] = await self._fetch_manifest(src[s], allowed)
+
+            async with trio.open_nursery() as nursery:
+                for s in range(seal.world):
+                    nursery.start_soon(manifest_of, s)
+            manifests = {s: m for s, (m, _) in got.items()}
+            plan = await trio.to_thread.run_sync(plan_reshard, spec, manifests)
+            skeleton = Manifest(key.model, key.version, plan.tensors, 1, "blake3", (),
+                                key.shard, spec.size, key.layout)
+            flat = None
+            if into is None:
+                arrays, flat = allocate_flat(skeleton)
+            else:
+                arrays = prepare_destination(skeleton, into)
+            temps: dict[int, np.ndarray[Any, Any]] = {}
+            reports: list[FetchReport] = []
+
+            async def pull(s: int) -> None:
+                m, publisher = got[s]
+                buf = np.empty(m.total_bytes, dtype=np.uint8)
+                part = LocalVersion(m, [], publisher, verified=False,
+                                    flat=memoryview(buf))  # type: ignore[arg-type]
+                job = Fetch(me=self.info.name, local=part, view=self._view(allowed),
+                            upstream=allowed or frozenset(), connect=self._connect,
+                            window=self._window(m), stall_timeout=self.config.stall_timeout,
+                            on_progress=lambda: None, only=plan.chunks[s])
+                self._fetches.add(job)
+                try:
+                    reports.append(await job.run())
+                finally:
+                    self._fetches.discard(job)
+                temps[s] = buf
+
+            async with trio.open_nursery() as nursery:
+                for s in plan.chunks:
+                    nursery.start_soon(pull, s)
+
+            def assemble() -> Manifest:
+                for t, dest in zip(plan.tensors, arrays, strict=True):
+                    bufs = {s: temps[s][w.offset:w.end] for s, w in
+                            ((s, _spec_named(manifests[s], t.name)) for s in temps)
+                            if w is not None}
+                    execute(plan.plans[t.name], bufs, dest)
+                return build_manifest(key, [(t.name, a) for t, a in zip(plan.tensors, arrays,
+                                                                      strict=True)],
+                                      self.config.chunk_size, self.config.digest_algo,
+                                      spec.size, [(t.global_shape, t.start)
+                                                  for t in plan.tensors])
+
+            manifest = await trio.to_thread.run_sync(assemble)
+            temps.clear()
+            local = LocalVersion(manifest, arrays, got[0][1] if 0 in got else "",
+                                 verified=True, flat=flat, derived=True)
+            self.store.add(local)
+            self._send(self.control.put_holding(local.holding()))
+        finally:
+            self._resharding.discard(key)
+        report = FetchReport(key.model, key.version, verified=True)
+        for r in reports:
+            report.bytes += r.bytes
+            report.chunks += r.chunks
+            report.chunks_received += r.chunks_received
+            report.resourced_chunks += r.resourced_chunks
+            for src_name, n in r.bytes_by_source.items():
+                report.bytes_by_source[src_name] = report.bytes_by_source.get(src_name, 0) + n
+            report.transport_by_source.update(r.transport_by_source)
+            for src_name, n in r.integrity_failures.items():
+                report.integrity_failures[src_name] = \
+                    report.integrity_failures.get(src_name, 0) + n
+            report.dropped_sources.update(r.dropped_sources)
+        report.seconds = trio.current_time() - started
+        report.plan = (f"resharded from {seal.world} shards of layout "
+                       f"{seal.layout_id.hex()[:8] or 'whole'}")
+        self._account(report)
+        return Fetched(key.version, {t.name: a for t, a in zip(plan.tensors, arrays,
+                                                                 strict=True)}, report)
+
+    def _view(self, allowed: frozenset[str] | None) -> HolderView:
+        def view(k: VersionKey) -> list[tuple[PeerInfo, Holding]]:
+            found = self.control.holders(k)
+            return found if allowed is None else [(p, h) for p, h in found if p.name in allowed]
+        return view
+
+    def _window(self, manifest: Manifest) -> int:
+        return max(1, min(self.config.fetch_window,
+                          self.config.max_inflight_bytes // manifest.chunk_size))
+
+    async def _fetch_key(self, key: VersionKey, into: Mapping[str, Any] | None,
+                         allowed: frozenset[str] | None, derived: bool) -> Fetched:
+        """Fetch one manifest's chunks (a whole version, or a shard) as they are held."""
         manifest, publisher = await self._fetch_manifest(key, allowed)
         flat = None
         if into is None:
             arrays, flat = allocate_flat(manifest)
         else:
             arrays = prepare_destination(manifest, into)
-        local = LocalVersion(manifest, arrays, publisher, verified=False, flat=flat)
+        local = LocalVersion(manifest, arrays, publisher, verified=False, flat=flat,
+                             derived=derived)
         self.store.add(local)
         last = [trio.current_time()]
 
@@ -349,20 +530,16 @@ class Peer:
                 last[0] = now
                 self._send(self.control.put_holding(local.holding()))
 
-        def view(k: VersionKey) -> list[tuple[PeerInfo, Holding]]:
-            found = self.control.holders(k)
-            return found if allowed is None else [(p, h) for p, h in found if p.name in allowed]
-
         self._send(self.control.put_holding(local.holding()))  # downstream can find us
         plan: list[tuple[PeerInfo, int, int]] = []
         plan_note = "planning off"
-        if allowed is None and self.config.planning:
+        if allowed is None and self.config.planning and key.whole:
             plan, plan_note = await self._ask_plan(key, manifest)
-        job = Fetch(me=self.info.name, local=local, view=view, upstream=allowed or frozenset(),
-                    plan=plan,
-                    connect=self._connect,
-                    window=max(1, min(self.config.fetch_window,
-                                      self.config.max_inflight_bytes // manifest.chunk_size)),
+        elif not key.whole:
+            plan_note = "no plan: shards are fetched from their holders directly"
+        job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
+                    upstream=allowed or frozenset(), plan=plan, connect=self._connect,
+                    window=self._window(manifest),
                     stall_timeout=self.config.stall_timeout, on_progress=progress)
         job.report.plan = plan_note
         self._fetches.add(job)
@@ -380,8 +557,8 @@ class Peer:
         local.end_receiving()
         self._send(self.control.put_holding(local.holding()))
         self._account(report)
-        return Fetched(resolved, {t.name: a for t, a in zip(manifest.tensors, arrays,
-                                                            strict=True)}, report)
+        return Fetched(key.version, {t.name: a for t, a in zip(manifest.tensors, arrays,
+                                                               strict=True)}, report)
 
     def _account(self, report: FetchReport) -> None:
         self._nfetches += 1

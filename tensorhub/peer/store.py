@@ -23,7 +23,8 @@ from ..transport.base import NotServing
 
 class LocalVersion:
     def __init__(self, manifest: Manifest, arrays: Sequence[np.ndarray[Any, Any]],
-                 publisher: str, verified: bool, flat: memoryview | None = None) -> None:
+                 publisher: str, verified: bool, flat: memoryview | None = None,
+                 derived: bool = False) -> None:
         """``flat``, when given, is one buffer laid out exactly like the version's byte
         space that holds every tensor at its manifest offset: chunks are then one
         contiguous range each, whatever the number of tensors in them."""
@@ -33,6 +34,8 @@ class LocalVersion:
         self.flat = flat
         self._segments: dict[int, list[memoryview]] = {}
         self.publisher = publisher
+        self.derived = derived
+        """Slices assembled in a consumer's own layout (see :attr:`Holding.derived`)."""
         n = manifest.num_chunks
         self.verified = bytearray(b"\x01" * n if verified else n)
         self.num_verified = n if verified else 0
@@ -83,7 +86,8 @@ class LocalVersion:
         bitmap = b"" if self.complete else bitmap_of(chunks, m.num_chunks)
         if not self.complete and not bitmap:  # nothing verified yet: an all-zero map
             bitmap = bytes((m.num_chunks + 7) // 8)
-        return Holding(m.model, m.version, m.manifest_id(), self.publisher, m.num_chunks, bitmap)
+        return Holding(m.model, m.version, m.manifest_id(), self.publisher, m.num_chunks, bitmap,
+                       m.shard, m.world, m.layout, self.derived)
 
 
 class Store:

@@ -31,6 +31,7 @@ from .coordination import Coordination, CoordReply, CoordRequest
 from .membership import MemberEvent, Membership, Outbound
 from .refs import Holding, OriginEntry, RefTable, Stamp
 from .topology import NodeInfo
+from .versions import Seal, ShardClaim, VersionView
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,10 @@ class ControlPlane:
         self.coordination = Coordination(me.name, me.control, generation)
         self.nic_bps = float(config.nic_bps)
         self.changes = 0
-        self._latest: dict[str, int] = {}
+        self.versions = VersionView()
+        """Which versions are sealed (published by every rank); ``latest`` per model."""
+        self._fresh: set[str] = set()
+        """Models whose seal status is current (others are recomputed when queried)."""
         self._next_gossip = now
         self._events: list[MemberEvent] = []
 
@@ -151,19 +155,55 @@ class ControlPlane:
                 out.append((members[origin].info, holding))
         return out
 
+    def of_version(self, model: str, version: int) -> list[tuple[PeerInfo, Holding]]:
+        """Live holders of any shard, in any layout, of ``model@version``."""
+        members = self.membership.members()
+        out = []
+        for origin, h in self.refs.of_model(model):
+            if h.version != version:
+                continue
+            if origin == self.me.name:
+                out.append((self.me, h))
+            elif origin in members and self.membership.is_live(origin):
+                out.append((members[origin].info, h))
+        return out
+
+    def claims(self, model: str) -> list[ShardClaim]:
+        """What live holders announce of the publish shards of ``model``'s versions."""
+        members = self.membership.members()
+        return [ShardClaim(origin, h.version, h.shard, h.world, h.layout, h.complete,
+                           h.manifest_id)
+                for origin, h in self.refs.of_model(model)
+                if not h.derived and h.shard < h.world
+                and (origin == self.me.name
+                     or (origin in members and self.membership.is_live(origin)))]
+
     def readable(self, model: str) -> list[int]:
-        """Versions of ``model`` that some live peer holds completely, ascending."""
-        return [v for v in self.refs.versions(model)
-                if any(h.complete for _, h in self.holders(VersionKey(model, v)))]
+        """Versions of ``model`` sealed now (every shard has a live complete holder and
+        the holders agree), ascending."""
+        self._refresh(model)
+        return list(self.versions.sealed(model))
 
     def latest(self, model: str) -> int | None:
-        """The newest readable version; never goes backwards at this peer (a version
+        """The newest sealed version; never goes backwards at this peer (a version
         whose holders all left stays ``latest``; fetching it then says what is missing)."""
-        versions = self.readable(model)
-        seen = self._latest.get(model)
-        if versions and (seen is None or versions[-1] > seen):
-            self._latest[model] = seen = versions[-1]
-        return seen
+        self._refresh(model)
+        return self.versions.latest(model)
+
+    def seal(self, model: str, version: int) -> Seal:
+        """The seal of ``model@version`` now; raises unless it is sealed."""
+        self._refresh(model)
+        return self.versions.require(model, version)
+
+    def unsealed(self, model: str) -> list[Seal]:
+        """Versions newer than ``latest`` that are announced but not sealed, and why."""
+        self._refresh(model)
+        return list(self.versions.unsealed(model))
+
+    def _refresh(self, model: str) -> None:
+        if model not in self._fresh:
+            self._fresh.add(model)
+            self.versions.update(model, self.claims(model))
 
     # -- internals ----------------------------------------------------------------
 
@@ -176,6 +216,7 @@ class ControlPlane:
             self._events.append(ev)
             if ev.kind in ("dead", "left") and self.refs.forget(ev.name):
                 self.changes += 1
+                self._fresh.clear()
         for ev in events:
             if ev.kind in ("dead", "left"):
                 self.coordination.peer_gone(ev.name)
@@ -199,6 +240,7 @@ class ControlPlane:
         """Look only at the entries that changed: new versions join the election, and
         completed holdings turn fetchers into sources in the plans we keep."""
         self.changes += 1
+        self._fresh.clear()  # cheap: each model is re-sealed on its next query
         keys = {h.key for e in entries for h in e.holdings}
         if not keys <= self.coordination.keys:
             self.coordination.keys |= keys

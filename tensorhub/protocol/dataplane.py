@@ -32,6 +32,8 @@ class ManifestRequest:
     req_id: int
     model: str
     version: int
+    shard: int = 0
+    layout: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class ChunkRequest:
     model: str
     version: int
     chunk: int
+    shard: int = 0
+    layout: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,8 @@ class ShmChunkRequest:
     model: str
     version: int
     chunk: int
+    shard: int = 0
+    layout: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

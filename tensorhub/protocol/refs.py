@@ -40,10 +40,19 @@ class Holding:
     num_chunks: int
     bitmap: bytes = b""
     """Verified chunks, bit ``i`` of byte ``i // 8`` for chunk ``i``; empty means all."""
+    shard: int = 0
+    world: int = 1
+    layout: bytes = b""
+    """Which shard of which layout (see :class:`~tensorhub.model.VersionKey`)."""
+    derived: bool = False
+    """False: these are the bytes of shard ``shard`` of the layout the version was
+    published in (a publishing rank, or an exact copy), so the holding counts towards
+    sealing and retention.  True: slices a consumer assembled in its own layout; they
+    serve readers of that layout but say nothing about the publish."""
 
     @property
     def key(self) -> VersionKey:
-        return VersionKey(self.model, self.version)
+        return VersionKey(self.model, self.version, self.shard, self.layout)
 
     @property
     def complete(self) -> bool:
@@ -94,7 +103,8 @@ class OriginEntry:
     def wire_size(self) -> int:
         """An upper estimate of the encoded size, for splitting deltas into parts."""
         return 64 + sum(
-            96 + len(h.model) + len(h.publisher) + len(h.bitmap) for h in self.holdings
+            112 + len(h.model) + len(h.publisher) + len(h.bitmap) + len(h.layout)
+            for h in self.holdings
         )
 
 
@@ -198,12 +208,7 @@ class RefTable:
                     out.append((origin, h))
         return sorted(out, key=lambda oh: oh[0])
 
-    def versions(self, model: str) -> list[int]:
-        """Versions of ``model`` that some origin holds completely."""
-        found = {
-            h.version
-            for e in self._entries.values()
-            for h in e.holdings
-            if h.model == model and h.complete
-        }
-        return sorted(found)
+    def of_model(self, model: str) -> list[tuple[str, Holding]]:
+        """Every ``(origin, holding)`` of any version, shard or layout of ``model``."""
+        return [(origin, h) for origin, entry in self._entries.items()
+                for h in entry.holdings if h.model == model]

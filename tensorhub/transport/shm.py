@@ -183,7 +183,7 @@ async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
     if isinstance(req, ShmHello):
         await _send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
         return
-    key = VersionKey(req.model, req.version)
+    key = VersionKey(req.model, req.version, req.shard, req.layout)
     with ExitStack() as stack:
         try:
             await provider.wait_chunk(key, req.chunk)
@@ -322,7 +322,8 @@ class ShmConnection(TcpConnection):
         want = int(local[:, 1].sum())
         req_id = next(self._ids)
         try:
-            await _send_frame(self._sock, ShmChunkRequest(req_id, key.model, key.version, chunk))
+            await _send_frame(self._sock, ShmChunkRequest(
+                req_id, key.model, key.version, chunk, key.shard, key.layout))
             remote = await self._grant(req_id, want)
             await trio.to_thread.run_sync(_readv_all, self._pid, local, remote)
             self._check_holder()

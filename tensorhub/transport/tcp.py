@@ -218,14 +218,15 @@ class TcpServer:
     async def _answer(self, sock: trio.socket.SocketType, peer: str, req: Any) -> None:
         if isinstance(req, ManifestRequest):
             try:
-                data = self.provider.manifest_bytes(VersionKey(req.model, req.version))
+                key = VersionKey(req.model, req.version, req.shard, req.layout)
+                data = self.provider.manifest_bytes(key)
             except NotServing as ns:
                 await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
                 return
             await _send_frame(sock, Reply(req.req_id, OK, len(data)))
             await _send_all(sock, memoryview(data))
         elif isinstance(req, ChunkRequest):
-            key = VersionKey(req.model, req.version)
+            key = VersionKey(req.model, req.version, req.shard, req.layout)
             try:
                 await self.provider.wait_chunk(key, req.chunk)
                 lease = self.provider.lease(key, req.chunk)
@@ -299,7 +300,8 @@ class TcpConnection:
         return reply
 
     async def read_manifest(self, key: VersionKey) -> bytes:
-        reply = await self._exchange(ManifestRequest(next(self._ids), key.model, key.version))
+        reply = await self._exchange(ManifestRequest(next(self._ids), key.model, key.version,
+                                                     key.shard, key.layout))
         if reply.length > 64 << 20:
             raise RemoteProtocolError(f"{self.peer} sent a {reply.length}-byte manifest")
         buf = bytearray(reply.length)
@@ -327,7 +329,8 @@ class TcpConnection:
 
     async def _read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
                           verify: Verifier | None) -> int:
-        req = ChunkRequest(next(self._ids), key.model, key.version, chunk)
+        req = ChunkRequest(next(self._ids), key.model, key.version, chunk, key.shard,
+                           key.layout)
         reply = await trio.to_thread.run_sync(self._exchange_blocking, req, dest, verify,
                                               abandon_on_cancel=True)
         if reply.status != OK:
