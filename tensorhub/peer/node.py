@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,7 @@ from ..model import (
 from ..protocol import codec
 from ..protocol.control import ControlPlane
 from ..protocol.coordination import CoordinatorAnswer
+from ..protocol.groups import GroupEnvelope
 from ..protocol.layout import execute
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
@@ -173,6 +174,8 @@ class Peer:
         self._resharding: set[VersionKey] = set()
         self._offloaded: set[VersionKey] = set()
         """Versions served from our own host copies (retention), not caller arrays."""
+        self._group_inbox: dict[str, Callable[[GroupEnvelope], None]] = {}
+        """Handlers of group messages by group name (see :mod:`tensorhub.peer.group`)."""
         self._nursery: trio.Nursery
 
     # -- lifecycle --------------------------------------------------------------------
@@ -217,7 +220,28 @@ class Peer:
             except RemoteProtocolError as exc:
                 self._count_bad(f"control message from {_sender}: {exc}")
                 continue
+            if isinstance(msg, GroupEnvelope):
+                handler = self._group_inbox.get(msg.group)
+                if handler is None:
+                    self._count_bad(f"group message for unknown group {msg.group!r}")
+                else:
+                    handler(msg)
+                continue
             self._send(self.control.receive(trio.current_time(), msg))
+
+    def send_to(self, peer: str, msg: object) -> bool:
+        """Send a control message to peer ``peer`` by name (False if it is not a live
+        member in our view; the message is then not sent)."""
+        member = self.control.membership.members().get(peer)
+        if member is None or not self.control.membership.is_live(peer):
+            return False
+        self._router.send_nowait(member.info.control,
+                                 codec.encode(msg, self.config.max_message_bytes))
+        return True
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of the reference table or of coordination answers."""
+        await self._changed.wait()
 
     async def _ticker(self) -> None:
         while True:

@@ -136,7 +136,18 @@ class Abort:
     ballot: Round
 
 
-MESSAGES = (Propose, Promise, Ready, Failed, Commit, Abort)
+@dataclass(frozen=True, slots=True)
+class GroupEnvelope:
+    """A group message between peers: ``body`` is the codec encoding of one of the
+    messages above, for group ``group``, from peer ``sender``.  Peers may be in several
+    groups; the envelope tells the shell which :class:`GroupMember` it is for."""
+
+    group: str
+    sender: str
+    body: bytes
+
+
+MESSAGES = (Propose, Promise, Ready, Failed, Commit, Abort, GroupEnvelope)
 GroupMessage = Propose | Promise | Ready | Failed | Commit | Abort
 
 
