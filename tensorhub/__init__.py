@@ -22,6 +22,7 @@ from .errors import (
 from .model import Manifest, PeerInfo, TensorSpec, VersionKey
 from .peer.fetcher import FetchReport
 from .peer.node import Fetched, Peer, PeerStats, open_peer
+from .protocol.sharding import Sharding
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "PeerStats",
     "RemoteProtocolError",
     "RetentionError",
+    "Sharding",
     "TensorHubError",
     "TensorSpec",
     "TransportError",

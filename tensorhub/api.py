@@ -19,6 +19,7 @@ from .config import PeerConfig
 from .errors import PeerClosed
 from .model import Manifest
 from .peer.node import Fetched, Peer, PeerStats, open_peer
+from .protocol.sharding import Sharding
 
 T = TypeVar("T")
 
@@ -72,13 +73,21 @@ class BlockingPeer:
             raise PeerClosed("peer is not running")
         return self._peer
 
-    def publish(self, model: str, version: int, tensors: Mapping[str, Any]) -> Manifest:
-        result: Manifest = self._call(self.peer.publish, model, version, tensors)
+    def publish(self, model: str, version: int, tensors: Mapping[str, Any], *,
+                layout: Sharding | None = None) -> Manifest:
+        result: Manifest = self._call(self.peer.publish, model, version, tensors,
+                                      layout=layout)
         return result
 
     def fetch(self, model: str, version: int | str = "latest",
-              into: Mapping[str, Any] | None = None) -> Fetched:
-        result: Fetched = self._call(self.peer.fetch, model, version, into=into)
+              into: Mapping[str, Any] | None = None, *,
+              layout: Sharding | None = None) -> Fetched:
+        result: Fetched = self._call(self.peer.fetch, model, version, into=into,
+                                     layout=layout)
+        return result
+
+    def unsealed(self, model: str) -> list[str]:
+        result: list[str] = self._call(self._sync, self.peer.unsealed, model)
         return result
 
     def latest(self, model: str) -> int | None:
@@ -89,8 +98,8 @@ class BlockingPeer:
         result: int = self._call(self.peer.wait_for_version, model, newer_than)
         return result
 
-    def unpublish(self, model: str, version: int) -> None:
-        self._call(self.peer.unpublish, model, version)
+    def unpublish(self, model: str, version: int, *, layout: Sharding | None = None) -> None:
+        self._call(self.peer.unpublish, model, version, layout=layout)
 
     def pin(self, model: str, version: int) -> None:
         self._call(self._sync, self.peer.pin, model, version)

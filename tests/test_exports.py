@@ -7,7 +7,7 @@ import tensorhub
 PUBLIC = {
     "BlockingPeer", "ConfigError", "ConsistencyError", "FetchReport", "Fetched",
     "IntegrityError", "LocalProtocolError", "Manifest", "Peer", "PeerClosed", "PeerConfig",
-    "PeerInfo", "PeerStats", "RemoteProtocolError", "RetentionError", "TensorHubError",
+    "PeerInfo", "PeerStats", "RemoteProtocolError", "RetentionError", "Sharding", "TensorHubError",
     "TensorSpec", "TransportError", "VersionKey", "VersionUnavailable", "__version__",
     "open_peer",
 }
