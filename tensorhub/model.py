@@ -11,6 +11,7 @@ reference table carries, so a fetcher can check a manifest it got from any holde
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,11 @@ MAX_MODEL_NAME = 200
 MAX_TENSOR_NAME = 1000
 MAX_NDIM = 16
 MAX_LAYOUT_ID = 32
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
 
 
 def new_hasher(algo: str) -> Any:
@@ -111,10 +117,10 @@ class TensorSpec:
     nbytes: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        count = 1
+        count = _itemsize(self.dtype)
         for d in self.shape:
             count *= d
-        object.__setattr__(self, "nbytes", count * np.dtype(self.dtype).itemsize)
+        object.__setattr__(self, "nbytes", count)
 
     @property
     def end(self) -> int:
@@ -194,12 +200,27 @@ class Manifest:
     # -- wire form -------------------------------------------------------------
 
     def to_wire(self) -> dict[str, Any]:
+        """Columns, not one record per tensor: a model of 10,000 small tensors decodes
+        in a few milliseconds (see :func:`_tensors_from_wire`)."""
+        ts = self.tensors
+        dtypes = sorted({t.dtype for t in ts})
+        index = {d: i for i, d in enumerate(dtypes)}
+        sliced = [t for t in ts if t.global_shape]
         return {
             "model": self.model,
             "version": self.version,
-            "tensors": [[t.name, t.dtype, list(t.shape), t.offset]
-                        + ([list(t.global_shape), list(t.start)] if t.global_shape else [])
-                        for t in self.tensors],
+            "tensors": {
+                "names": [t.name for t in ts],
+                "dtypes": dtypes,
+                "dtype": np.array([index[t.dtype] for t in ts], "<u2").tobytes(),
+                "ndim": np.array([len(t.shape) for t in ts], "u1").tobytes(),
+                "dims": np.array([d for t in ts for d in t.shape], "<i8").tobytes(),
+                "sliced": np.array([bool(t.global_shape) for t in ts], "u1").tobytes()
+                if sliced else b"",
+                "global": np.array([d for t in sliced for d in t.global_shape],
+                                   "<i8").tobytes(),
+                "start": np.array([d for t in sliced for d in t.start], "<i8").tobytes(),
+            },
             "chunk_size": self.chunk_size,
             "digest_algo": self.digest_algo,
             "chunk_digests": list(self.chunk_digests),
@@ -279,54 +300,7 @@ def _manifest_from_wire(obj: Any) -> Manifest:
     algo = obj["digest_algo"]
     if algo not in DIGEST_ALGOS:
         raise bad("digest_algo")
-    tensors: list[TensorSpec] = []
-    offset = 0
-    names: set[str] = set()
-    dtypes: dict[str, np.dtype[Any]] = {}
-    raw_tensors = obj["tensors"]
-    if not isinstance(raw_tensors, list):
-        raise bad("tensors")
-    for item in raw_tensors:
-        if not isinstance(item, list) or len(item) not in (4, 6):
-            raise bad("tensor entry")
-        name, dtype, shape, toff = item[:4]
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_TENSOR_NAME or name in names:
-            raise bad("tensor name")
-        names.add(name)
-        if not isinstance(dtype, str) or len(dtype) > 16:
-            raise bad("dtype")
-        dt = dtypes.get(dtype)
-        if dt is None:
-            try:
-                dt = dtypes[dtype] = np.dtype(dtype)
-            except TypeError:
-                raise bad(f"dtype {dtype!r}") from None
-            if dt.hasobject or dt.itemsize == 0:
-                raise bad(f"dtype {dtype!r}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40
-                       for d in shape)
-        ):
-            raise bad("shape")
-        if toff != offset:
-            raise bad("tensor offsets are not contiguous")
-        gshape: tuple[int, ...] = ()
-        start: tuple[int, ...] = ()
-        if len(item) == 6:
-            gs, st = item[4], item[5]
-            if not (isinstance(gs, list) and isinstance(st, list)
-                    and len(gs) == len(st) == len(shape)
-                    and all(_is_count(x) and x < 2**40 for x in (*gs, *st))
-                    and all(a + n <= g for a, n, g in zip(st, shape, gs, strict=True))):
-                raise bad(f"slice of tensor {name!r}")
-            gshape, start = tuple(gs), tuple(st)
-        spec = TensorSpec(name, dt.str, tuple(shape), toff, gshape, start)
-        if spec.nbytes >= 2**50:
-            raise bad("tensor too large")
-        offset += spec.nbytes
-        tensors.append(spec)
+    tensors, offset = _tensors_from_wire(obj["tensors"])
     digests = obj["chunk_digests"]
     expected = -(-offset // chunk_size) if offset else 0
     if not isinstance(digests, list) or len(digests) != expected:
@@ -335,6 +309,98 @@ def _manifest_from_wire(obj: Any) -> Manifest:
         raise bad("chunk digest")
     return Manifest(model, version, tuple(tensors), chunk_size, algo, tuple(digests),
                     shard, world, layout)
+
+
+_TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}
+MAX_TENSORS = 1 << 22
+
+
+def _tensors_from_wire(cols: Any) -> tuple[list[TensorSpec], int]:
+    """Validate the tensor columns and build the specs (laid end to end)."""
+    def bad(what: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"malformed manifest: {what}")
+
+    if not isinstance(cols, dict) or set(cols) != _TENSOR_COLUMNS:
+        raise bad("tensor columns")
+    names, dtypes = cols["names"], cols["dtypes"]
+    if not isinstance(names, list) or len(names) > MAX_TENSORS \
+            or not all(type(n) is str and 0 < len(n) <= MAX_TENSOR_NAME for n in names):
+        raise bad("tensor names")
+    n = len(names)
+    if len(set(names)) != n:
+        raise bad("duplicate tensor name")
+    if not isinstance(dtypes, list) or len(dtypes) > 256:
+        raise bad("dtypes")
+    itemsizes = []
+    for d in dtypes:
+        if type(d) is not str or len(d) > 16:
+            raise bad("dtype")
+        try:
+            dt = np.dtype(d)
+        except TypeError:
+            raise bad(f"dtype {d!r}") from None
+        if dt.hasobject or dt.itemsize == 0 or dt.str != d:
+            raise bad(f"dtype {d!r}")
+        itemsizes.append(dt.itemsize)
+    for key in ("dtype", "ndim", "dims", "sliced", "global", "start"):
+        if not isinstance(cols[key], bytes):
+            raise bad(key)
+    if len(cols["dtype"]) != 2 * n or len(cols["ndim"]) != n:
+        raise bad("column lengths")
+    dtype_idx = np.frombuffer(cols["dtype"], "<u2")
+    ndim = np.frombuffer(cols["ndim"], "u1").astype(np.int64)
+    if n and (int(dtype_idx.max()) >= len(dtypes) or int(ndim.max()) > MAX_NDIM):
+        raise bad("dtype index or ndim")
+    ends = np.cumsum(ndim)
+    total_dims = int(ends[-1]) if n else 0
+    if len(cols["dims"]) != 8 * total_dims:
+        raise bad("dims length")
+    dims = np.frombuffer(cols["dims"], "<i8")
+    if total_dims and (int(dims.min()) < 0 or int(dims.max()) >= 2**40):
+        raise bad("shape")
+    # bytes per tensor: product of its dims (in floats first, to refuse overflow)
+    padded = np.append(dims, 1).astype(np.float64)
+    starts = ends - ndim
+    counts_f = np.where(ndim > 0, np.multiply.reduceat(padded, starts), 1.0) if n \
+        else np.zeros(0)
+    sizes_f = counts_f * np.array(itemsizes, np.float64)[dtype_idx] if n else counts_f
+    if n and float(sizes_f.max()) >= 2**50:
+        raise bad("tensor too large")
+    dim_list = dims.tolist()
+    shapes = [tuple(dim_list[a:b]) for a, b in zip(starts.tolist(), ends.tolist(),
+                                                     strict=True)]
+    sliced_col = cols["sliced"]
+    sliced = np.frombuffer(sliced_col, "u1") if sliced_col else np.zeros(n, "u1")
+    if len(sliced) != n or (n and int(sliced.max()) > 1):
+        raise bad("sliced")
+    n_sliced_dims = int(ndim[sliced == 1].sum()) if n else 0
+    if len(cols["global"]) != 8 * n_sliced_dims or len(cols["start"]) != 8 * n_sliced_dims:
+        raise bad("slice columns")
+    gdims = np.frombuffer(cols["global"], "<i8").tolist()
+    gstart = np.frombuffer(cols["start"], "<i8").tolist()
+    dtype_strs = [dtypes[i] for i in dtype_idx.tolist()]
+    sizes = [int(x) for x in sizes_f.tolist()]
+    out: list[TensorSpec] = []
+    offset = 0
+    g = 0
+    new = object.__new__
+    for i, name in enumerate(names):
+        shape = shapes[i]
+        gshape: tuple[int, ...] = ()
+        start: tuple[int, ...] = ()
+        if sliced[i]:
+            k = len(shape)
+            gshape, start = tuple(gdims[g:g + k]), tuple(gstart[g:g + k])
+            g += k
+            if not all(a >= 0 and a + m <= gs < 2**40
+                       for a, m, gs in zip(start, shape, gshape, strict=True)):
+                raise bad(f"slice of tensor {name!r}")
+        spec = new(TensorSpec)  # validated above: skip the dataclass __init__
+        spec.__dict__.update(name=name, dtype=dtype_strs[i], shape=shape, offset=offset,
+                             global_shape=gshape, start=start, nbytes=sizes[i])
+        out.append(spec)
+        offset += sizes[i]
+    return out, offset
 
 
 def _is_count(x: Any) -> bool:

@@ -30,7 +30,7 @@ class LocalVersion:
         contiguous range each, whatever the number of tensors in them."""
         self.manifest = manifest
         self.arrays = list(arrays)
-        self.views = [byte_view(a) for a in self.arrays]
+        self._views: list[memoryview] | None = None
         self.flat = flat
         self._segments: dict[int, list[memoryview]] = {}
         self.publisher = publisher
@@ -60,7 +60,9 @@ class LocalVersion:
             return [self.flat[start:stop]]
         cached = self._segments.get(chunk)
         if cached is None:
-            cached = [self.views[s.index][s.start:s.stop]
+            if self._views is None:  # only without ``flat``: many tensors cost here
+                self._views = [byte_view(a) for a in self.arrays]
+            cached = [self._views[s.index][s.start:s.stop]
                       for s in self.manifest.segments(start, stop)]
             if len(cached) > 1:
                 self._segments[chunk] = cached
