@@ -14,7 +14,7 @@ import bisect
 import functools
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import blake3
 import msgpack
@@ -138,8 +138,7 @@ class TensorSpec:
         return tuple((a, a + n) for a, n in zip(start, self.shape, strict=True))
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """Part of a chunk that lies in one tensor: ``[start, stop)`` bytes of tensor ``index``."""
 
     index: int
@@ -188,13 +187,15 @@ class Manifest:
     def segments(self, start: int, stop: int) -> list[Segment]:
         """The tensor pieces that make up bytes ``[start, stop)`` of the version."""
         out: list[Segment] = []
-        for i in range(bisect.bisect_right(self._ends, start), len(self.tensors)):
-            t = self.tensors[i]
-            if t.offset >= stop:
+        ends = self._ends
+        for i in range(bisect.bisect_right(ends, start), len(ends)):
+            t_end = ends[i]
+            t_off = t_end - self.tensors[i].nbytes
+            if t_off >= stop:
                 break
-            s, e = max(start, t.offset), min(stop, t.end)
+            s, e = max(start, t_off), min(stop, t_end)
             if e > s:
-                out.append(Segment(i, s - t.offset, e - t.offset))
+                out.append(Segment(i, s - t_off, e - t_off))
         return out
 
     # -- wire form -------------------------------------------------------------

@@ -108,9 +108,13 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
         raise LocalProtocolError(
             f"into= does not match {manifest.key}: missing {missing[:5]}, unknown {extra[:5]}")
     out = []
+    dtypes: dict[str, np.dtype[Any]] = {}
     for t in manifest.tensors:
         arr = as_host_array(into[t.name], t.name)
-        if arr.shape != t.shape or arr.dtype != np.dtype(t.dtype):
+        dt = dtypes.get(t.dtype)
+        if dt is None:
+            dt = dtypes[t.dtype] = np.dtype(t.dtype)
+        if arr.shape != t.shape or arr.dtype != dt:
             raise LocalProtocolError(
                 f"into[{t.name!r}] is {arr.dtype}{list(arr.shape)}, "
                 f"{manifest.key} has {np.dtype(t.dtype)}{list(t.shape)}")
