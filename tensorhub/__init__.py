@@ -21,17 +21,25 @@ from .errors import (
 )
 from .model import Manifest, PeerInfo, TensorSpec, VersionKey
 from .peer.fetcher import FetchReport
+from .peer.group import Group, GroupStats, GroupSwitchError, open_group
 from .peer.node import Fetched, Peer, PeerStats, open_peer
+from .peer.rollout import Committed, Rollout, Staged
+from .protocol.groups import GroupConfig
 from .protocol.sharding import Sharding
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockingPeer",
+    "Committed",
     "ConfigError",
     "ConsistencyError",
     "FetchReport",
     "Fetched",
+    "Group",
+    "GroupConfig",
+    "GroupStats",
+    "GroupSwitchError",
     "IntegrityError",
     "LocalProtocolError",
     "Manifest",
@@ -42,12 +50,15 @@ __all__ = [
     "PeerStats",
     "RemoteProtocolError",
     "RetentionError",
+    "Rollout",
     "Sharding",
+    "Staged",
     "TensorHubError",
     "TensorSpec",
     "TransportError",
     "VersionKey",
     "VersionUnavailable",
     "__version__",
+    "open_group",
     "open_peer",
 ]

@@ -14,7 +14,7 @@ import bisect
 import functools
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import blake3
 import msgpack
@@ -138,7 +138,8 @@ class TensorSpec:
         return tuple((a, a + n) for a, n in zip(start, self.shape, strict=True))
 
 
-class Segment(NamedTuple):
+@dataclass(slots=True)
+class Segment:
     """Part of a chunk that lies in one tensor: ``[start, stop)`` bytes of tensor ``index``."""
 
     index: int

@@ -9,7 +9,8 @@ PUBLIC = {
     "IntegrityError", "LocalProtocolError", "Manifest", "Peer", "PeerClosed", "PeerConfig",
     "PeerInfo", "PeerStats", "RemoteProtocolError", "RetentionError", "Sharding", "TensorHubError",
     "TensorSpec", "TransportError", "VersionKey", "VersionUnavailable", "__version__",
-    "open_peer",
+    "open_peer", "Committed", "Group", "GroupConfig", "GroupStats", "GroupSwitchError",
+    "Rollout", "Staged", "open_group",
 }
 
 

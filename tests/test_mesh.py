@@ -340,3 +340,22 @@ async def test_pinned_version_stays_readable_and_latest_never_goes_back() -> Non
         assert await r.latest("m") == 1  # monotonic, though nobody holds it now
         with pytest.raises(VersionUnavailable):
             await r.fetch("m", "latest")
+
+
+async def test_a_fetch_that_fails_part_way_raises_one_plain_error() -> None:
+    """Every chunk from the only holder is corrupt: the fetch ends with a plain
+    VersionUnavailable naming what is missing (not an exception group), whole or
+    resharded."""
+    async with mesh(2, planning=False, stall_timeout=0.5) as (pub, reader):
+        w = weights(3, mib=1)
+        await pub.publish("m", 3, w)
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", None)
+        pub.store.corrupt_next = 10**6
+        with pytest.raises(VersionUnavailable, match="no live holder") as info:
+            await reader.fetch("m", 3)
+        assert not isinstance(info.value, BaseExceptionGroup)
+        split = tensorhub.Sharding(0, 2, split={"embed": 1})
+        with pytest.raises(VersionUnavailable, match="no live holder"):
+            await reader.fetch("m", 3, layout=split)
+        assert reader.statistics().integrity_failures["p0"] >= 2

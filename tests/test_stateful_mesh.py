@@ -34,8 +34,8 @@ import trio
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    initialize,
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,

@@ -124,6 +124,20 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
     return out
 
 
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error that ended a group of tasks, for callers that expect one exception
+    (``except VersionUnavailable``): trio wraps whatever a nursery's tasks raise in a
+    group.  The first leaf that is not a cancellation; the group itself if all are."""
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            stack[:0] = list(exc.exceptions)
+        elif not isinstance(exc, trio.Cancelled):
+            return exc
+    return group
+
+
 def _digest(algo: str, segments: Sequence[memoryview]) -> bytes:
     h = new_hasher(algo)
     for s in segments:
@@ -228,9 +242,12 @@ class Fetch:
 
     async def run(self) -> FetchReport:
         start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for _ in range(self.window):
-                nursery.start_soon(self._worker)
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(self.window):
+                    nursery.start_soon(self._worker)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
         self.report.seconds = trio.current_time() - start
         self.report.verified = not self.pending and not self.claimed
         self.report.dropped_sources = dict(self.dropped)

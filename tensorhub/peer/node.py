@@ -58,6 +58,7 @@ from .fetcher import (
     HolderView,
     _digest,
     allocate_flat,
+    first_error,
     prepare_destination,
 )
 from .store import LocalVersion, Store
@@ -441,69 +442,80 @@ class Peer:
         assert seal.world is not None and seal.layout_id is not None
         self._resharding.add(key)
         try:
-            started = trio.current_time()
-            src = [VersionKey(key.model, key.version, s, seal.layout_id)
-                   for s in range(seal.world)]
-            got: dict[int, tuple[Manifest, str]] = {}
-
-            async def manifest_of(s: int) -> None:
-                got[s] = await self._fetch_manifest(src[s], allowed)
-
-            async with trio.open_nursery() as nursery:
-                for s in range(seal.world):
-                    nursery.start_soon(manifest_of, s)
-            manifests = {s: m for s, (m, _) in got.items()}
-            plan = await trio.to_thread.run_sync(plan_reshard, spec, manifests)
-            skeleton = Manifest(key.model, key.version, plan.tensors, 1, "blake3", (),
-                                key.shard, spec.size, key.layout)
-            flat = None
-            if into is None:
-                arrays, flat = allocate_flat(skeleton)
-            else:
-                arrays = prepare_destination(skeleton, into)
-            temps: dict[int, np.ndarray[Any, Any]] = {}
-            reports: list[FetchReport] = []
-
-            async def pull(s: int) -> None:
-                m, publisher = got[s]
-                buf = np.empty(m.total_bytes, dtype=np.uint8)
-                part = LocalVersion(m, [], publisher, verified=False,
-                                    flat=memoryview(buf))  # type: ignore[arg-type]
-                job = Fetch(me=self.info.name, local=part, view=self._view(allowed),
-                            upstream=allowed or frozenset(), connect=self._connect,
-                            window=self._window(m), stall_timeout=self.config.stall_timeout,
-                            on_progress=lambda: None, only=plan.chunks[s])
-                self._fetches.add(job)
-                try:
-                    reports.append(await job.run())
-                finally:
-                    self._fetches.discard(job)
-                temps[s] = buf
-
-            async with trio.open_nursery() as nursery:
-                for s in plan.chunks:
-                    nursery.start_soon(pull, s)
-
-            def assemble() -> Manifest:
-                for t, dest in zip(plan.tensors, arrays, strict=True):
-                    bufs = {s: temps[s][w.offset:w.end] for s, w in
-                            ((s, _spec_named(manifests[s], t.name)) for s in temps)
-                            if w is not None}
-                    execute(plan.plans[t.name], bufs, dest)
-                return build_manifest(key, [(t.name, a) for t, a in zip(plan.tensors, arrays,
-                                                                      strict=True)],
-                                      self.config.chunk_size, self.config.digest_algo,
-                                      spec.size, [(t.global_shape, t.start)
-                                                  for t in plan.tensors])
-
-            manifest = await trio.to_thread.run_sync(assemble)
-            temps.clear()
-            local = LocalVersion(manifest, arrays, got[0][1] if 0 in got else "",
-                                 verified=True, flat=flat, derived=True)
-            self.store.add(local)
-            self._send(self.control.put_holding(local.holding()))
+            return await self._reshard_parts(key, seal, spec, into, allowed)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
         finally:
             self._resharding.discard(key)
+
+    async def _reshard_parts(self, key: VersionKey, seal: Seal, spec: Sharding,
+                             into: Mapping[str, Any] | None, allowed: frozenset[str] | None
+                             ) -> Fetched:
+        assert seal.world is not None and seal.layout_id is not None
+        started = trio.current_time()
+        src = [VersionKey(key.model, key.version, s, seal.layout_id)
+               for s in range(seal.world)]
+        got: dict[int, tuple[Manifest, str]] = {}
+
+        async def manifest_of(s: int) -> None:
+            got[s] = await self._fetch_manifest(src[s], allowed)
+
+        async with trio.open_nursery() as nursery:
+            for s in range(seal.world):
+                nursery.start_soon(manifest_of, s)
+        manifests = {s: m for s, (m, _) in got.items()}
+        plan = await trio.to_thread.run_sync(plan_reshard, spec, manifests)
+        skeleton = Manifest(key.model, key.version, plan.tensors, 1, "blake3", (),
+                            key.shard, spec.size, key.layout)
+        flat = None
+        if into is None:
+            arrays, flat = allocate_flat(skeleton)
+        else:
+            arrays = prepare_destination(skeleton, into)
+        temps: dict[int, np.ndarray[Any, Any]] = {}
+        reports: list[FetchReport] = []
+
+        async def pull(s: int) -> None:
+            m, publisher = got[s]
+            buf = np.empty(m.total_bytes, dtype=np.uint8)
+            part = LocalVersion(m, [], publisher, verified=False,
+                                flat=memoryview(buf))  # type: ignore[arg-type]
+            job = Fetch(me=self.info.name, local=part, view=self._view(allowed),
+                        upstream=allowed or frozenset(), connect=self._connect,
+                        window=self._window(m), stall_timeout=self.config.stall_timeout,
+                        on_progress=lambda: None, only=plan.chunks[s])
+            self._fetches.add(job)
+            try:
+                reports.append(await job.run())
+            except BaseException:
+                self._count_integrity(job.report)
+                raise
+            finally:
+                self._fetches.discard(job)
+            temps[s] = buf
+
+        async with trio.open_nursery() as nursery:
+            for s in plan.chunks:
+                nursery.start_soon(pull, s)
+
+        def assemble() -> Manifest:
+            for t, dest in zip(plan.tensors, arrays, strict=True):
+                bufs = {s: temps[s][w.offset:w.end] for s, w in
+                        ((s, _spec_named(manifests[s], t.name)) for s in temps)
+                        if w is not None}
+                execute(plan.plans[t.name], bufs, dest)
+            return build_manifest(key, [(t.name, a) for t, a in zip(plan.tensors, arrays,
+                                                                  strict=True)],
+                                  self.config.chunk_size, self.config.digest_algo,
+                                  spec.size, [(t.global_shape, t.start)
+                                              for t in plan.tensors])
+
+        manifest = await trio.to_thread.run_sync(assemble)
+        temps.clear()
+        local = LocalVersion(manifest, arrays, got[0][1] if 0 in got else "",
+                             verified=True, flat=flat, derived=True)
+        self.store.add(local)
+        self._send(self.control.put_holding(local.holding()))
         report = FetchReport(key.model, key.version, verified=True)
         for r in reports:
             report.bytes += r.bytes
@@ -570,6 +582,7 @@ class Peer:
         try:
             report = await job.run()
         except BaseException:
+            self._count_integrity(job.report)
             local.end_receiving()
             self.store.hide(key)
             self._send(self.control.drop_holding(key))
@@ -584,6 +597,11 @@ class Peer:
         return Fetched(key.version, {t.name: a for t, a in zip(manifest.tensors, arrays,
                                                                strict=True)}, report)
 
+    def _count_integrity(self, report: FetchReport) -> None:
+        """A failed fetch still tells who sent bad bytes."""
+        for src, n in report.integrity_failures.items():
+            self._integrity[src] = self._integrity.get(src, 0) + n
+
     def _account(self, report: FetchReport) -> None:
         self._nfetches += 1
         self._fetched += report.bytes
@@ -591,8 +609,7 @@ class Peer:
             self._by_source[src] = self._by_source.get(src, 0) + n
             tr = report.transport_by_source.get(src, "?")
             self._by_transport[tr] = self._by_transport.get(tr, 0) + n
-        for src, n in report.integrity_failures.items():
-            self._integrity[src] = self._integrity.get(src, 0) + n
+        self._count_integrity(report)
         self._reports = [*self._reports[-63:], report.to_dict()]
 
     async def _connect(self, peer: PeerInfo) -> Connection:
