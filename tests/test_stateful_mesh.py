@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 )
 
 import tensorhub
-from tensorhub import PeerConfig, VersionUnavailable
+from tensorhub import GroupConfig, GroupSwitchError, PeerConfig, Rollout, VersionUnavailable
 from tensorhub.protocol.sharding import Sharding
 
 T = TypeVar("T")
@@ -59,6 +59,12 @@ LAYOUTS: dict[str, Sharding | None] = {
     "tp3-2": Sharding(2, 3, split={"w": 0, "b": 0}, parts={"w": [24, 32, 8], "b": [16, 16, 16]}),
     "whole": None,
 }
+
+
+GROUP = Sharding(0, 2, split={"w": 1, "o": 1})
+"""The consuming group's layout (ranks r0, r1): used by nothing else in the test."""
+ROLLOUT = Sharding(3, 4, split={"w": 0, "b": 0})
+"""The staged-flip rollout's layout at r1."""
 
 
 def content(version: int) -> dict[str, np.ndarray]:
@@ -87,6 +93,7 @@ class MeshThread:
         self._thread.start()
         self._ready.wait(10)
         self.peers: dict[str, tuple[tensorhub.Peer, trio.CancelScope]] = {}
+        self.groups: dict[str, tuple[tensorhub.Group, trio.CancelScope]] = {}
 
     async def _main(self) -> None:
         self._stop = trio.Event()
@@ -117,7 +124,23 @@ class MeshThread:
         self.peers[name] = (peer, scope)
         return peer
 
+    async def _run_group(self, name: str, rank: int, *, task_status: Any) -> None:
+        peer = self.peers[name][0]
+        with trio.CancelScope() as scope:
+            async with tensorhub.open_group(
+                    peer, "engine", ["r0", "r1"], rank, model=MODEL, layout=GROUP.at(rank),
+                    config=GroupConfig(timeout=10.0, retry=0.2)) as group:
+                task_status.started((group, scope))
+                await trio.sleep_forever()
+
+    async def open_group(self, name: str, rank: int) -> None:
+        self.groups[name] = await self.nursery.start(self._run_group, name, rank)
+
     async def crash(self, name: str) -> None:
+        group = self.groups.pop(name, None)
+        if group is not None:
+            group[1].cancel()
+            await trio.sleep(0)
         peer, scope = self.peers.pop(name)
 
         async def no_goodbye() -> None:
@@ -165,6 +188,9 @@ class MeshMachine(RuleBasedStateMachine):
             self.mesh.call(self.mesh.start_peer, name, (self.seed,))
         for name in ("t0", "t1", "r0", "r1"):
             self.model.held[name] = set()
+        for rank in (0, 1):
+            self.mesh.call(self.mesh.open_group, f"r{rank}", rank)
+        self.rollout = Rollout(self.peer("r1"), MODEL, layout=ROLLOUT)
         self.settle()
 
     def teardown(self) -> None:
@@ -332,9 +358,108 @@ class MeshMachine(RuleBasedStateMachine):
         self.settle()  # the others see it dead
         join = tuple(p.info.control.removeprefix("tcp://") for p, _ in self.mesh.peers.values())
         self.mesh.call(self.mesh.start_peer, name, join)
+        if name.startswith("r"):
+            self.mesh.call(self.mesh.open_group, name, int(name[1]))
+        if name == "r1":
+            self.rollout = Rollout(self.peer("r1"), MODEL, layout=ROLLOUT)
+        self.settle()
+
+    @precondition(lambda self: len(self.mesh.groups) == 2)
+    @rule()
+    def group_switch(self) -> None:
+        """Both ranks of the consuming group call fetch_latest together: they end on the
+        same version with correct slices, or both fail with the same error."""
+        groups = {n: g for n, (g, _) in self.mesh.groups.items()}
+        proposal = self.peer("r0").control.latest(MODEL)
+        if proposal is None:
+            return
+        before = {n: None if g.live is None else g.live.version for n, g in groups.items()}
+
+        async def both() -> dict[str, tuple[str, Any]]:
+            results: dict[str, tuple[str, Any]] = {}
+
+            async def one(name: str) -> None:
+                try:
+                    results[name] = ("ok", await groups[name].fetch_latest(timeout=25))
+                except GroupSwitchError as exc:
+                    results[name] = ("error", str(exc))
+            async with trio.open_nursery() as nursery:
+                for name in groups:
+                    nursery.start_soon(one, name)
+            return results
+
+        results = self.mesh.call(both, timeout=40)
+        kinds = {kind for kind, _ in results.values()}
+        assert len(kinds) == 1, f"ranks disagree on the outcome: {results}"
+        trivial = all(v == proposal for v in before.values())
+        expect_ok = trivial or self.model.fetchable(proposal)
+        if kinds == {"error"}:
+            texts = {text for _, text in results.values()}
+            assert len(texts) == 1, f"ranks got different errors: {texts}"
+            assert not expect_ok, f"group could not switch to fetchable {proposal}: {texts}"
+            EXPLORED["group abort"] += 1
+            return
+        versions = {got.version for _, got in results.values()}
+        assert versions == {proposal}, f"group switched to {versions}, proposed {proposal}"
+        assert expect_ok, f"group switched to {proposal}, which the model says is gone"
+        for name, (_, got) in results.items():
+            want = sliced(content(proposal), GROUP.at(int(name[1])))
+            for k, arr in got.tensors.items():
+                np.testing.assert_array_equal(arr, want[k], err_msg=f"{name} torn {k}")
+        EXPLORED["group switch"] += 1
+        self.settle()
+
+    @precondition(lambda self: "r1" in self.mesh.peers)
+    @rule(commit=st.booleans())
+    def staged_flip(self, commit: bool) -> None:
+        """The rollout at r1 stages the latest version next to its live one, then
+        commits (the previous one is released) or discards it."""
+        peer = self.peer("r1")
+        proposal = peer.control.latest(MODEL)
+        if proposal is None:
+            return
+        live = self.rollout.live
+        try:
+            staged = self.mesh.call(self.rollout.stage, "latest")
+        except (VersionUnavailable, tensorhub.ConsistencyError):
+            assert not (live is not None and live.version == proposal) \
+                and not self.model.fetchable(proposal)
+            EXPLORED["stage refused"] += 1
+            return
+        if live is not None:  # the live version is still held and served while staged
+            assert live.version == proposal or peer.store.get(tensorhub.VersionKey(
+                MODEL, live.version, ROLLOUT.rank, ROLLOUT.layout_id)) is not None
+        if commit:
+            done = self.mesh.call(staged.commit)
+            assert done.version == proposal and self.rollout.live is not None
+            assert done.release_error is None, done.release_error
+            EXPLORED["staged commit"] += 1
+        else:
+            self.mesh.call(staged.discard)
+            EXPLORED["staged discard"] += 1
         self.settle()
 
     # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def group_ranks_agree(self) -> None:
+        """A group never runs with mixed versions (a restarted rank has none until the
+        next switch)."""
+        lives = {g.live.version for g, _ in self.mesh.groups.values() if g.live is not None}
+        assert len(lives) <= 1, f"group ranks on versions {lives}"
+        for name, (g, _) in self.mesh.groups.items():
+            if g.live is not None:
+                want = sliced(content(g.live.version), GROUP.at(int(name[1])))
+                for k, arr in g.live.tensors.items():
+                    np.testing.assert_array_equal(arr, want[k], err_msg=f"{name} live {k}")
+
+    @invariant()
+    def rollout_live_is_intact(self) -> None:
+        live = self.rollout.live
+        if live is not None:
+            want = sliced(content(live.version), ROLLOUT)
+            for k, arr in live.tensors.items():
+                np.testing.assert_array_equal(arr, want[k], err_msg=f"rollout live {k}")
 
     @invariant()
     def latest_is_sealed_and_monotonic(self) -> None:
@@ -373,9 +498,10 @@ class MeshMachine(RuleBasedStateMachine):
 def test_mesh_interleavings() -> None:
     run_state_machine_as_test(
         MeshMachine,
-        settings=settings(max_examples=6, stateful_step_count=14, deadline=None,
+        settings=settings(max_examples=12, stateful_step_count=20, deadline=None,
                           suppress_health_check=list(HealthCheck)),
     )
     print("explored:", dict(EXPLORED))
-    for kind in ("publish", "unpublish", "fetch sliced", "fetch refused", "crash+restart"):
+    for kind in ("publish", "unpublish", "fetch sliced", "fetch refused", "crash+restart",
+                 "group switch", "staged commit"):
         assert EXPLORED[kind] > 0, f"no {kind} step ran: {dict(EXPLORED)}"
