@@ -3,10 +3,10 @@
 ``--role publisher --rank R``: rank R of a TP=4 publishing group (split along dim 0);
 ``{"cmd": "publish", "version": v}`` publishes its slices of version v.
 ``--role consumer --group G --rank K``: rank K of the TP=2 consuming group G (a
-different split, so every fetch reshards); ``{"cmd": "switch", "after": v}`` waits for a
-version newer than ``v``, runs ``group.fetch_latest`` and reports the version and whether its slices equal numpy
-slicing of the full tensors.  Every process answers ``{"cmd": "latest"}`` and
-``{"cmd": "quit"}``.
+different split, so every fetch reshards); ``{"cmd": "switch", "after": v}``
+waits for a version newer than ``v``, runs ``group.fetch_latest`` and reports the
+version and whether its slices equal numpy slicing of the full tensors.  Every process
+answers ``{"cmd": "latest"}`` and ``{"cmd": "quit"}``.
 """
 
 from __future__ import annotations

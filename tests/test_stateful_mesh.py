@@ -225,13 +225,17 @@ class MeshMachine(RuleBasedStateMachine):
         self.mesh.call(converged, timeout=30)
         self._drop_unretained()
 
-    def _drop_unretained(self) -> None:
-        """Offloaded host copies go once their version is no longer the newest readable
-        one (retain_latest=1)."""
+    def retained(self, version: int, peer: str) -> bool:
+        """What ``peer`` keeps readable (retain_latest=1): the newest readable version,
+        and versions newer than its ``latest`` (not sealed in its view yet)."""
         readable = self.model.readable()
-        keep = readable[-1:] if readable else []
+        latest = self.peer(peer).control.latest(MODEL)
+        return readable[-1:] == [version] or latest is None or version > latest
+
+    def _drop_unretained(self) -> None:
+        """Offloaded host copies go once their version is no longer retained."""
         for (v, s), who in list(self.model.offloaded.items()):
-            if v not in keep:
+            if not self.retained(v, who):
                 del self.model.offloaded[(v, s)]
                 self.model.claims[(v, s)].discard(who)
                 self.model.held[who].discard((v, f"publish-{s}"))
@@ -278,8 +282,7 @@ class MeshMachine(RuleBasedStateMachine):
         name, v, lay = data.draw(st.sampled_from(options))
         spec = LAYOUTS[lay]
         shard = int(lay.split("-")[1]) if lay.startswith("publish") else None
-        readable = self.model.readable()
-        retained = readable[-1:] == [v]
+        retained = self.retained(v, name)
         others = self.model.claims.get((v, shard), set()) - {name} if shard is not None else set()
         self.mesh.call(self.peer(name).unpublish, MODEL, v, layout=spec)
         EXPLORED["unpublish"] += 1

@@ -11,7 +11,7 @@ import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,11 +101,13 @@ class PeerStats:
     reports: tuple[dict[str, Any], ...] = field(default=())
 
 
-def _spec_named(manifest: Manifest, name: str) -> TensorSpec | None:
-    for t in manifest.tensors:
-        if t.name == name:
-            return t
-    return None
+def _index_of(manifest: Manifest, name: str) -> int | None:
+    """Position of tensor ``name`` in ``manifest`` (None if absent); indexed once."""
+    index: dict[str, int] | None = manifest.__dict__.get("_index")
+    if index is None:
+        index = {t.name: i for i, t in enumerate(manifest.tensors)}
+        object.__setattr__(manifest, "_index", index)
+    return index.get(name)
 
 
 def _free_port(host: str) -> int:
@@ -360,11 +362,17 @@ class Peer:
         self._release_unretained()
 
     def _retained(self, key: VersionKey) -> bool:
+        """Pinned, one of the newest ``retain_latest`` sealed versions, or newer than
+        ``latest`` here: a version this peer does not see sealed yet may be sealed
+        already at others (the last rank's claim still on its way), so its last copy
+        is kept until a newer version seals."""
         if (key.model, key.version) in self._pins:
             return True
-        newest = self.control.readable(key.model)[-self.config.retain_latest:] \
-            if self.config.retain_latest else []
-        return key.version in newest
+        if not self.config.retain_latest:
+            return False
+        newest = self.control.readable(key.model)[-self.config.retain_latest:]
+        latest = self.control.latest(key.model)
+        return key.version in newest or latest is None or key.version > latest
 
     def _other_complete_holders(self, key: VersionKey) -> list[str]:
         return [p.name for p, h in self.control.holders(key)
@@ -416,11 +424,29 @@ class Peer:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
         allowed = frozenset(sources) if sources is not None else None
         seal = await self._sealed(model, resolved, wait=allowed is not None)
-        same = [p for p, h in self.control.holders(key) if p.name != self.info.name
-                and (allowed is None or p.name in allowed)]
-        if key.layout != seal.layout_id and not same:
+        if key.layout != seal.layout_id and not await self._same_layout_holder(
+                key, seal, allowed):
             return await self._reshard(key, seal, spec, into, allowed)
         return await self._fetch_key(key, into, allowed, derived=key.layout != seal.layout_id)
+
+    async def _same_layout_holder(self, key: VersionKey, seal: Seal,
+                                  allowed: frozenset[str] | None) -> bool:
+        """Whether to read ``key`` whole from a holder of the same layout rather than
+        reshard.  With named sources that hold neither ``key`` nor a publish shard yet,
+        wait for them (up to ``stall_timeout``): a named source may be still starting."""
+        deadline = trio.current_time() + self.config.stall_timeout
+        while True:
+            same = [p for p, _ in self.control.holders(key) if p.name != self.info.name
+                    and (allowed is None or p.name in allowed)]
+            if same or allowed is None:
+                return bool(same)
+            publish = {p.name for s in range(seal.world or 0)
+                       for p, _ in self.control.holders(
+                           VersionKey(key.model, key.version, s, seal.layout_id or b""))}
+            if publish & allowed or trio.current_time() >= deadline:
+                return False
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
 
     async def _sealed(self, model: str, version: int, wait: bool) -> Seal:
         """The seal of ``model@version``; with ``wait``, wait up to ``stall_timeout`` for
@@ -455,14 +481,27 @@ class Peer:
         started = trio.current_time()
         src = [VersionKey(key.model, key.version, s, seal.layout_id)
                for s in range(seal.world)]
-        got: dict[int, tuple[Manifest, str]] = {}
+        with ExitStack() as held:
+            # publish shards this peer holds itself are read in place (pinned meanwhile)
+            mine = {s: local for s in range(seal.world)
+                    if (local := held.enter_context(self.store.hold(src[s]))) is not None}
+            return await self._reshard_from(key, seal, spec, into, allowed, src, mine,
+                                            started)
+
+    async def _reshard_from(self, key: VersionKey, seal: Seal, spec: Sharding,
+                            into: Mapping[str, Any] | None, allowed: frozenset[str] | None,
+                            src: list[VersionKey], mine: dict[int, LocalVersion],
+                            started: float) -> Fetched:
+        got: dict[int, tuple[Manifest, str]] = {
+            s: (local.manifest, local.publisher) for s, local in mine.items()}
 
         async def manifest_of(s: int) -> None:
             got[s] = await self._fetch_manifest(src[s], allowed)
 
         async with trio.open_nursery() as nursery:
-            for s in range(seal.world):
-                nursery.start_soon(manifest_of, s)
+            for s in range(len(src)):
+                if s not in mine:
+                    nursery.start_soon(manifest_of, s)
         manifests = {s: m for s, (m, _) in got.items()}
         plan = await trio.to_thread.run_sync(plan_reshard, spec, manifests)
         skeleton = Manifest(key.model, key.version, plan.tensors, 1, "blake3", (),
@@ -496,13 +535,22 @@ class Peer:
 
         async with trio.open_nursery() as nursery:
             for s in plan.chunks:
-                nursery.start_soon(pull, s)
+                if s not in mine:
+                    nursery.start_soon(pull, s)
+
+        def source(s: int, name: str) -> Any:
+            """The bytes of tensor ``name`` in publish shard ``s``."""
+            index = _index_of(manifests[s], name)
+            if index is None:
+                return None
+            if s in mine:
+                return byte_view(mine[s].arrays[index])
+            t = manifests[s].tensors[index]
+            return temps[s][t.offset:t.end] if s in temps else None
 
         def assemble() -> Manifest:
             for t, dest in zip(plan.tensors, arrays, strict=True):
-                bufs = {s: temps[s][w.offset:w.end] for s, w in
-                        ((s, _spec_named(manifests[s], t.name)) for s in temps)
-                        if w is not None}
+                bufs = {s: b for s in manifests if (b := source(s, t.name)) is not None}
                 execute(plan.plans[t.name], bufs, dest)
             return build_manifest(key, [(t.name, a) for t, a in zip(plan.tensors, arrays,
                                                                   strict=True)],
@@ -530,8 +578,9 @@ class Peer:
                     report.integrity_failures.get(src_name, 0) + n
             report.dropped_sources.update(r.dropped_sources)
         report.seconds = trio.current_time() - started
-        report.plan = (f"resharded from {seal.world} shards of layout "
-                       f"{seal.layout_id.hex()[:8] or 'whole'}")
+        report.plan = (f"resharded from {len(src)} shards of layout "
+                       f"{src[0].layout.hex()[:8] or 'whole'}"
+                       + (f", {len(mine)} of them held here" if mine else ""))
         self._account(report)
         return Fetched(key.version, {t.name: a for t, a in zip(plan.tensors, arrays,
                                                                  strict=True)}, report)

@@ -133,11 +133,28 @@ class Store:
             raise NotServing(BAD_REQUEST, f"{key} has no chunk {chunk}")
         if not local.verified[chunk]:
             raise NotServing(NOT_YET, f"chunk {chunk} of {key} is not verified here yet")
+        with self._pinned(local):
+            yield local.segments(chunk)
+
+    @contextmanager
+    def hold(self, key: VersionKey) -> Iterator[LocalVersion | None]:
+        """Pin a complete version we hold while this peer reads it itself (a
+        resharding fetch using its own shards): unpublish waits for it like for a
+        reader.  Yields None when it is not held complete."""
+        local = self.versions.get(key)
+        if local is None or local.hidden or not local.complete:
+            yield None
+            return
+        with self._pinned(local):
+            yield local
+
+    @contextmanager
+    def _pinned(self, local: LocalVersion) -> Iterator[None]:
         if local.inflight == 0:
             local.drained = trio.Event()
         local.inflight += 1
         try:
-            yield local.segments(chunk)
+            yield
         finally:
             local.inflight -= 1
             if local.inflight == 0:
