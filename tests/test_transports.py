@@ -39,6 +39,7 @@ from tensorhub.errors import RemoteProtocolError, TransportError
 from tensorhub.model import VersionKey
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
+    NOT_YET,
     ChunkRequest,
     Reply,
     ShmChunkRequest,
@@ -46,7 +47,8 @@ from tensorhub.protocol.dataplane import (
     ShmHello,
     ShmWelcome,
 )
-from tensorhub.transport import shm
+from tensorhub.transport import shm, tcp
+from tensorhub.transport.base import NotServing
 from tensorhub.transport.memory import MemoryServer
 from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
 from tensorhub.transport.tcp import TcpConnection, TcpServer, _recv_frame, _send_frame
@@ -354,3 +356,54 @@ async def test_read_refuses_a_bad_grant(answer: Any, error: str) -> None:
             await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])
         with pytest.raises(TransportError, match="closed"):  # out of step: closed
             await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])
+
+
+# -- TCP: the reader's standing thread ---------------------------------------------------
+
+
+async def test_tcp_frame_nobody_asked_for_closes_the_connection() -> None:
+    """A holder that answers twice: the extra frame ends the connection, and never lands
+    in a later read's memory."""
+    def twice(req: Any) -> list[Any]:
+        return [Reply(req.req_id, NOT_YET, 0, "not yet"), Reply(req.req_id + 100, 0, 4096)]
+
+    async with fake_holder(twice) as address:
+        conn = await TcpConnection.connect(address, "liar", 5)
+        dest = [memoryview(bytearray(4096))]
+        with pytest.raises(NotServing):
+            await conn.read_chunk(KEY, 0, dest)
+        with pytest.raises((TransportError, RemoteProtocolError),
+                           match=r"nobody asked for|out of turn"):
+            await conn.read_chunk(KEY, 0, dest)
+        assert not any(dest[0])
+        with pytest.raises((TransportError, OSError)):  # out of step: closed
+            await conn.read_chunk(KEY, 0, dest)
+        await conn.aclose()
+
+
+async def test_tcp_idle_connection_outlives_the_reader_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader thread's socket timeout is a safety net for a reply asked for; between
+    reads the connection waits as long as it is open."""
+    monkeypatch.setattr(tcp, "_THREAD_TIMEOUT", 0.2)
+    idle: list[int] = []
+    on_idle = TcpConnection._on_idle
+
+    def counted(self: TcpConnection, token: trio.lowlevel.TrioToken) -> None:
+        idle.append(1)
+        on_idle(self, token)
+
+    monkeypatch.setattr(TcpConnection, "_on_idle", counted)
+    rng = rng_for("tcp-idle")
+    async with tcp_holder(TcpConnection) as holder:
+        pub = publish(holder.store, rng, [10_000], chunk_size=4096)
+        conn = await holder.connect()
+        for _ in range(2):
+            buf = np.zeros(len(pub.chunk(1)), dtype=np.uint8)
+            await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+            assert np.array_equal(buf, pub.chunk(1))
+            waited = len(idle)
+            with trio.fail_after(10):
+                while len(idle) < waited + 2:  # two timeouts pass with nothing asked
+                    await trio.sleep(0.01)
+        await conn.aclose()

@@ -3,7 +3,8 @@
 Measured here, each the median of ``--runs`` runs, every process on this machine:
 
 (a) raw baseline: two processes, a blocking socket ``sendall`` -> ``recv_into`` a
-    pre-faulted buffer of the same size;
+    pre-faulted buffer of the same size, run just before each (b) while the same peers
+    are up, so both see the same machine (idle peers alone slow it by several percent);
 (b) TensorHub single-hop fetch over TCP, integrity on, into pre-faulted arrays;
 (c) the same over the same-host transport (shared memory);
 (d) a chain publisher -> A -> B -> C, each fetching from the previous while it receives;
@@ -11,6 +12,7 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
 (f) a numpy copy of the same bytes: the same-host ceiling.
 
 It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
+``--only tcp`` measures (a) and (b) alone, to iterate on the TCP data plane.
 """
 
 from __future__ import annotations
@@ -81,10 +83,10 @@ def numpy_copy_seconds(size: int, runs: int) -> list[float]:
     return out
 
 
-def run(size: int, chunk: int, runs: int) -> dict[str, Any]:
-    ports = _free_ports(6)
+def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, Any]:
+    names = ["pub", "f_tcp"] if only_tcp else ["pub", "f_tcp", "f_shm", "a", "b", "c"]
+    ports = _free_ports(len(names))
     seed = f"127.0.0.1:{ports[0]}"
-    names = ["pub", "f_tcp", "f_shm", "a", "b", "c"]
     transports = {"f_shm": "shm,tcp"}
     procs: dict[str, WorkerClient] = {}
     results: dict[str, Any] = {}
@@ -104,19 +106,26 @@ def run(size: int, chunk: int, runs: int) -> dict[str, Any]:
         results["publisher_rss_growth_mib"] = (published["rss_after_mib"]
                                                - published["rss_before_mib"])
 
-        def single(proc: WorkerClient, model: str) -> list[dict[str, Any]]:
+        def single(proc: WorkerClient, model: str, raw: list[float] | None = None
+                   ) -> list[dict[str, Any]]:
             out = []
             for _ in range(runs):
+                if raw is not None:
+                    raw += raw_socket_seconds(size, 1)
                 got = proc.call("fetched", cmd="fetch", model=model, version=1,
                                 sources=["pub"], into=True)
                 proc.call("unpublished", cmd="unpublish", model=model, version=1)
                 out.append(got)
             return out
 
-        for name in ("f_tcp", "f_shm", "a", "b", "c"):
+        for name in names[1:]:
             procs[name].call("prepared", cmd="prepare", model="big", shape="model", size=size)
-        tcp = single(procs["f_tcp"], "big")
-        results["fetcher_peak_rss_mib"] = max(r["peak_rss_mib"] for r in tcp)
+        raw: list[float] = []
+        tcp = single(procs["f_tcp"], "big", raw)
+        results.update(raw=raw, tcp=tcp,
+                       fetcher_peak_rss_mib=max(r["peak_rss_mib"] for r in tcp))
+        if only_tcp:
+            return results
         shm = single(procs["f_shm"], "big")
         chain = []
         for _ in range(runs):
@@ -134,7 +143,7 @@ def run(size: int, chunk: int, runs: int) -> dict[str, Any]:
     finally:
         for p in procs.values():
             p.close()
-    results.update(tcp=tcp, shm=shm, chain=chain, small=small)
+    results.update(shm=shm, chain=chain, small=small)
     return results
 
 
@@ -150,43 +159,60 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help=f"chunk size (default {DEFAULT_CHUNK_SIZE >> 20}MiB)")
     p.add_argument("--runs", type=int, default=3, help="runs per measurement (median)")
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
+    p.add_argument("--only", choices=("all", "tcp"), default="all",
+                   help="tcp: just (a) and (b), for iterating on the TCP data plane")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     size, chunk, runs = parse_size(args.size), parse_size(args.chunk), args.runs
-    copy_s = numpy_copy_seconds(size, runs)
-    raw_s = raw_socket_seconds(size, runs)
-    r = run(size, chunk, runs)
+    only_tcp = args.only == "tcp"
+    copy_s = [] if only_tcp else numpy_copy_seconds(size, runs)
+    r = run(size, chunk, runs, only_tcp)
     med = statistics.median
+    raw_s = r["raw"]
     model_bytes = r["tcp"][0]["report"]["bytes"]
-    small_bytes = r["small"][0]["report"]["bytes"]
     raw_rate = size / med(raw_s)
-    copy_rate = size / med(copy_s)
     tcp_s = med([x["seconds"] for x in r["tcp"]])
-    shm_s = med([x["seconds"] for x in r["shm"]])
-    chain_s = med(r["chain"])
-    small_s = med([x["seconds"] for x in r["small"]])
-    tcp_rate, shm_rate = model_bytes / tcp_s, model_bytes / shm_s
-    small_rate = small_bytes / small_s
-    shm_transports = {t for x in r["shm"] for t in x["report"]["transport_by_source"].values()}
+    tcp_rate = model_bytes / tcp_s
     rows = [
-        ("(f) numpy copy", med(copy_s), copy_rate),
         ("(a) raw socket sendall -> recv_into", med(raw_s), raw_rate),
         ("(b) TensorHub fetch, TCP, integrity on", tcp_s, tcp_rate),
-        (f"(c) TensorHub fetch, same host ({'/'.join(sorted(shm_transports))})", shm_s,
-         shm_rate),
-        ("(d) chain pub -> A -> B -> C (TCP)", chain_s, model_bytes / chain_s),
-        ("(e) 10,000 x 4 KiB tensors, TCP", small_s, small_rate),
     ]
-    figures = [
-        figure("tcp_vs_raw", tcp_rate / raw_rate, "ratio", 0.85, "higher"),
-        figure("shm_vs_memcpy", shm_rate / copy_rate, "ratio", 0.6, "higher"),
-        figure("chain4_time_vs_single", chain_s / tcp_s, "ratio", 1.5, "lower"),
-        figure("small_vs_large", small_rate / tcp_rate, "ratio", 0.5, "higher"),
-        figure("publisher_rss_growth_mib", r["publisher_rss_growth_mib"], "MiB", 64, "lower"),
-        figure("fetcher_rss_over_size_mib", r["fetcher_peak_rss_mib"] - model_bytes / 2**20,
-               "MiB", 128, "lower"),
-    ]
+    figures = [figure("tcp_vs_raw", tcp_rate / raw_rate, "ratio", 0.85, "higher")]
+    measured: dict[str, Any] = {"tcp_s": [x["seconds"] for x in r["tcp"]],
+                                "model_bytes": model_bytes}
+    if not only_tcp:
+        small_bytes = r["small"][0]["report"]["bytes"]
+        copy_rate = size / med(copy_s)
+        shm_s = med([x["seconds"] for x in r["shm"]])
+        chain_s = med(r["chain"])
+        small_s = med([x["seconds"] for x in r["small"]])
+        shm_rate = model_bytes / shm_s
+        small_rate = small_bytes / small_s
+        shm_transports = {t for x in r["shm"]
+                          for t in x["report"]["transport_by_source"].values()}
+        rows = [
+            ("(f) numpy copy", med(copy_s), copy_rate),
+            *rows,
+            (f"(c) TensorHub fetch, same host ({'/'.join(sorted(shm_transports))})", shm_s,
+             shm_rate),
+            ("(d) chain pub -> A -> B -> C (TCP)", chain_s, model_bytes / chain_s),
+            ("(e) 10,000 x 4 KiB tensors, TCP", small_s, small_rate),
+        ]
+        figures += [
+            figure("shm_vs_memcpy", shm_rate / copy_rate, "ratio", 0.6, "higher"),
+            figure("chain4_time_vs_single", chain_s / tcp_s, "ratio", 1.5, "lower"),
+            figure("small_vs_large", small_rate / tcp_rate, "ratio", 0.5, "higher"),
+            figure("publisher_rss_growth_mib", r["publisher_rss_growth_mib"], "MiB", 64,
+                   "lower"),
+            figure("fetcher_rss_over_size_mib",
+                   r["fetcher_peak_rss_mib"] - model_bytes / 2**20, "MiB", 128, "lower"),
+        ]
+        measured.update(shm_s=[x["seconds"] for x in r["shm"]],
+                        shm_transports=sorted(shm_transports), chain_s=r["chain"],
+                        small_s=[x["seconds"] for x in r["small"]], small_bytes=small_bytes,
+                        publisher_rss_growth_mib=r["publisher_rss_growth_mib"],
+                        fetcher_peak_rss_mib=r["fetcher_peak_rss_mib"])
     print(f"transfer benchmark: {size / 2**20:.0f} MiB, chunk {chunk / 2**20:g} MiB, "
           f"median of {runs} runs")
     print(f"{'path':<52} {'seconds':>8} {'GB/s':>7}")
@@ -198,15 +224,8 @@ def run_cli(args: argparse.Namespace) -> int:
         print(json.dumps({
             "figures": figures,
             "baselines": {"raw_socket_s": raw_s, "numpy_copy_s": copy_s},
-            "measured": {"tcp_s": [x["seconds"] for x in r["tcp"]],
-                         "shm_s": [x["seconds"] for x in r["shm"]],
-                         "shm_transports": sorted(shm_transports),
-                         "chain_s": r["chain"],
-                         "small_s": [x["seconds"] for x in r["small"]],
-                         "model_bytes": model_bytes, "small_bytes": small_bytes,
-                         "publisher_rss_growth_mib": r["publisher_rss_growth_mib"],
-                         "fetcher_peak_rss_mib": r["fetcher_peak_rss_mib"]},
-            "settings": {"size": size, "chunk": chunk, "runs": runs},
+            "measured": measured,
+            "settings": {"size": size, "chunk": chunk, "runs": runs, "only": args.only},
         }))
     return 0
 
