@@ -19,10 +19,14 @@ from typing import Any
 import blake3
 import msgpack
 import numpy as np
+import xxhash
 
 from .errors import LocalProtocolError, RemoteProtocolError
 
-DIGEST_ALGOS = ("blake3", "sha256")
+DIGEST_ALGOS = ("xxh3-128", "blake3", "sha256")
+"""Per-chunk digests a manifest may name.  ``xxh3-128`` catches corruption (bit flips,
+truncation, a buggy or stale holder) at memory speed; ``blake3`` and ``sha256`` are
+cryptographic, for meshes where a holder may lie on purpose."""
 MAX_MODEL_NAME = 200
 MAX_TENSOR_NAME = 1000
 MAX_NDIM = 16
@@ -36,6 +40,8 @@ def _itemsize(dtype: str) -> int:
 
 def new_hasher(algo: str) -> Any:
     """A fresh incremental hasher (``update`` / ``digest``) for ``algo``."""
+    if algo == "xxh3-128":
+        return xxhash.xxh3_128()
     if algo == "blake3":
         return blake3.blake3()
     if algo == "sha256":
