@@ -317,8 +317,8 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
         why = reader.unsealed("m")
         assert len(why) == 3
         assert why[1].startswith("version 2: holders disagree on the layout id: ")
-        assert why[2].startswith("version 3: holders disagree on the world: 2 from p2; "
-                                 "3 from p0; holders disagree on the layout id")
+        assert why[2].startswith("version 3: holders disagree on the world: 3 from p0; "
+                                 "2 from p2; holders disagree on the layout id")
 
         # the wrong copy goes away: version 1 seals
         await b.unpublish("m", 1, layout=tp2.at(0))

@@ -77,7 +77,7 @@ class Conflict:
     what: str
     """``"world"``, ``"layout id"`` or ``"manifest of shard N"``."""
     claims: tuple[tuple[str, tuple[str, ...]], ...]
-    """``(claimed value as text, origins claiming it)``, sorted."""
+    """``(claimed value as text, origins claiming it)``, ordered by the origins."""
 
     def __str__(self) -> str:
         parts = "; ".join(f"{value} from {', '.join(who)}" for value, who in self.claims)
@@ -118,7 +118,9 @@ class Seal:
 def _conflict(what: str, values: dict[str, set[str]]) -> tuple[Conflict, ...]:
     if len(values) < 2:
         return ()
-    return (Conflict(what, tuple((v, tuple(sorted(o))) for v, o in sorted(values.items()))),)
+    # Listed by who holds each value, so the message reads the same whatever the digests.
+    rows = sorted((tuple(sorted(o)), v) for v, o in values.items())
+    return (Conflict(what, tuple((v, o) for o, v in rows)),)
 
 
 def seal_status(claims: Iterable[ShardClaim]) -> dict[int, Seal]:
