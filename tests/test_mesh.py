@@ -325,6 +325,50 @@ async def test_retention_without_offload_refuses_and_keeps_serving() -> None:
         assert pub.statistics().holdings == {}
 
 
+async def _both_hold(a: tensorhub.Peer, b: tensorhub.Peer, key: tensorhub.VersionKey) -> None:
+    with trio.fail_after(10):
+        while not all({p.name for p, h in x.control.holders(key) if h.complete} >= {"p0", "p1"}
+                      for x in (a, b)):
+            await trio.sleep(0.01)
+
+
+async def test_two_last_holders_unpublishing_at_once_keep_a_copy() -> None:
+    """Each still sees the other in its reference table; asked directly, each says it is
+    leaving, so both offload rather than both drop."""
+    async with mesh(3) as (pub, r, late):
+        w = weights(1, 1)
+        expected = {k: v.copy() for k, v in w.items()}
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        await r.fetch("m", 1)
+        await _both_hold(pub, r, tensorhub.VersionKey("m", 1))
+        async with trio.open_nursery() as n:
+            n.start_soon(pub.unpublish, "m", 1)
+            n.start_soon(r.unpublish, "m", 1)
+        kept = [p.info.name for p in (pub, r) if p.statistics().holdings == {"m@1": "complete"}]
+        assert kept, "both holders dropped the last copies of the latest version"
+        for v in w.values():
+            v[...] = 0
+        got = await late.fetch("m", 1)
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], expected[k])
+
+
+async def test_a_holder_that_confirmed_keeping_offloads_when_it_leaves_later() -> None:
+    async with mesh(2) as (pub, r):
+        await pub.publish("m", 1, weights(1, 1))
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        await r.fetch("m", 1)
+        await _both_hold(pub, r, tensorhub.VersionKey("m", 1))
+        await pub.unpublish("m", 1)  # r confirms it keeps it: pub drops
+        assert pub.statistics().holdings == {}
+        await r.unpublish("m", 1)  # r still sees pub in its table; pub says it left
+        assert r.statistics().holdings == {"m@1": "complete"}
+        assert r.statistics().malformed_dropped == pub.statistics().malformed_dropped == 0
+
+
 async def test_pinned_version_stays_readable_and_latest_never_goes_back() -> None:
     async with mesh(2, retain_latest=0) as (pub, r):
         await pub.publish("m", 1, weights(1, 1))

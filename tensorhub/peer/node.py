@@ -7,6 +7,7 @@ deadlines, and the TCP data server.  Time comes from trio's clock only.
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
 import time
@@ -47,6 +48,7 @@ from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding
 from ..protocol.resharding import plan_reshard
+from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
 from ..transport.base import Connection, NotServing
@@ -177,6 +179,10 @@ class Peer:
         self._resharding: set[VersionKey] = set()
         self._offloaded: set[VersionKey] = set()
         """Versions served from our own host copies (retention), not caller arrays."""
+        self._leaving: set[VersionKey] = set()
+        """Retained shards being unpublished here: we no longer vouch for keeping them."""
+        self._keep_asks: dict[int, tuple[trio.MemorySendChannel[bool], str]] = {}
+        self._keep_nonces = itertools.count(1)
         self._group_inbox: dict[str, Callable[[GroupEnvelope], None]] = {}
         """Handlers of group messages by group name (see :mod:`tensorhub.peer.group`)."""
         self._nursery: trio.Nursery
@@ -222,6 +228,9 @@ class Peer:
                 msg = codec.decode(data, self.config.max_message_bytes)
             except RemoteProtocolError as exc:
                 self._count_bad(f"control message from {_sender}: {exc}")
+                continue
+            if isinstance(msg, KeepQuery | KeepAnswer):
+                self._on_keep(_sender, msg)
                 continue
             if isinstance(msg, GroupEnvelope):
                 handler = self._group_inbox.get(msg.group)
@@ -336,18 +345,23 @@ class Peer:
         local = self.store.get(key)
         if local is None or local.hidden:
             raise LocalProtocolError(f"{key} is not held here")
-        if local.complete and not local.derived and self._retained(key) \
-                and not self._other_complete_holders(key):
-            if not self.config.retention_offload:
-                raise RetentionError(
-                    f"{key} is retained and this peer holds its last complete copy; "
-                    "offload is off (PeerConfig.retention_offload), so it stays published")
-            copies = await trio.to_thread.run_sync(
-                lambda: [np.array(a, copy=True) for a in local.arrays])
-            await self.store.swap(LocalVersion(local.manifest, copies, local.publisher,
-                                               verified=True))
-            self._offloaded.add(key)
-            return
+        if local.complete and not local.derived and self._retained(key):
+            self._leaving.add(key)
+            try:
+                if not await self._kept_elsewhere(key):
+                    if not self.config.retention_offload:
+                        raise RetentionError(
+                            f"{key} is retained and this peer holds its last complete copy; "
+                            "offload is off (PeerConfig.retention_offload), so it stays "
+                            "published")
+                    copies = await trio.to_thread.run_sync(
+                        lambda: [np.array(a, copy=True) for a in local.arrays])
+                    await self.store.swap(LocalVersion(local.manifest, copies,
+                                                       local.publisher, verified=True))
+                    self._offloaded.add(key)
+                    return
+            finally:
+                self._leaving.discard(key)  # hidden below, with no await in between
         self.store.hide(key)
         self._send(self.control.drop_holding(key))
         await self.store.wait_drained(key)
@@ -377,6 +391,46 @@ class Peer:
     def _other_complete_holders(self, key: VersionKey) -> list[str]:
         return [p.name for p, h in self.control.holders(key)
                 if h.complete and not h.derived and p.name != self.info.name]
+
+    async def _kept_elsewhere(self, key: VersionKey) -> bool:
+        """Whether another holder confirms it keeps ``key`` (see
+        :mod:`tensorhub.protocol.retention`); False when none does within the timeout."""
+        others = self._other_complete_holders(key)
+        if not others:
+            return False
+        send, recv = trio.open_memory_channel[bool](len(others))
+        nonces = []
+        members = self.control.membership.members()
+        for name in others:
+            nonce = next(self._keep_nonces)
+            if self.send_to(name, KeepQuery(self.info.name, nonce, key.model, key.version,
+                                               key.shard, key.layout)):
+                self._keep_asks[nonce] = (send, members[name].info.control)
+                nonces.append(nonce)
+        try:
+            with trio.move_on_after(self.config.probe_interval * 2):
+                for _ in nonces:
+                    if await recv.receive():
+                        return True
+            return False
+        finally:
+            for nonce in nonces:
+                self._keep_asks.pop(nonce, None)
+
+    def _on_keep(self, sender: str, msg: KeepQuery | KeepAnswer) -> None:
+        if isinstance(msg, KeepAnswer):
+            ask = self._keep_asks.get(msg.nonce)
+            if ask is None or sender != ask[1]:  # late (timed out), or not who we asked
+                self._count_bad(f"unexpected retention answer from {sender}")
+                return
+            del self._keep_asks[msg.nonce]
+            ask[0].send_nowait(msg.keeps)
+            return
+        key = VersionKey(msg.model, msg.version, msg.shard, msg.layout)
+        local = self.store.get(key)
+        keeps = (local is not None and not local.hidden and local.complete
+                 and not local.derived and key not in self._leaving)
+        self.send_to(msg.asker, KeepAnswer(msg.nonce, keeps))
 
     def _release_unretained(self) -> None:
         """Drop host copies of versions that are no longer retained."""

@@ -6,7 +6,7 @@ a fixed id block so that a module can append messages without shifting anyone el
 
 from __future__ import annotations
 
-from . import codec, control, coordination, dataplane, groups, membership
+from . import codec, control, coordination, dataplane, groups, membership, retention
 
 _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (1, dataplane.MESSAGES),     # 1..9: data plane
@@ -14,6 +14,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (20, membership.MESSAGES),   # 20..49: SWIM membership
     (50, coordination.MESSAGES), # 50..59: per-version coordinators
     (60, groups.MESSAGES),       # 60..69: model-parallel group switches
+    (70, retention.MESSAGES),    # 70..79: retention hand-over
 )
 
 
@@ -21,6 +22,9 @@ def register_all() -> None:
     """Register every message class with the codec (idempotent)."""
     if codec.registered():
         return
+    for (base, classes), (following, _) in zip(_BLOCKS, (*_BLOCKS[1:], (1 << 16, ())), strict=True):
+        if base + len(classes) > following:
+            raise AssertionError(f"message block {base} overflows into {following}")
     for base, classes in _BLOCKS:
         for offset, cls in enumerate(classes):
             codec.register(base + offset, cls)
