@@ -16,8 +16,10 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from typing import IO, Any
 
@@ -151,10 +153,24 @@ async def _worker(args: argparse.Namespace) -> None:
 
 
 class _Proc:
+    """A worker process spoken to in lines: commands on stdin, JSON events on stdout.
+
+    A thread reads stdout into a queue, so :meth:`expect` keeps its timeout even when
+    the worker prints nothing (hung at start, say) instead of blocking in ``readline``.
+    """
+
     def __init__(self, name: str, argv: list[str]) -> None:
         self.name = name
         self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, bufsize=1)
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._pump, name=f"stdout of {name}", daemon=True).start()
+
+    def _pump(self) -> None:
+        stdout: IO[str] = self.p.stdout  # type: ignore[assignment]
+        for line in stdout:
+            self._lines.put(line)
+        self._lines.put("")  # end of output
 
     def send(self, line: str) -> None:
         stdin: IO[str] = self.p.stdin  # type: ignore[assignment]
@@ -162,11 +178,14 @@ class _Proc:
         stdin.flush()
 
     def expect(self, event: str, timeout: float) -> dict[str, Any]:
-        stdout: IO[str] = self.p.stdout  # type: ignore[assignment]
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = stdout.readline()
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{self.name}: no {event!r} within {timeout}s") from None
             if not line:
+                self._lines.put("")  # stays ended for the next caller
                 raise RuntimeError(f"{self.name} exited (code {self.p.poll()})")
             try:
                 obj: dict[str, Any] = json.loads(line)
@@ -174,7 +193,6 @@ class _Proc:
                 continue
             if obj.get("event") == event:
                 return obj
-        raise TimeoutError(f"{self.name}: no {event!r} within {timeout}s")
 
 
 def _free_ports(n: int) -> list[int]:

@@ -842,13 +842,16 @@ async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         peer = Peer(config, ctx)  # binds both sockets: a used port fails here, unwrapped
-        async with trio.open_nursery() as nursery:
-            await peer._start(nursery)
-            try:
-                yield peer
-            finally:
-                with trio.CancelScope(shield=True):
-                    await peer._leave()
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                await peer._start(nursery)
+                try:
+                    yield peer
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await peer._leave()
+                    nursery.cancel_scope.cancel()
+        finally:
+            peer._router.close()  # closed already unless startup failed before it ran
     finally:
         ctx.term()
