@@ -290,12 +290,14 @@ class MeshMachine(RuleBasedStateMachine):
                 and (v, shard) not in self.model.offloaded:
             self.model.offloaded[(v, shard)] = name  # kept as a host copy
             EXPLORED["offload"] += 1
-        elif (v, shard) in self.model.offloaded and self.model.offloaded[(v, shard)] == name:
+        elif self.model.offloaded.get((v, shard)) == name and not others:
             pass  # unpublishing a host copy of a retained shard keeps it (last holder)
-        else:
+        else:  # another holder keeps it (it confirms so): this copy, host or not, goes
             self.model.held[name].discard((v, lay))
             if shard is not None:
                 self.model.claims[(v, shard)].discard(name)
+                if self.model.offloaded.get((v, shard)) == name:
+                    del self.model.offloaded[(v, shard)]
         self.settle()
 
     @precondition(lambda self: any(n.startswith("r") for n in self.mesh.peers))
