@@ -26,6 +26,7 @@ from .peer.node import Fetched, Peer, PeerStats, open_peer
 from .peer.rollout import Committed, Rollout, Staged
 from .protocol.groups import GroupConfig
 from .protocol.sharding import Sharding
+from .transport.shmem import shared_empty
 
 __version__ = "0.1.0"
 
@@ -61,4 +62,5 @@ __all__ = [
     "__version__",
     "open_group",
     "open_peer",
+    "shared_empty",
 ]

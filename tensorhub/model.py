@@ -10,10 +10,13 @@ reference table carries, so a fetcher can check a manifest it got from any holde
 
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import methodcaller
 from typing import Any
 
 import blake3
@@ -153,6 +156,136 @@ class Segment:
     stop: int
 
 
+class TensorTable:
+    """What a fetch or a holder needs to know about a tuple of tensor specs, as columns
+    computed once (lazily) and shared by every manifest built on that same tuple.
+
+    Decoding caches the tuple by its wire columns (see :func:`_tensors_from_wire`), so
+    each version of a model whose layout does not change shares one table: finding a
+    chunk's tensors, checking ``into=`` arrays or naming the result costs no per-tensor
+    Python work after the first time.  Positions in :attr:`nonempty` order are what the
+    chunk spans use: empty tensors have no bytes and appear in no chunk."""
+
+    def __init__(self, tensors: Sequence[TensorSpec]) -> None:
+        self.tensors = tensors
+        self._names: list[str] | None = None
+        self._index: dict[str, int] | None = None
+        self._nonempty: list[int] | None = None
+        self._starts: np.ndarray[Any, Any] | None = None
+        self._ends: np.ndarray[Any, Any] | None = None
+        self._expected: tuple[list[tuple[int, ...]], list[np.dtype[Any]]] | None = None
+        self._spans: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        self._exports: bool | None = None
+
+    @property
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = [t.name for t in self.tensors]
+        return self._names
+
+    def index(self) -> dict[str, int]:
+        """Tensor name -> position in the manifest."""
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self.names)}
+        return self._index
+
+    def _columns(self) -> None:
+        n = len(self.tensors)
+        offsets = np.fromiter((t.offset for t in self.tensors), np.int64, n)
+        sizes = np.fromiter((t.nbytes for t in self.tensors), np.int64, n)
+        keep = np.flatnonzero(sizes)
+        self._nonempty = keep.tolist()
+        self._starts = offsets[keep]
+        self._ends = self._starts + sizes[keep]
+
+    @property
+    def nonempty(self) -> list[int]:
+        """Positions of the tensors that have bytes, in manifest (and offset) order."""
+        if self._nonempty is None:
+            self._columns()
+        assert self._nonempty is not None
+        return self._nonempty
+
+    def exports_buffers(self) -> bool:
+        """Whether arrays of every dtype here export their memory as a buffer (numbers
+        and bools do; datetimes, for one, do not)."""
+        if self._exports is None:
+            self._exports = all(np.dtype(d).kind in "biufc" for d in {t.dtype for t in
+                                                                      self.tensors})
+        return self._exports
+
+    def expected(self) -> tuple[list[tuple[int, ...]], list[np.dtype[Any]]]:
+        """Every tensor's shape and numpy dtype, in manifest order."""
+        if self._expected is None:
+            dtypes: dict[str, np.dtype[Any]] = {}
+            out = []
+            for t in self.tensors:
+                dt = dtypes.get(t.dtype)
+                if dt is None:
+                    dt = dtypes[t.dtype] = np.dtype(t.dtype)
+                out.append(dt)
+            self._expected = ([t.shape for t in self.tensors], out)
+        return self._expected
+
+    def spans(self, chunk_size: int, total: int) -> tuple[list[int], list[int]]:
+        """Per chunk, ``lo`` and ``hi``: the chunk overlaps exactly the tensors at
+        positions ``nonempty[lo:hi]`` (one ``searchsorted`` for all chunks)."""
+        got = self._spans.get((chunk_size, total))
+        if got is None:
+            if self._nonempty is None:
+                self._columns()
+            assert self._starts is not None and self._ends is not None
+            bounds = np.arange(0, total, chunk_size, dtype=np.int64)
+            lo = np.searchsorted(self._ends, bounds, "right")
+            hi = np.searchsorted(self._starts, np.minimum(bounds + chunk_size, total), "left")
+            got = self._spans[(chunk_size, total)] = (lo.tolist(), hi.tolist())
+        return got
+
+    def first_ending_after(self, offset: int) -> int:
+        """Position in :attr:`nonempty` of the first tensor that ends after ``offset``."""
+        if self._ends is None:
+            self._columns()
+        assert self._ends is not None
+        return int(np.searchsorted(self._ends, offset, "right"))
+
+    def piece_bounds(self, lo: int, hi: int) -> tuple[int, int]:
+        """Where the first of ``nonempty[lo:hi]`` starts and the last ends (bytes)."""
+        assert self._starts is not None and self._ends is not None
+        return int(self._starts[lo]), int(self._ends[hi - 1])
+
+
+_TABLES: OrderedDict[int, tuple[Sequence[TensorSpec], TensorTable]] = OrderedDict()
+_TABLES_KEPT = 32
+_CACHE_LOCK = threading.Lock()
+
+
+def table_of(tensors: Sequence[TensorSpec]) -> TensorTable:
+    """The shared :class:`TensorTable` of this very tuple of specs (by identity: the cache
+    keeps the tuple alive, so its id cannot be reused while it is cached)."""
+    with _CACHE_LOCK:  # manifests are also built in worker threads (publish)
+        hit = _TABLES.get(id(tensors))
+        if hit is not None and hit[0] is tensors:
+            _TABLES.move_to_end(id(tensors))
+            return hit[1]
+        table = TensorTable(tensors)
+        _TABLES[id(tensors)] = (tensors, table)
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+        return table
+
+
+_AS_BYTES = methodcaller("cast", "B")
+
+
+def byte_views(arrays: Sequence[np.ndarray[Any, Any]]) -> list[memoryview]:
+    """:func:`byte_view` of each array, made by C-level calls when the buffer formats
+    allow (every plain numeric dtype); anything else goes the general way."""
+    try:
+        return list(map(_AS_BYTES, map(memoryview, arrays)))  # type: ignore[arg-type]
+    except (TypeError, ValueError, NotImplementedError):
+        return [byte_view(a) for a in arrays]
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Tensor specs, chunking and per-chunk digests of one published version."""
@@ -167,10 +300,11 @@ class Manifest:
     world: int = 1
     layout: bytes = b""
     """Which shard of which layout this manifest describes (see :class:`VersionKey`)."""
-    _ends: list[int] = field(init=False, repr=False, compare=False)
+    table: TensorTable = field(init=False, repr=False, compare=False)
+    """Derived columns, shared with every manifest of the same tensor tuple."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_ends", [t.end for t in self.tensors])
+        object.__setattr__(self, "table", table_of(self.tensors))
 
     @property
     def key(self) -> VersionKey:
@@ -194,16 +328,27 @@ class Manifest:
     def segments(self, start: int, stop: int) -> list[Segment]:
         """The tensor pieces that make up bytes ``[start, stop)`` of the version."""
         out: list[Segment] = []
-        ends = self._ends
-        for i in range(bisect.bisect_right(ends, start), len(ends)):
-            t_end = ends[i]
-            t_off = t_end - self.tensors[i].nbytes
-            if t_off >= stop:
+        nonempty = self.table.nonempty
+        for p in range(self.table.first_ending_after(start), len(nonempty)):
+            t = self.tensors[nonempty[p]]
+            if t.offset >= stop:
                 break
-            s, e = max(start, t_off), min(stop, t_end)
+            s, e = max(start, t.offset), min(stop, t.end)
             if e > s:
-                out.append(Segment(i, s - t_off, e - t_off))
+                out.append(Segment(nonempty[p], s - t.offset, e - t.offset))
         return out
+
+    def chunk_tensors(self, chunk: int) -> tuple[int, int, int, int]:
+        """Chunk ``chunk`` as ``(lo, hi, head, tail)``: the bytes of the tensors at
+        positions ``table.nonempty[lo:hi]``, less ``head`` bytes at the start of the
+        first and ``tail`` at the end of the last (see :func:`chunk_pieces`)."""
+        start, stop = self.chunk_range(chunk)
+        los, his = self.table.spans(self.chunk_size, self.total_bytes)
+        lo, hi = los[chunk], his[chunk]
+        if lo >= hi:
+            return lo, hi, 0, 0
+        first, last = self.table.piece_bounds(lo, hi)
+        return lo, hi, start - first, last - stop
 
     # -- wire form -------------------------------------------------------------
 
@@ -279,6 +424,16 @@ class Manifest:
         return manifest
 
 
+def chunk_pieces(views: list[memoryview], head: int, tail: int) -> list[memoryview]:
+    """Trim the whole-tensor byte ``views`` of a chunk (see :meth:`Manifest.chunk_tensors`)
+    to the chunk's own bytes, in place."""
+    if views and head > 0:
+        views[0] = views[0][head:]
+    if views and tail > 0:
+        views[-1] = views[-1][:len(views[-1]) - tail]
+    return views
+
+
 def manifest_id_of(encoded: bytes) -> bytes:
     return hashlib.sha256(encoded).digest()[:16]
 
@@ -315,15 +470,55 @@ def _manifest_from_wire(obj: Any) -> Manifest:
         raise bad("chunk digest count")
     if not all(isinstance(d, bytes) and 16 <= len(d) <= 64 for d in digests):
         raise bad("chunk digest")
-    return Manifest(model, version, tuple(tensors), chunk_size, algo, tuple(digests),
+    return Manifest(model, version, tensors, chunk_size, algo, tuple(digests),
                     shard, world, layout)
 
 
 _TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}
 MAX_TENSORS = 1 << 22
+_DECODED: OrderedDict[tuple[Any, ...], tuple[tuple[TensorSpec, ...], int]] = OrderedDict()
+_DECODED_KEPT = 16
+"""Tensor columns decoded lately, by their exact wire content: the next version of a
+model has the same tensors (only its digests change), so its manifest reuses the specs
+(and their :class:`TensorTable`) instead of validating and building them again."""
 
 
-def _tensors_from_wire(cols: Any) -> tuple[list[TensorSpec], int]:
+def _tensors_from_wire(cols: Any) -> tuple[tuple[TensorSpec, ...], int]:
+    """The specs (laid end to end) of validated tensor columns; the same tuple again for
+    columns equal to ones decoded lately."""
+    key = _columns_key(cols)
+    if key is not None:
+        with _CACHE_LOCK:
+            hit = _DECODED.get(key)
+            if hit is not None:
+                _DECODED.move_to_end(key)
+                return hit
+    tensors, offset = _build_tensors(cols)
+    got = (tuple(tensors), offset)
+    if key is not None:
+        with _CACHE_LOCK:
+            _DECODED[key] = got
+            if len(_DECODED) > _DECODED_KEPT:
+                _DECODED.popitem(last=False)
+    return got
+
+
+def _columns_key(cols: Any) -> tuple[Any, ...] | None:
+    """The columns as one hashable value, or None if they are not even shaped right
+    (they then go to validation, which says what is wrong)."""
+    if not isinstance(cols, dict) or set(cols) != _TENSOR_COLUMNS \
+            or not isinstance(cols["names"], list) or not isinstance(cols["dtypes"], list):
+        return None
+    key = (tuple(cols["names"]), tuple(cols["dtypes"]), cols["dtype"], cols["ndim"],
+           cols["dims"], cols["sliced"], cols["global"], cols["start"])
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _build_tensors(cols: Any) -> tuple[list[TensorSpec], int]:
     """Validate the tensor columns and build the specs (laid end to end)."""
     def bad(what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"malformed manifest: {what}")

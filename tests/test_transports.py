@@ -1,8 +1,9 @@
 """Every transport passes the conformance suite; then what is particular to shared memory.
 
-The shared-memory holder of the suite runs in this process (a reader may read its own
-memory); the tests that need a holder to really die run it as a separate process and
-SIGKILL it.
+The shared-memory holders of the suite run in this process (a reader may read its own
+memory): ``shm`` over plain arrays (``process_vm_readv``), ``shm-memfd`` over arrays from
+``shared_empty`` (the reader maps the holder's memory files); the tests that need a holder
+to really die run it as a separate process and SIGKILL it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import transport_conformance
 import trio
 import trio.testing
 from transport_conformance import *  # noqa: F403
@@ -35,19 +37,22 @@ from transport_conformance import (
     rng_for,
 )
 
-from tensorhub.errors import RemoteProtocolError, TransportError
-from tensorhub.model import VersionKey
+from tensorhub import shared_empty
+from tensorhub.errors import IntegrityError, RemoteProtocolError, TransportError
+from tensorhub.model import Manifest, TensorSpec, VersionKey
+from tensorhub.peer.fetcher import allocate_flat
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
     NOT_YET,
     ChunkRequest,
     Reply,
     ShmChunkRequest,
+    ShmFileGrant,
     ShmGrant,
     ShmHello,
     ShmWelcome,
 )
-from tensorhub.transport import shm, tcp
+from tensorhub.transport import shm, shmem, tcp
 from tensorhub.transport.base import NotServing
 from tensorhub.transport.memory import MemoryServer
 from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
@@ -99,13 +104,16 @@ HOLDERS: dict[str, Callable[[], Any]] = {
     "memory": memory_holder,
     "tcp": partial(tcp_holder, TcpConnection),
     "shm": partial(tcp_holder, ShmConnection),
+    "shm-memfd": partial(tcp_holder, ShmConnection),  # holder arrays from shared_empty
 }
 
 
 @pytest.fixture(params=sorted(HOLDERS))
-def open_holder(request: pytest.FixtureRequest) -> OpenHolder:
-    if request.param == "shm" and not SHM:
+def open_holder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> OpenHolder:
+    if request.param.startswith("shm") and not SHM:
         pytest.skip(WHY_NOT)
+    if request.param == "shm-memfd":
+        monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
     opener: OpenHolder = HOLDERS[request.param]
     return opener
 
@@ -151,11 +159,15 @@ def test_iovecs_merge_neighbours_and_skip_empty_views() -> None:
 HOLDER_PROCESS = """
 import random, sys, trio
 sys.path.insert(0, "tests")
-from transport_conformance import publish
+import transport_conformance
+from tensorhub import shared_empty
 from tensorhub.peer.store import Store
 from tensorhub.transport.tcp import TcpServer
+if sys.argv[4] == "shared":
+    transport_conformance.EMPTY = shared_empty
 store = Store()
-publish(store, random.Random(sys.argv[1]), [int(sys.argv[2])], int(sys.argv[3]))
+transport_conformance.publish(store, random.Random(sys.argv[1]), [int(sys.argv[2])],
+                              int(sys.argv[3]))
 server = TcpServer(store, lambda peer, n: None, lambda what: print("bad", what, flush=True))
 print("port", server.bind("127.0.0.1", 0), flush=True)
 trio.run(server.serve)
@@ -167,9 +179,11 @@ def holder_process() -> Any:
     """Start a holder of one version in a new process: returns (proc, address, Published)."""
     procs: list[subprocess.Popen[str]] = []
 
-    def start(seed: str, size: int, chunk: int) -> tuple[subprocess.Popen[str], str, Published]:
+    def start(seed: str, size: int, chunk: int, arrays: str = "plain"
+              ) -> tuple[subprocess.Popen[str], str, Published]:
         proc = subprocess.Popen([sys.executable, "-c", HOLDER_PROCESS, seed, str(size),
-                                 str(chunk)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                 str(chunk), arrays], cwd=ROOT, stdout=subprocess.PIPE,
+                                text=True)
         procs.append(proc)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -185,27 +199,31 @@ def holder_process() -> Any:
 
 
 @needs_shm
+@pytest.mark.parametrize("arrays", ["plain", "shared"])
 @pytest.mark.parametrize("when", ["before the copy", "after the copy"])
-async def test_holder_process_killed_mid_read(holder_process: Any, when: str,
+async def test_holder_process_killed_mid_read(holder_process: Any, when: str, arrays: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    proc, address, pub = holder_process(f"{SEED}:{when}", 24 << 20, 8 << 20)
+    proc, address, pub = holder_process(f"{SEED}:{when}", 24 << 20, 8 << 20, arrays)
     conn = await ShmConnection.connect(address, "holder", 10)
     buf = np.zeros(8 << 20, dtype=np.uint8)
     await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
     assert np.array_equal(buf, pub.chunk(0))  # one copy from another process's arrays
+    assert conn.transport == {"plain": "shm", "shared": "shm-memfd"}[arrays]
 
-    copy = shm._readv_all
+    where, name = {"plain": (shm, "_readv_all"), "shared": (shmem.MappedFiles, "copy")}[arrays]
+    copy = getattr(where, name)
 
-    def dying_copy(pid: int, local: Any, remote: Any) -> None:
+    def dying_copy(*args: Any) -> None:
         if when == "after the copy":
-            copy(pid, local, remote)
+            copy(*args)
         proc.kill()
         proc.wait(5)
         if when == "before the copy":
-            copy(pid, local, remote)
+            copy(*args)  # shared: the file stays mapped, the copy works; the check fails
 
-    monkeypatch.setattr(shm, "_readv_all", dying_copy)
-    with pytest.raises(TransportError, match="ESRCH" if when == "before the copy" else "exited"):
+    monkeypatch.setattr(where, name, dying_copy)
+    error = "ESRCH" if (when, arrays) == ("before the copy", "plain") else "exited"
+    with pytest.raises(TransportError, match=error):
         await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
     with pytest.raises(TransportError, match="closed"):
         await read_into(conn, pub, 2, [memoryview(buf)])  # type: ignore[arg-type]
@@ -267,6 +285,35 @@ async def test_corrupt_hook_flips_a_byte_of_what_the_reader_gets() -> None:
             await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
             assert bool(buf[0] != pub.data[0]) is flipped
             assert np.array_equal(buf[1:], pub.data[1:10_000])
+        await conn.aclose()
+
+
+@needs_shm
+@pytest.mark.parametrize("arrays", ["plain", "shared"])
+async def test_verify_runs_after_the_copy_and_its_error_follows_shm_done(
+        arrays: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy and check share one worker-thread call; a failed check still ends the lease
+    in step, then surfaces."""
+    if arrays == "shared":
+        monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
+    rng = rng_for(f"shm-verify-{arrays}")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [10_000], chunk_size=10_000)
+        conn = await holder.connect()
+        seen: list[bytes] = []
+
+        def verify(landed: Any) -> None:
+            seen.append(b"".join(landed))
+            raise IntegrityError("bad bytes", source="holder")
+
+        buf = np.zeros(10_000, dtype=np.uint8)
+        with pytest.raises(IntegrityError):
+            await conn.read_chunk(pub.local.manifest.key, 0, [memoryview(buf)], verify)  # type: ignore[arg-type]
+        assert seen == [pub.chunk(0).tobytes()]
+        assert conn.transport == {"plain": "shm", "shared": "shm-memfd"}[arrays]
+        with trio.fail_after(5):
+            await pub.local.drained.wait()
+        assert holder.sent == [10_000]  # the holder saw ShmDone
         await conn.aclose()
 
 
@@ -356,6 +403,123 @@ async def test_read_refuses_a_bad_grant(answer: Any, error: str) -> None:
             await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])
         with pytest.raises(TransportError, match="closed"):  # out of step: closed
             await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])
+
+
+SHARED = shared_empty(4096, np.uint8)  # a memory file the fake holders below grant
+FD, INODE = (int(x) for x in shmem.pieces_of([memoryview(SHARED)])[0, :2])  # type: ignore[index, arg-type]
+
+
+def unsealed_file() -> tuple[int, int]:
+    fd = os.memfd_create("unsealed")
+    os.ftruncate(fd, 4096)
+    return fd, os.fstat(fd).st_ino
+
+
+UNSEALED = unsealed_file()
+
+
+def file_grants(*frames: tuple[Any, list[tuple[int, int, int, int]], bool]
+                ) -> Callable[[Any], list[Any]]:
+    """Answers with ShmFileGrant frames (or a ShmGrant, for a frame whose kind is it)."""
+    def answer(req: Any) -> list[Any]:
+        if isinstance(req, ShmHello):
+            return [welcome(req)]
+        return [kind(req.req_id, 4096, np.array(rows, dtype="<u8").tobytes(), more)
+                for kind, rows, more in frames]
+    return answer
+
+
+@needs_shm
+async def test_read_maps_a_granted_memory_file() -> None:
+    """The honest grant the lies below are made of: it reads, over ``shm-memfd``."""
+    SHARED[:] = np.arange(4096) % 251
+    async with fake_holder(file_grants((ShmFileGrant, [(FD, INODE, 0, 4096)], False))
+                           ) as address:
+        conn = await ShmConnection.connect(address, "holder", 5)
+        buf = bytearray(4096)
+        halves = [memoryview(buf)[:1000], memoryview(buf)[1000:]]
+        assert await conn.read_chunk(KEY, 0, halves) == 4096
+        assert bytes(buf) == SHARED.tobytes() and conn.transport == "shm-memfd"
+        await conn.aclose()
+
+
+@needs_shm
+@pytest.mark.parametrize("answer, error", [
+    (file_grants((ShmFileGrant, [(FD, INODE + 1, 0, 4096)], False)), "not the granted"),
+    (file_grants((ShmFileGrant, [(FD, INODE, 1, 4096)], False)), "of a 4096-byte memory file"),
+    (file_grants((ShmFileGrant, [(FD, INODE, 0, 2048), (FD, INODE, 4000, 2048)], False)),
+     "of a 4096-byte memory file"),
+    (file_grants((ShmFileGrant, [(1 << 30, INODE, 0, 4096)], False)), "opening memory file"),
+    (file_grants((ShmFileGrant, [(*UNSEALED, 0, 4096)], False)), "sealed against shrinking"),
+    (file_grants((ShmFileGrant, [(FD, INODE, 0, 0), (FD, INODE, 0, 4096)], False)),
+     "malformed grant"),
+    (file_grants((ShmFileGrant, [(1 << 31, INODE, 0, 4096)], False)), "malformed grant"),
+    (file_grants((ShmFileGrant, [(FD, INODE, 1 << 62, 4096)], False)), "malformed grant"),
+    (file_grants((ShmFileGrant, [(FD, INODE, 0, 2048)], True),
+                 (ShmGrant, [(AT, 2048)], False)), "out of turn"),
+    (lambda r: [welcome(r)] if isinstance(r, ShmHello) else
+     [ShmFileGrant(r.req_id, 4096, b"x" * 31, False)], "malformed grant"),
+])
+async def test_read_refuses_a_bad_file_grant(answer: Any, error: str) -> None:
+    async with fake_holder(answer) as address:
+        conn = await ShmConnection.connect(address, "liar", 5)
+        buf = bytearray(4096)
+        with pytest.raises((TransportError, RemoteProtocolError), match=error):
+            await conn.read_chunk(KEY, 0, [memoryview(buf)])
+        assert not any(buf)
+        with pytest.raises(TransportError, match="closed"):  # out of step: closed
+            await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])
+
+
+# -- shared memory: the allocator -------------------------------------------------------
+
+
+def maps_inode(inode: int) -> bool:
+    """Whether this process maps the file with ``inode``."""
+    with open("/proc/self/maps") as maps:
+        return any(line.split()[4] == str(inode) for line in maps if len(line.split()) > 4)
+
+
+def test_shared_arrays_are_registered_until_the_last_view_goes() -> None:
+    before = shmem.registered()
+    arr = shared_empty((3, 1000), np.float32)
+    assert arr.shape == (3, 1000) and arr.dtype == np.float32 and arr.flags.writeable
+    pieces = shmem.pieces_of([memoryview(arr)])  # type: ignore[arg-type]
+    assert pieces is not None and shmem.registered() == before + 1
+    fd, inode, offset, length = (int(x) for x in pieces[0])
+    assert (offset, length) == (0, 12_000) and maps_inode(inode)
+    view = arr[1:]
+    del arr
+    assert shmem.registered() == before + 1  # a view keeps the memory
+    assert shmem.pieces_of([memoryview(view)]).tolist() == [[fd, inode, 4000, 8000]]  # type: ignore[union-attr, arg-type]
+    del view
+    assert shmem.registered() == before
+    assert not maps_inode(inode)  # unmapped...
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or os.fstat(fd).st_ino != inode  # ...closed
+
+
+def test_pieces_merge_neighbours_and_need_every_segment_shared() -> None:
+    a, b = shared_empty(8192, np.uint8), shared_empty(100, np.uint8)
+    (fa, ia, _, _), (fb, ib, _, _) = (shmem.pieces_of([memoryview(x)])[0]  # type: ignore[index, arg-type]
+                                      for x in (a, b))
+    va, vb = memoryview(a), memoryview(b)  # type: ignore[arg-type]
+    assert shmem.pieces_of([va[10:20], va[20:20], va[20:30].toreadonly(), vb[5:], va[:1]]
+                           ).tolist() == [[fa, ia, 10, 20], [fb, ib, 5, 95], [fa, ia, 0, 1]]  # type: ignore[union-attr]
+    plain = memoryview(bytearray(10))
+    assert shmem.pieces_of([va[:10], plain]) is None
+    assert shmem.pieces_of([va[8000:], memoryview(np.empty(300, np.uint8))]) is None  # type: ignore[arg-type]
+    assert shmem.pieces_of([]) is None
+    assert shared_empty(0, np.uint8).size == 0
+
+
+def test_fetched_arrays_are_shared() -> None:
+    """A fetcher re-serves what it fetched at memory speed: allocate_flat is shared."""
+    specs = (TensorSpec("a", "<f4", (10, 3), 0), TensorSpec("b", "<f2", (7,), 120))
+    manifest = Manifest("m", 1, specs, 4096, "xxh3-128", (bytes(16),))
+    arrays, flat = allocate_flat(manifest)
+    assert flat is not None
+    pieces = shmem.pieces_of([memoryview(a) for a in arrays])  # type: ignore[arg-type]
+    assert pieces is not None and pieces[:, 2:].tolist() == [[0, 134]]
 
 
 # -- TCP: the reader's standing thread ---------------------------------------------------

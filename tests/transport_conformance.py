@@ -60,6 +60,10 @@ register_all()
 SEED = int(os.environ.get("TENSORHUB_SEED") or random.randrange(2**32))
 print(f"tests/transport_conformance.py: seed {SEED} (TENSORHUB_SEED={SEED} replays it)")
 
+EMPTY: Callable[[int, type[np.uint8]], np.ndarray[Any, Any]] = np.empty
+"""How :func:`publish` allocates the holder's arrays: the shared-memory holders of the
+suite set ``tensorhub.shared_empty`` here."""
+
 FAILED = (TransportError, RemoteProtocolError, OSError)
 """What a read from a dead or misbehaving holder may raise (the fetcher drops on each)."""
 
@@ -99,7 +103,9 @@ def publish(store: Store, rng: random.Random, sizes: Sequence[int], chunk_size: 
     arrays, specs, offset = [], [], 0
     for i, size in enumerate(sizes):
         dtype = np.dtype(np.float32 if size % 4 == 0 else np.uint8)
-        arr = data[offset:offset + size].copy().view(dtype)
+        arr = EMPTY(size, np.uint8)
+        arr[:] = data[offset:offset + size]
+        arr = arr.view(dtype)
         arr.flags.writeable = False
         arrays.append(arr)
         specs.append(TensorSpec(f"t{i}", dtype.str, arr.shape, offset))

@@ -6,7 +6,8 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
     pre-faulted buffer of the same size, run just before each (b) while the same peers
     are up, so both see the same machine (idle peers alone slow it by several percent);
 (b) TensorHub single-hop fetch over TCP, integrity on, into pre-faulted arrays;
-(c) the same over the same-host transport (shared memory);
+(c) the same over the same-host transport: the publisher's arrays are shared memory
+    (``tensorhub.shared_empty``), so the reader maps them (``shm-memfd``);
 (d) a chain publisher -> A -> B -> C, each fetching from the previous while it receives;
 (e) 10,000 tensors of 4 KiB;
 (f) a numpy copy of the same bytes: the same-host ceiling.
@@ -102,7 +103,7 @@ def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, A
             p.expect("ready", 60)
         pub = procs["pub"]
         published = pub.call("published", cmd="publish", model="big", version=1,
-                             shape="model", size=size)
+                             shape="model", size=size, shared=True)
         results["publisher_rss_growth_mib"] = (published["rss_after_mib"]
                                                - published["rss_before_mib"])
 

@@ -4,9 +4,10 @@
 peer, prints ``{"event": "ready", ...}`` and then executes one JSON command per stdin
 line, answering each with one JSON line on stdout:
 
-* ``{"cmd": "publish", "model", "version", "shape": "model"|"large"|"small", "size"}``
-  allocates, fills and pre-faults arrays, publishes them, and reports the RSS before and
-  after ``publish`` (ROS: publishing must not copy).
+* ``{"cmd": "publish", "model", "version", "shape": "model"|"large"|"small", "size",
+  "shared": bool}`` allocates (``shared``: with :func:`tensorhub.shared_empty`), fills and
+  pre-faults arrays, publishes them, and reports the RSS before and after ``publish``
+  (ROS: publishing must not copy).
 * ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers.
 * ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
   and reports the fetch report, monotonic start / end times and the peak RSS.
@@ -35,6 +36,7 @@ from ..demo import checksum, fill, model_specs
 from ..errors import TensorHubError
 from ..model import VersionKey
 from ..peer.node import Peer, open_peer
+from ..transport.shmem import shared_empty
 from .netns import read_line
 
 
@@ -61,10 +63,19 @@ def specs_for(shape: str, size: int) -> list[tuple[str, tuple[int, ...], str]]:
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def allocate(specs: list[tuple[str, tuple[int, ...], str]]) -> dict[str, np.ndarray[Any, Any]]:
-    out = {}
-    for name, shape, dtype in specs:
-        arr = np.empty(shape, dtype=np.dtype(dtype))
+def allocate(specs: list[tuple[str, tuple[int, ...], str]], shared: bool = False
+             ) -> dict[str, np.ndarray[Any, Any]]:
+    """Pre-faulted arrays; ``shared``: views of one :func:`shared_empty` buffer (one
+    memory file for the whole model: a reader maps it once per connection)."""
+    sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for _, shape, dtype in specs]
+    flat = shared_empty(sum(sizes), np.uint8) if shared else None
+    out, at = {}, 0
+    for (name, shape, dtype), size in zip(specs, sizes, strict=True):
+        if flat is None:
+            arr = np.empty(shape, dtype=np.dtype(dtype))
+        else:
+            arr = flat[at:at + size].view(np.dtype(dtype)).reshape(shape)
+            at += size
         arr.reshape(-1).view(np.uint8)[::4096] = 1  # pre-fault every page
         out[name] = arr
     return out
@@ -123,7 +134,7 @@ class Worker:
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         kind = cmd["cmd"]
         if kind == "publish":
-            arrays = allocate(specs_for(cmd["shape"], cmd["size"]))
+            arrays = allocate(specs_for(cmd["shape"], cmd["size"]), cmd.get("shared", False))
             fill(arrays, cmd["version"])
             before = rss_mib()[0]
             t0 = time.monotonic()

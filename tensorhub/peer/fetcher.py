@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, eq
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from ..model import Manifest, PeerInfo, VersionKey, as_host_array, new_hasher
 from ..protocol.dataplane import NOT_YET
 from ..protocol.refs import Holding
 from ..transport.base import Connection, NotServing
+from ..transport.shmem import shared_empty
 from .store import LocalVersion
 
 RELAY_DEPTH = 1
@@ -88,36 +90,55 @@ class FetchReport:
 def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memoryview | None]:
     """New arrays for a fetch: views into one buffer laid out like the version's byte
     space, so every chunk lands with one ``recv_into`` however many tensors it spans.
-    Falls back to separate arrays if some tensor's offset does not suit its dtype."""
+    The buffer is shared memory (``shared_empty``), so same-host peers that fetch from us
+    later map it instead of copying through the kernel.  Falls back to separate plain
+    arrays if some tensor's offset does not suit its dtype."""
     if any(t.offset % np.dtype(t.dtype).alignment for t in manifest.tensors):
         return [np.empty(t.shape, dtype=np.dtype(t.dtype)) for t in manifest.tensors], None
-    flat = np.empty(manifest.total_bytes, dtype=np.uint8)
+    flat = shared_empty(manifest.total_bytes, np.uint8)
     arrays = [flat[t.offset:t.end].view(np.dtype(t.dtype)).reshape(t.shape)
               for t in manifest.tensors]
     return arrays, memoryview(flat)  # type: ignore[arg-type]
 
 
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
+_C_CONTIGUOUS = attrgetter("flags.c_contiguous")
+_WRITEABLE = attrgetter("flags.writeable")
+
+
 def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, Any]]:
-    """The caller's ``into`` arrays in manifest order, checked before any byte moves."""
+    """The caller's ``into`` arrays in manifest order, checked before any byte moves.
+
+    Plain numpy arrays of the right shape and dtype pass a handful of C-level passes
+    over all of them (10,000 tensors: about 2.5 ms here, against 5-9 ms one by one);
+    anything else, or any mismatch, goes through the per-tensor check, which names what
+    is wrong."""
     if not hasattr(into, "keys"):
         raise LocalProtocolError("into= must be a mapping of tensor name -> array")
-    names = {t.name for t in manifest.tensors}
-    extra = sorted(set(into.keys()) - names)
-    missing = sorted(names - set(into.keys()))
-    if extra or missing:
+    table = manifest.table
+    names = table.names
+    if len(into.keys()) != len(names) or not into.keys() >= table.index().keys():
+        wanted = set(names)
+        extra = sorted(set(into.keys()) - wanted)
+        missing = sorted(wanted - set(into.keys()))
         raise LocalProtocolError(
             f"into= does not match {manifest.key}: missing {missing[:5]}, unknown {extra[:5]}")
+    given = list(map(into.__getitem__, names))
+    shapes, dtypes = table.expected()
+    # Each pass streams (``all(map(...))``): the 10,000 shape tuples and flag objects it
+    # makes die one by one instead of piling up for the garbage collector.
+    if (set(map(type, given)) <= {np.ndarray} and all(map(eq, map(_SHAPE, given), shapes))
+            and all(map(eq, map(_DTYPE, given), dtypes)) and all(map(_C_CONTIGUOUS, given))
+            and all(map(_WRITEABLE, given)) and not any(d.hasobject for d in set(dtypes))):
+        return given
     out = []
-    dtypes: dict[str, np.dtype[Any]] = {}
-    for t in manifest.tensors:
-        arr = as_host_array(into[t.name], t.name)
-        dt = dtypes.get(t.dtype)
-        if dt is None:
-            dt = dtypes[t.dtype] = np.dtype(t.dtype)
+    for t, obj, dt in zip(manifest.tensors, given, dtypes, strict=True):
+        arr = as_host_array(obj, t.name)
         if arr.shape != t.shape or arr.dtype != dt:
             raise LocalProtocolError(
                 f"into[{t.name!r}] is {arr.dtype}{list(arr.shape)}, "
-                f"{manifest.key} has {np.dtype(t.dtype)}{list(t.shape)}")
+                f"{manifest.key} has {dt}{list(t.shape)}")
         if not arr.flags.writeable:
             raise LocalProtocolError(f"into[{t.name!r}] is read-only")
         out.append(arr)
@@ -139,9 +160,16 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 def _digest(algo: str, segments: Sequence[memoryview]) -> bytes:
+    """The digest of the segments' bytes, in order.  A segment may be an array itself
+    (see :meth:`LocalVersion.buffers`): xxh3 and sha256 hash any contiguous buffer,
+    blake3 only byte-format ones, so it gets a byte view of each array."""
     h = new_hasher(algo)
-    for s in segments:
-        h.update(s)
+    if algo == "blake3":
+        for s in segments:
+            h.update(s if isinstance(s, memoryview) else memoryview(s).cast("B"))
+    else:
+        for s in segments:
+            h.update(s)
     out: bytes = h.digest()
     return out
 
@@ -298,12 +326,14 @@ class Fetch:
 
     async def _read(self, conns: dict[str, Connection], chunk: int, peer: PeerInfo) -> bool:
         name = peer.name
-        dest = self.local.segments(chunk)
         try:
             conn = conns.get(name)
             if conn is None:
                 conn = conns[name] = await self.connect(peer)
-            limit = self._stall_limit(name, sum(len(d) for d in dest))
+            dest = self.local.buffers(chunk) if getattr(conn, "lands_arrays", False) \
+                else self.local.segments(chunk)
+            first, stop = self.manifest.chunk_range(chunk)
+            limit = self._stall_limit(name, stop - first)
             started = trio.current_time()
             algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
 

@@ -36,8 +36,10 @@ from ..model import (
     VersionKey,
     as_host_array,
     byte_view,
+    byte_views,
     check_model_name,
     check_version,
+    chunk_pieces,
 )
 from ..protocol import codec
 from ..protocol.control import ControlPlane
@@ -105,11 +107,7 @@ class PeerStats:
 
 def _index_of(manifest: Manifest, name: str) -> int | None:
     """Position of tensor ``name`` in ``manifest`` (None if absent); indexed once."""
-    index: dict[str, int] | None = manifest.__dict__.get("_index")
-    if index is None:
-        index = {t.name: i for i, t in enumerate(manifest.tensors)}
-        object.__setattr__(manifest, "_index", index)
-    return index.get(name)
+    return manifest.table.index().get(name)
 
 
 def _free_port(host: str) -> int:
@@ -130,13 +128,14 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
         gshape, start = placed[i] if placed is not None else ((), ())
         specs.append(TensorSpec(name, arr.dtype.str, tuple(arr.shape), offset, gshape, start))
         offset += arr.nbytes
-    skeleton = Manifest(key.model, key.version, tuple(specs), chunk_size, algo, ())
-    views = [byte_view(a) for _, a in arrays]
+    tensors = tuple(specs)
+    skeleton = Manifest(key.model, key.version, tensors, chunk_size, algo, ())
+    nonempty = byte_views([arrays[i][1] for i in skeleton.table.nonempty])
     digests = []
     for c in range(skeleton.num_chunks):
-        segs = skeleton.segments(*skeleton.chunk_range(c))
-        digests.append(_digest(algo, [views[s.index][s.start:s.stop] for s in segs]))
-    return Manifest(key.model, key.version, tuple(specs), chunk_size, algo, tuple(digests),
+        lo, hi, head, tail = skeleton.chunk_tensors(c)
+        digests.append(_digest(algo, chunk_pieces(nonempty[lo:hi], head, tail)))
+    return Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(digests),
                     key.shard, world, key.layout)
 
 
@@ -471,7 +470,7 @@ class Peer:
         key = VersionKey(model, resolved, spec.rank if spec.size > 1 else 0, spec.layout_id)
         held = self.store.get(key)
         if held is not None and held.complete and not held.hidden and into is None:
-            names = [t.name for t in held.manifest.tensors]
+            names = held.manifest.table.names
             return Fetched(resolved, dict(zip(names, held.arrays, strict=True)),
                            FetchReport(model, resolved, verified=True))
         if held is not None or key in self._resharding:
@@ -697,8 +696,8 @@ class Peer:
         local.end_receiving()
         self._send(self.control.put_holding(local.holding()))
         self._account(report)
-        return Fetched(key.version, {t.name: a for t, a in zip(manifest.tensors, arrays,
-                                                               strict=True)}, report)
+        return Fetched(key.version, dict(zip(manifest.table.names, arrays, strict=True)),
+                       report)
 
     def _count_integrity(self, report: FetchReport) -> None:
         """A failed fetch still tells who sent bad bytes."""

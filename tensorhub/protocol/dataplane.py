@@ -106,6 +106,20 @@ class ShmDone:
     req_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class ShmFileGrant:
+    """Like :class:`ShmGrant`, for a chunk that lies wholly in the holder's memory files
+    (:mod:`tensorhub.transport.shmem`): ``pieces`` are little-endian uint64
+    ``(fd, inode, offset, length)`` quadruples, in chunk order.  The reader opens
+    ``/proc/<pid>/fd/<fd>``, checks the inode and maps the pages instead of copying
+    through the kernel.  Same lease, same :class:`ShmDone`."""
+
+    req_id: int
+    length: int
+    pieces: bytes
+    more: bool
+
+
 MESSAGES = (ManifestRequest, ChunkRequest, Reply,
             # same-host transport (tensorhub/transport/shm.py):
-            ShmHello, ShmWelcome, ShmChunkRequest, ShmGrant, ShmDone)
+            ShmHello, ShmWelcome, ShmChunkRequest, ShmGrant, ShmDone, ShmFileGrant)

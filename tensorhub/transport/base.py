@@ -53,7 +53,12 @@ class Provider(Protocol):
 class Connection(Protocol):
     """One reader's connection to one holder, used by one task at a time.  A read that
     fails or is cancelled mid-exchange closes the connection (ending the holder's lease);
-    a :class:`NotServing` refusal leaves it usable."""
+    a :class:`NotServing` refusal leaves it usable.
+
+    A connection whose ``lands_arrays`` attribute is true (TCP) also takes the
+    destination arrays themselves as ``dest`` (any C-contiguous buffers, sized by
+    ``nbytes``), so a chunk of many small tensors costs the fetcher no view per tensor;
+    the others get byte views."""
 
     transport: str
     peer: str

@@ -1,0 +1,206 @@
+"""Shared-memory arrays: numpy buffers that a same-host reader maps instead of copying
+through the kernel.
+
+:func:`shared_empty` puts an array's memory in an anonymous memory file (``memfd``),
+sealed so that it can never shrink, and maps it into this process.  A process-wide
+registry maps the address range of each live file to its descriptor and inode, so that
+the holder side of the same-host transport (:mod:`tensorhub.transport.shm`) can tell
+whether a leased chunk lies in such files and, if so, grant the reader
+``(fd, inode, offset, length)`` pieces instead of addresses.  The reader opens
+``/proc/<holder pid>/fd/<fd>`` -- the kernel allows that exactly when it allows
+``process_vm_readv``: same user, ptrace read permission -- checks the inode (descriptor
+numbers get reused), maps the pages read-only and copies them with an ordinary memory
+copy instead of the kernel's cross-process copy (``process_vm_readv``).
+
+Lifetime: every view of the array keeps the mapping alive.  When the last one goes, a
+finalizer removes the registry entry and closes the descriptor *before* the pages are
+unmapped (so no lookup can find a stale range), and the kernel frees the memory once no
+process maps or holds the file any more -- a reader's mapping keeps it readable until the
+reader lets go.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import fcntl
+import mmap
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import RemoteProtocolError, TransportError
+
+Pieces = npt.NDArray[np.uint64]
+"""``(fd, inode, offset, length)`` rows: where a chunk lies in the holder's memory files."""
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""A sealed file keeps its size: a reader's mapping can never fault past its end."""
+
+
+def address_of(view: memoryview) -> int:
+    """Where a non-empty buffer starts in memory (ctypes is quicker; numpy takes
+    read-only buffers too)."""
+    if view.readonly:
+        return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class _Mapping(mmap.mmap):
+    """A memory file's mapping.  A Python subclass, because for those the interpreter
+    runs weak-reference callbacks (our finalizer) before the base type unmaps the pages."""
+
+
+_lock = threading.Lock()
+_starts: list[int] = []  # sorted start addresses of the live regions
+_regions: dict[int, tuple[int, int, int]] = {}  # start -> (end, fd, inode)
+
+
+def shared_empty(shape: int | Sequence[int], dtype: npt.DTypeLike = np.float32
+                 ) -> np.ndarray[Any, Any]:
+    """A new uninitialised array, like ``numpy.empty``, whose memory same-host readers
+    can map: a peer that publishes arrays allocated here serves them to fetchers on its
+    host with a plain memory copy (transport ``shm-memfd``) instead of the kernel's
+    ``process_vm_readv`` (``shm``).  Each call holds one file descriptor while the array
+    lives, and a reader opens and maps each file once per connection, so allocate many
+    tensors as views of one larger array.  Falls back to ``numpy.empty`` where the
+    platform has no ``memfd_create`` (and for empty arrays)."""
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    if nbytes <= 0 or not hasattr(os, "memfd_create"):
+        return np.empty(dims, dtype=dt)
+    fd = os.memfd_create("tensorhub", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        mapping = _Mapping(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    _register(start, start + nbytes, fd, os.fstat(fd).st_ino)
+    weakref.finalize(mapping, _release, start, fd).atexit = False  # the OS cleans up then
+    return np.frombuffer(mapping, dtype=dt).reshape(dims)
+
+
+def _register(start: int, end: int, fd: int, inode: int) -> None:
+    with _lock:
+        i = bisect.bisect_left(_starts, start)
+        if i < len(_starts) and _starts[i] == start:  # pragma: no cover - cannot happen
+            raise AssertionError(f"memory at {start:#x} registered twice")
+        _starts.insert(i, start)
+        _regions[start] = (end, fd, inode)
+
+
+def _release(start: int, fd: int) -> None:
+    with _lock:
+        _starts.pop(bisect.bisect_left(_starts, start))
+        del _regions[start]
+    os.close(fd)
+
+
+def registered() -> int:
+    """How many shared arrays are alive in this process (for tests and statistics)."""
+    return len(_starts)
+
+
+def pieces_of(segments: Sequence[memoryview]) -> Pieces | None:
+    """Where ``segments`` lie in this process's memory files, neighbours merged; None
+    unless every non-empty segment lies wholly in one."""
+    rows: list[tuple[int, int, int, int]] = []
+    with _lock:
+        for seg in segments:
+            if not seg.nbytes:
+                continue
+            at = address_of(seg)
+            i = bisect.bisect_right(_starts, at) - 1
+            if i < 0:
+                return None
+            start = _starts[i]
+            end, fd, inode = _regions[start]
+            if at + seg.nbytes > end:
+                return None
+            offset = at - start
+            if rows and rows[-1][0] == fd and rows[-1][2] + rows[-1][3] == offset:
+                rows[-1] = (fd, inode, rows[-1][2], rows[-1][3] + seg.nbytes)
+            else:
+                rows.append((fd, inode, offset, seg.nbytes))
+    return np.array(rows, dtype=np.uint64).reshape(-1, 4) if rows else None
+
+
+# -- reader side: the holder's files, mapped ------------------------------------------
+
+
+class MappedFiles:
+    """The holder's memory files one reader connection has mapped, read-only:
+    ``(fd, inode)`` -> the file's pages.  Used by one worker thread at a time; the
+    mappings go on :meth:`close` (or later, when a copy still using one returns)."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.pid = 0
+        """The holder's process id, once its handshake is checked."""
+        self.mapped: dict[tuple[int, int], npt.NDArray[np.uint8]] = {}
+
+    def _open(self, fd: int, inode: int) -> npt.NDArray[np.uint8]:
+        got = self.mapped.get((fd, inode))
+        if got is not None:
+            return got
+        path = f"/proc/{self.pid}/fd/{fd}"
+        try:
+            mine = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TransportError(f"opening memory file {fd} of {self.peer} ({path}): "
+                                 f"{exc.strerror}; the holder exited or closed it") from None
+        try:
+            st = os.fstat(mine)
+            if st.st_ino != inode:
+                raise TransportError(
+                    f"{path} of {self.peer} is inode {st.st_ino}, not the granted {inode}: "
+                    "the holder exited or reused the descriptor")
+            try:
+                seals = fcntl.fcntl(mine, fcntl.F_GET_SEALS)
+            except OSError:  # not a memory file at all
+                seals = 0
+            if not (stat.S_ISREG(st.st_mode) and seals & fcntl.F_SEAL_SHRINK and st.st_size):
+                raise RemoteProtocolError(f"{self.peer} granted {path}, which is not a "
+                                          "non-empty memory file sealed against shrinking")
+            mapping = mmap.mmap(mine, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(mine)  # the mapping keeps the file
+        self.mapped[fd, inode] = got = np.frombuffer(mapping, np.uint8)
+        return got
+
+    def copy(self, pieces: Pieces, dest: Sequence[memoryview]) -> None:
+        """Copy the granted ``(fd, inode, offset, length)`` pieces, in order, into
+        ``dest`` (whose sizes add up to theirs)."""
+        sources = []
+        for fd, inode, offset, length in pieces.tolist():
+            pages = self._open(fd, inode)
+            if offset + length > len(pages):
+                raise RemoteProtocolError(
+                    f"{self.peer} granted bytes {offset}..{offset + length} of a "
+                    f"{len(pages)}-byte memory file")
+            sources.append(pages[offset:offset + length])
+        targets = [np.frombuffer(d, np.uint8) for d in dest if d.nbytes]
+        si = ti = so = to = 0
+        while si < len(sources):
+            src, dst = sources[si], targets[ti]
+            n = min(len(src) - so, len(dst) - to)
+            np.copyto(dst[to:to + n], src[so:so + n])
+            so, to = so + n, to + n
+            if so == len(src):
+                si, so = si + 1, 0
+            if to == len(dst):
+                ti, to = ti + 1, 0
+
+    def close(self) -> None:
+        """Drop every mapping (unmapped as soon as no copy uses it)."""
+        self.mapped.clear()

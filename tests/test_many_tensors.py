@@ -1,0 +1,208 @@
+"""Models of many small tensors: the per-tensor fast paths (shared tensor tables, bulk
+``into=`` checks, chunks landed in the arrays themselves) keep every contract."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_mesh import mesh
+
+from tensorhub import LocalProtocolError, Manifest, RemoteProtocolError, VersionKey
+from tensorhub.model import byte_view, chunk_pieces
+from tensorhub.peer.node import build_manifest
+from tensorhub.peer.store import LocalVersion
+
+
+def small_model(version: int, n: int = 10_000) -> dict[str, np.ndarray[Any, Any]]:
+    """``n`` tensors of mixed small sizes and dtypes (some empty, some 0-d), so chunk
+    bounds fall inside tensors as well as between them."""
+    rng = np.random.default_rng(version)
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    for i in range(n):
+        kind = i % 7
+        if kind == 0:
+            arr = rng.standard_normal(1024).astype(np.float32)
+        elif kind == 1:
+            arr = rng.integers(0, 255, 777, dtype=np.uint8)
+        elif kind == 2:
+            arr = rng.standard_normal((3, 5)).astype(np.float16)
+        elif kind == 3:
+            arr = np.zeros((0, 4), np.float32)
+        elif kind == 4:
+            arr = np.array(rng.integers(-9, 9), np.int64)
+        elif kind == 5:
+            arr = rng.standard_normal(333).astype(">f4")  # not native: byte views
+        else:
+            arr = rng.integers(0, 2, 61).astype(np.bool_)
+        out[f"layer.{i}.{kind}"] = arr
+    return out
+
+
+def same_bytes(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("algo", ["xxh3-128", "blake3", "sha256"])
+async def test_ten_thousand_tensors_fetched_into_arrays_served_onward_and_refetched(
+        algo: str) -> None:
+    async with mesh(3, planning=False, digest_algo=algo) as (pub, a, b):
+        w1 = small_model(1)
+        await pub.publish("m", 1, w1)
+        with trio.fail_after(10):
+            await a.wait_for_version("m", None)
+        into = {k: np.zeros_like(v) for k, v in w1.items()}
+        got = await a.fetch("m", 1, into=into, sources=["p0"])
+        assert got.report.verified and got.report.bytes == sum(v.nbytes for v in w1.values())
+        assert all(got.tensors[k] is into[k] for k in w1)
+        assert all(same_bytes(into[k], v) for k, v in w1.items())
+        # a serves what it fetched into the caller's arrays: b reads it from a only
+        got_b = await b.fetch("m", 1, sources=["p1"])
+        assert set(got_b.report.bytes_by_source) == {"p1"}
+        assert all(same_bytes(got_b.tensors[k], v) for k, v in w1.items())
+        # the next version has the same tensors and other bytes: the decoded tensor
+        # table is shared, the bytes are the new version's
+        w2 = small_model(2)
+        await pub.publish("m", 2, w2)
+        with trio.fail_after(10):
+            await a.wait_for_version("m", 1)
+        await a.unpublish("m", 1)
+        got2 = await a.fetch("m", 2, into=into, sources=["p0"])
+        assert got2.report.verified
+        assert all(same_bytes(into[k], v) for k, v in w2.items())
+        held_a, held_b = a.store.get(VersionKey("m", 2)), b.store.get(VersionKey("m", 1))
+        assert held_a is not None and held_b is not None
+        assert held_a.manifest.tensors is held_b.manifest.tensors
+        assert a.statistics().bytes_fetched == got.report.bytes + got2.report.bytes
+        assert a.statistics().bytes_served == got_b.report.bytes
+
+
+def _bad_into(w: dict[str, np.ndarray[Any, Any]], name: str, how: str
+              ) -> dict[str, Any]:
+    into: dict[str, Any] = {k: np.zeros_like(v) for k, v in w.items()}
+    arr = into[name]
+    if how == "shape":
+        into[name] = np.zeros(arr.size + 1, arr.dtype)
+    elif how == "dtype":
+        into[name] = np.zeros(arr.shape, np.float64)
+    elif how == "read-only":
+        arr.flags.writeable = False
+    elif how == "not contiguous":
+        into[name] = np.zeros((arr.size, 2), arr.dtype)[:, 0].reshape(arr.shape) \
+            if arr.ndim == 1 else np.zeros(arr.shape[::-1], arr.dtype).T
+    elif how == "missing":
+        del into[name]
+    elif how == "unknown":
+        into["no.such.tensor"] = np.zeros(3)
+    return into
+
+
+@pytest.mark.parametrize("how", ["shape", "dtype", "read-only", "not contiguous", "missing",
+                                 "unknown"])
+async def test_a_bad_into_array_among_ten_thousand_is_named_before_any_byte_moves(
+        how: str) -> None:
+    async with mesh(2) as (pub, r):
+        w = small_model(1)
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        name = list(w)[-4]  # float32[1024], near the end: all before it pass the checks
+        into = _bad_into(w, name, how)
+        match = "no.such.tensor" if how == "unknown" else name.replace(".", r"\.")
+        with pytest.raises(LocalProtocolError, match=match):
+            await r.fetch("m", 1, into=into)
+        assert r.statistics().bytes_fetched == 0
+        assert pub.statistics().bytes_served == 0
+        assert r.store.get(VersionKey("m", 1)) is None
+        good = {k: np.zeros_like(v) for k, v in w.items()}
+        got = await r.fetch("m", 1, into=good)
+        assert all(same_bytes(good[k], v) for k, v in w.items())
+        assert got.report.verified
+
+
+def test_into_arrays_of_other_kinds_are_viewed_and_checked_one_by_one() -> None:
+    from tensorhub.peer.fetcher import prepare_destination
+    w = small_model(3, 50)
+    m = build_manifest(VersionKey("m", 1), list(w.items()), 4096, "blake3")
+    into: dict[str, Any] = {k: np.zeros_like(v) for k, v in w.items()}
+    first = next(iter(w))
+    into[first] = bytearray(w[first].nbytes)  # the buffer protocol, not an ndarray
+    with pytest.raises(LocalProtocolError, match=first.replace(".", r"\.")):
+        prepare_destination(m, into)  # a bytearray is uint8 of another shape
+    into[first] = np.zeros_like(w[first]).view(type("Sub", (np.ndarray,), {}))
+    arrays = prepare_destination(m, into)
+    assert arrays[0].shape == w[first].shape and len(arrays) == len(w)
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[list[tuple[str, np.ndarray[Any, Any]]], int]:
+    sizes = draw(st.lists(st.integers(0, 40), min_size=1, max_size=40))
+    dtypes = draw(st.lists(st.sampled_from(["|u1", "<f2", ">f4", "<i8"]),
+                           min_size=len(sizes), max_size=len(sizes)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    arrays = [(f"t{i}", np.frombuffer(rng.bytes(n * np.dtype(d).itemsize), d).copy())
+              for i, (n, d) in enumerate(zip(sizes, dtypes, strict=True))]
+    return arrays, draw(st.integers(1, 64))
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_chunk_pieces_match_a_naive_cut_of_the_byte_space(
+        case: tuple[list[tuple[str, np.ndarray[Any, Any]]], int]) -> None:
+    arrays, chunk_size = case
+    data = b"".join(a.tobytes() for _, a in arrays)
+    m = build_manifest(VersionKey("m", 1), arrays, chunk_size, "blake3")
+    held = LocalVersion(m, [a for _, a in arrays], "p", verified=True)
+    fresh = LocalVersion(m, [np.zeros_like(a) for _, a in arrays], "p", verified=False)
+    for c in range(m.num_chunks):
+        start, stop = m.chunk_range(c)
+        naive = [(s.index, s.start, s.stop) for s in m.segments(start, stop)]
+        expect = [(i, a, b) for i, (_, arr) in enumerate(arrays)
+                  for a, b in [(max(start, m.tensors[i].offset) - m.tensors[i].offset,
+                                min(stop, m.tensors[i].end) - m.tensors[i].offset)]
+                  if b > a]
+        assert naive == expect
+        views = [byte_view(a) for _, a in arrays]
+        lo, hi, head, tail = m.chunk_tensors(c)
+        pieces = chunk_pieces([views[i] for i in m.table.nonempty[lo:hi]], head, tail)
+        assert b"".join(bytes(p) for p in pieces) == data[start:stop]
+        assert all(len(p) for p in pieces)
+        assert b"".join(bytes(p) for p in held.segments(c)) == data[start:stop]
+        assert b"".join(bytes(memoryview(p).cast("B")) for p in held.buffers(c)) \
+            == data[start:stop]
+        # landing: writing the chunk's bytes through buffers() fills exactly it
+        off = 0
+        for p in fresh.buffers(c):
+            view = memoryview(p).cast("B")
+            view[:] = data[start + off:start + off + len(view)]
+            off += len(view)
+        assert off == stop - start
+    assert b"".join(a.tobytes() for a in fresh.arrays) == data
+
+
+def test_equal_tensor_columns_decode_to_one_shared_tuple_and_others_are_still_checked(
+        ) -> None:
+    arrays = [(f"w.{i}", np.full(16, i, np.float32)) for i in range(1000)]
+    m1 = build_manifest(VersionKey("m", 1), arrays, 4096, "xxh3-128")
+    m2 = build_manifest(VersionKey("m", 2), [(n, a + 1) for n, a in arrays], 4096, "xxh3-128")
+    d1 = Manifest.decode(m1.encode(), expected_id=m1.manifest_id())
+    d2 = Manifest.decode(m2.encode(), expected_id=m2.manifest_id())
+    assert d1 == m1 and d2 == m2 and d1.chunk_digests != d2.chunk_digests
+    assert d1.tensors is d2.tensors and d1.table is d2.table
+    # columns that differ in one name are decoded (and validated) on their own
+    wire = m1.to_wire()
+    wire["tensors"]["names"][5] = "w.4"  # a duplicate name
+    with pytest.raises(RemoteProtocolError, match="duplicate"):
+        Manifest.decode(msgpack.packb(wire, use_bin_type=True))
+    wire["tensors"]["names"][5] = "other"
+    d3 = Manifest.decode(msgpack.packb(wire, use_bin_type=True))
+    assert d3.tensors[5].name == "other" and d3.tensors is not d1.tensors
+    # unhashable junk where a name belongs is refused, not a crash
+    wire["tensors"]["names"][5] = ["junk"]
+    with pytest.raises(RemoteProtocolError):
+        Manifest.decode(msgpack.packb(wire, use_bin_type=True))
