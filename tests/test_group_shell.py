@@ -14,13 +14,21 @@ import trio
 from test_mesh import mesh
 
 import tensorhub
-from tensorhub import Group, GroupSwitchError, LocalProtocolError, Rollout, VersionKey, open_group
+from tensorhub import (
+    Group,
+    GroupSwitchError,
+    LocalProtocolError,
+    PeerConfig,
+    Rollout,
+    VersionKey,
+    open_group,
+)
 from tensorhub.protocol import codec
 from tensorhub.protocol.groups import GroupConfig, GroupEnvelope, Ready, Round
 from tensorhub.protocol.sharding import Sharding
 
 SPLIT = {"w": 0}
-CONFIG = GroupConfig(timeout=8.0, retry=0.2)
+CONFIG = GroupConfig(timeout=8.0, retry=0.2, join_grace=1.0)
 Full = dict[str, np.ndarray[Any, Any]]
 
 
@@ -145,6 +153,39 @@ async def test_a_rank_whose_peer_is_not_in_the_mesh_aborts_the_round() -> None:
             with pytest.raises(GroupSwitchError, match=r"ranks 1 \(ghost\)"):
                 await g.fetch_latest(timeout=10)
             assert g.live is None
+
+
+async def test_the_first_round_waits_for_a_rank_still_joining_the_mesh() -> None:
+    """The leader asks to switch before rank 1's peer has joined: the round waits for it
+    (join_grace) instead of aborting, and both ranks switch."""
+    config = GroupConfig(timeout=8.0, retry=0.2, join_grace=20.0)
+    async with mesh(5, stall_timeout=1.0) as peers:
+        t = await publish_tp4(peers[:4], 1)
+        await sealed(peers[4:5], 1)
+        leader = peers[4]
+        seed = peers[0].info.control.removeprefix("tcp://")
+        split = {"w": 0}
+        got: list[tensorhub.Fetched] = []
+        async with open_group(leader, "tp", ["p4", "late"], 0, model="m",
+                              layout=Sharding(0, 2, split=split), config=config) as g0, \
+                trio.open_nursery() as nursery:
+            async def lead() -> None:
+                got.append(await g0.fetch_latest(timeout=30))
+
+            nursery.start_soon(lead)
+            await trio.sleep(1.0)  # several membership checks see "late" missing
+            assert not got and g0.statistics().aborts == 0
+            async with tensorhub.open_peer(PeerConfig.local(
+                    "late", join=(seed,), chunk_size=1 << 20)) as late, \
+                    open_group(late, "tp", ["p4", "late"], 1, model="m",
+                               layout=Sharding(1, 2, split=split), config=config) as g1:
+                got.append(await g1.fetch_latest(timeout=30))
+                with trio.fail_after(30):
+                    while len(got) < 2:
+                        await trio.sleep(0.02)
+                check_slices([g0, g1], t, 1)
+                await late.unpublish("m", 1, layout=Sharding(1, 2, split=split))
+        assert [f.version for f in got] == [1, 1]
 
 
 async def test_staged_flip_keeps_serving_v_until_commit_then_releases_it() -> None:

@@ -152,9 +152,13 @@ class Group:
         self.members = tuple(members)
         self.rank = rank
         self.rollout = Rollout(peer, model, layout=layout)
+        self._config = config
         self._member = GroupMember(members, rank, config=config, boot=boot)
         self._inbox_tx, self._inbox_rx = trio.open_memory_channel[GroupEnvelope](INBOX)
         self._live_ranks = frozenset(range(len(self.members)))  # the member's assumption
+        self._joined: set[int] = {rank}
+        """Ranks whose peers this one has seen live at least once."""
+        self._joined_event = trio.Event()
         self._wake_ticker = trio.Event()
         self._staging: _Staging | None = None
         self._jobs: deque[tuple[str, Any]] = deque()
@@ -181,8 +185,20 @@ class Group:
     async def fetch_latest(self, *, timeout: float | None = None) -> Fetched:
         """Switch the whole group to the latest version (see the module docstring) and
         return this rank's new live version; :class:`GroupSwitchError` if the round
-        aborted, :class:`trio.TooSlowError` after ``timeout`` seconds without an outcome."""
+        aborted, :class:`trio.TooSlowError` after ``timeout`` seconds without an outcome.
+        First it waits (``GroupConfig.join_grace``) until every rank's peer has been
+        seen live."""
         with trio.fail_after(timeout) if timeout is not None else nullcontext():
+            # A group forms as its ranks' peers join the mesh: wait (up to join_grace) for
+            # ranks never seen live yet, so that a rank still starting neither aborts the
+            # round nor makes another rank believe itself the leader.  A rank seen live
+            # before and gone since aborts a round at once.
+            with trio.move_on_after(self._config.join_grace):
+                while len(self._joined) < len(self.members):
+                    self._check_live()
+                    if len(self._joined) < len(self.members):
+                        with trio.move_on_after(self.peer.config.probe_interval):
+                            await self._joined_event.wait()
             if self._member.is_leader:
                 if not self._member.running:
                     version = self.peer.control.latest(self.rollout.model)
@@ -258,6 +274,10 @@ class Group:
         membership = self.peer.control.membership
         live = frozenset(k for k, name in enumerate(self.members)
                          if k == self.rank or membership.is_live(name))
+        if not live <= self._joined:
+            self._joined |= live
+            self._joined_event.set()
+            self._joined_event = trio.Event()
         if live != self._live_ranks:
             self._live_ranks = live
             self._apply(self._member.set_live(trio.current_time(), live))

@@ -196,11 +196,17 @@ class GroupConfig:
     retry: float = 1.0
     """Seconds between retransmissions of unanswered proposals, votes and promises;
     lower recovers faster from loss at the cost of control traffic."""
+    join_grace: float = 30.0
+    """Seconds the leader's first round waits for ranks whose peers it has never seen
+    live (still starting); after that the round aborts naming them.  A rank seen live
+    once and gone since aborts a round at once."""
 
     def __post_init__(self) -> None:
         if not (0 < self.retry <= self.timeout < math.inf):
             raise LocalProtocolError(
                 f"need 0 < retry <= timeout < inf, got retry={self.retry}, timeout={self.timeout}")
+        if not 0 <= self.join_grace < math.inf:
+            raise LocalProtocolError(f"need 0 <= join_grace < inf, got {self.join_grace}")
 
 
 @dataclass(frozen=True, slots=True)
