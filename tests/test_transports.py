@@ -12,7 +12,7 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -43,6 +43,8 @@ from tensorhub.model import Manifest, TensorSpec, VersionKey
 from tensorhub.peer.fetcher import allocate_flat
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
+    BAD_REQUEST,
+    NOT_HELD,
     NOT_YET,
     ChunkRequest,
     Reply,
@@ -50,6 +52,8 @@ from tensorhub.protocol.dataplane import (
     ShmFileGrant,
     ShmGrant,
     ShmHello,
+    ShmVersionGrant,
+    ShmVersionRequest,
     ShmWelcome,
 )
 from tensorhub.transport import shm, shmem, tcp
@@ -317,6 +321,148 @@ async def test_verify_runs_after_the_copy_and_its_error_follows_shm_done(
         await conn.aclose()
 
 
+# -- shared memory: version leases (complete holders of memory-file arrays) -------------
+
+
+@pytest.fixture
+def shared_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_complete_memfd_holder_leases_the_whole_version_once() -> None:
+    """One grant for the whole version, then no message per chunk; the lease holds (so
+    unpublish waits) until the reader lets go, and the holder counts what it copied."""
+    rng = rng_for("version-lease")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [rng.randrange(1, 100_000) for _ in range(30)],
+                      chunk_size=65_536 + 7)
+        conn = await holder.connect()
+        assert isinstance(conn, ShmConnection)
+        order = list(range(pub.local.manifest.num_chunks)) * 2
+        rng.shuffle(order)
+        for c in order:
+            buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+            await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
+            assert np.array_equal(buf, pub.chunk(c)), f"chunk {c}"
+        assert (conn.version_leases, conn.chunk_grants) == (1, 0)
+        assert conn.transport == "shm-memfd" and holder.sent == []
+        await trio.testing.wait_all_tasks_blocked()
+        assert pub.local.inflight == 1  # the version lease, between reads too
+        await conn.aclose()
+        with trio.fail_after(5):
+            await pub.local.drained.wait()
+            while sum(holder.sent) < sum(len(pub.chunk(c)) for c in order):
+                await trio.sleep(0.001)
+        assert sorted(holder.sent) == sorted(len(pub.chunk(c)) for c in order)
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+@pytest.mark.parametrize("ending", ["next read", "close", "read of another version",
+                                    "manifest"])
+async def test_unpublish_waits_for_the_version_lease_to_end(ending: str) -> None:
+    rng = rng_for(f"version-lease-drain-{ending}")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [50_000], chunk_size=16_384)
+        other = publish(holder.store, rng, [20_000], chunk_size=16_384, version=2)
+        key = pub.local.manifest.key
+        conn = await holder.connect()
+        buf = np.zeros(16_384, dtype=np.uint8)
+        await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+        drained = trio.Event()
+
+        async def unpublish() -> None:
+            holder.store.hide(key)
+            await holder.store.wait_drained(key)
+            drained.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(unpublish)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not drained.is_set() and pub.local.inflight == 1
+            if ending == "next read":
+                with pytest.raises(NotServing) as info:
+                    await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+                assert info.value.status == NOT_HELD
+            elif ending == "close":
+                await conn.aclose()
+            elif ending == "manifest":
+                assert await conn.read_manifest(other.local.manifest.key) \
+                    == other.local.encoded_manifest
+            else:
+                await read_into(conn, other, 1, [memoryview(buf[:3616])])  # type: ignore[arg-type]
+                assert np.array_equal(buf[:3616], other.chunk(1))
+            with trio.fail_after(5):
+                await drained.wait()
+        assert holder.store.get(key) is None and not holder.bad
+        await conn.aclose()
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_holder_still_receiving_grants_chunk_by_chunk() -> None:
+    """No version lease from an incomplete holder (partial-prefix serving): per-chunk
+    grants, right bytes, NOT_YET for what it lacks."""
+    rng = rng_for("version-lease-partial")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [100_000], chunk_size=16_384, verified=False)
+        for c in range(3):
+            pub.local.mark_verified(c)
+        conn = await holder.connect()
+        assert isinstance(conn, ShmConnection)
+        for c in (0, 2, 1):
+            buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+            await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
+            assert np.array_equal(buf, pub.chunk(c))
+        pub.local.end_receiving()
+        with pytest.raises(NotServing) as info:
+            await read_into(conn, pub, 3, [memoryview(buf)])  # type: ignore[arg-type]
+        assert info.value.status == NOT_YET
+        assert (conn.version_leases, conn.chunk_grants) == (0, 3)
+        assert conn.transport == "shm-memfd"
+        await conn.aclose()
+        with trio.fail_after(5):
+            await pub.local.drained.wait()
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_corrupt_hook_on_a_memfd_holder_flips_the_first_chunk_read() -> None:
+    rng = rng_for("version-lease-corrupt")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [30_000], chunk_size=10_000)
+        conn = await holder.connect()
+        assert isinstance(conn, ShmConnection)
+        holder.store.corrupt_next = 1
+        for c, flipped in ((1, True), (1, False), (2, False)):
+            buf = np.zeros(10_000, dtype=np.uint8)
+            await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
+            assert bool(buf[0] != pub.chunk(c)[0]) is flipped
+            assert np.array_equal(buf[1:], pub.chunk(c)[1:])
+        assert (conn.version_leases, conn.chunk_grants) == (0, 3)
+        await conn.aclose()
+
+
+@needs_shm
+async def test_holder_process_killed_during_a_version_lease(holder_process: Any) -> None:
+    proc, address, pub = holder_process(f"{SEED}:lease-kill", 24 << 20, 4 << 20, "shared")
+    conn = await ShmConnection.connect(address, "holder", 10)
+    buf = np.zeros(4 << 20, dtype=np.uint8)
+    for c in range(2):
+        await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
+        assert np.array_equal(buf, pub.chunk(c))
+    assert (conn.version_leases, conn.chunk_grants) == (1, 0)
+    proc.kill()
+    proc.wait(5)
+    with pytest.raises(TransportError, match="exited"):  # checked before each copy too
+        await read_into(conn, pub, 2, [memoryview(buf)])  # type: ignore[arg-type]
+    with pytest.raises(TransportError, match="closed"):
+        await read_into(conn, pub, 3, [memoryview(buf)])  # type: ignore[arg-type]
+    await conn.aclose()
+
+
 # -- shared memory: a holder that lies ---------------------------------------------------
 
 
@@ -469,6 +615,70 @@ async def test_read_refuses_a_bad_file_grant(answer: Any, error: str) -> None:
         assert not any(buf)
         with pytest.raises(TransportError, match="closed"):  # out of step: closed
             await conn.read_chunk(KEY, 0, [memoryview(bytearray(4096))])
+
+
+def version_grants(*frames: tuple[int, int, list[tuple[int, int, int, int]], bool],
+                   then: Sequence[Any] = ()) -> Callable[[Any], list[Any]]:
+    """Answers a version request with ShmVersionGrant frames ``(length, chunk_size,
+    rows, more)``, then the frames ``then``."""
+    def answer(req: Any) -> list[Any]:
+        if isinstance(req, ShmHello):
+            return [welcome(req)]
+        if isinstance(req, ShmVersionRequest):
+            return [ShmVersionGrant(req.req_id, length, chunk, np.array(rows, "<u8").tobytes(),
+                                    more) for length, chunk, rows, more in frames] + [*then]
+        return []
+    return answer
+
+
+@needs_shm
+async def test_read_maps_a_version_grant() -> None:
+    SHARED[:] = np.arange(4096) % 253
+    async with fake_holder(version_grants((4096, 1024, [(FD, INODE, 0, 1000),
+                                                        (FD, INODE, 1000, 3096)], False))
+                           ) as address:
+        conn = await ShmConnection.connect(address, "holder", 5)
+        for c in (3, 0, 1, 2):
+            buf = bytearray(1024)
+            assert await conn.read_chunk(KEY, c, [memoryview(buf)[:10],
+                                                  memoryview(buf)[10:]]) == 1024
+            assert bytes(buf) == SHARED[c * 1024:(c + 1) * 1024].tobytes()
+        with pytest.raises(NotServing) as info:
+            await conn.read_chunk(KEY, 4, [memoryview(bytearray(1024))])
+        assert info.value.status == BAD_REQUEST
+        assert (conn.version_leases, conn.chunk_grants) == (1, 0)
+        await conn.aclose()
+
+
+@needs_shm
+@pytest.mark.parametrize("answer, error", [
+    (version_grants((4096, 1024, [(FD, INODE + 1, 0, 4096)], False)), "not the granted"),
+    (version_grants((4096, 1024, [(FD, INODE, 3500, 4096)], False)),
+     "of a 4096-byte memory file"),
+    (version_grants((4096, 1024, [(*UNSEALED, 0, 4096)], False)), "sealed against shrinking"),
+    (version_grants((4096, 1024, [(FD, INODE, 0, 4095)], False)), "granted 4095 of 4096"),
+    (version_grants((4096, 1024, [(FD, INODE, 0, 4096), (FD, INODE, 0, 1)], False)),
+     "more than 4096"),
+    (version_grants((4096, 1024, [(FD, INODE, 0, 0), (FD, INODE, 0, 4096)], False)),
+     "malformed grant"),
+    (version_grants((4096, 0, [(FD, INODE, 0, 4096)], False)), "malformed version grant"),
+    (version_grants((4096, 1024, [(1 << 31, INODE, 0, 4096)], False)), "malformed grant"),
+    (version_grants((4096, 1024, [(FD, INODE, 0, 2048)], True),
+                    (4096, 2048, [(FD, INODE, 2048, 2048)], False)), "out of turn"),
+    (version_grants((4096, 2048, [(FD, INODE, 0, 4096)], False)), "has 2048 bytes, not 1024"),
+    (version_grants((4096, 1024, [(FD, INODE, 0, 4096)], False), then=[Reply(9, 0, 0)]),
+     "out of turn"),
+])
+async def test_read_refuses_a_bad_version_grant(answer: Any, error: str) -> None:
+    async with fake_holder(answer) as address:
+        conn = await ShmConnection.connect(address, "liar", 5)
+        buf = bytearray(1024)
+        with pytest.raises((TransportError, RemoteProtocolError), match=error):
+            await conn.read_chunk(KEY, 0, [memoryview(buf)])
+            await trio.sleep(0.05)  # a frame out of turn is seen before the next read
+            await conn.read_chunk(KEY, 1, [memoryview(buf)])
+        with pytest.raises(TransportError, match="closed"):  # out of step: closed
+            await conn.read_chunk(KEY, 0, [memoryview(bytearray(1024))])
 
 
 # -- shared memory: the allocator -------------------------------------------------------

@@ -123,3 +123,61 @@ class ShmFileGrant:
 MESSAGES = (ManifestRequest, ChunkRequest, Reply,
             # same-host transport (tensorhub/transport/shm.py):
             ShmHello, ShmWelcome, ShmChunkRequest, ShmGrant, ShmDone, ShmFileGrant)
+
+
+# -- same-host version leases (second id block: the first, 1..9, is full) --------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShmVersionRequest:
+    """A same-host reader's first request for a version on a connection: "lease me the
+    whole version if you can, else just chunk ``chunk``".  A holder that holds the
+    version complete and wholly in memory files answers :class:`ShmVersionGrant` and
+    keeps the whole version leased for this connection until :class:`ShmRelease` or the
+    connection's end; any other holder answers exactly as for a
+    :class:`ShmChunkRequest` of ``chunk`` (a chunk grant, then :class:`ShmDone`, or a
+    non-OK :class:`Reply`)."""
+
+    req_id: int
+    model: str
+    version: int
+    chunk: int
+    shard: int = 0
+    layout: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class ShmVersionGrant:
+    """Where the whole leased version lies: ``pieces`` are little-endian uint64
+    ``(fd, inode, offset, length)`` quadruples covering its ``length`` bytes in order,
+    cut into chunks of ``chunk_size``; several frames, all but the last with ``more``,
+    when they do not fit in one.  The reader copies any chunk without asking again."""
+
+    req_id: int
+    length: int
+    chunk_size: int
+    pieces: bytes
+    more: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRelease:
+    """The reader lets go of the version lease of request ``req_id``; ``chunks`` are the
+    little-endian uint32 indices of the chunks it copied under it (for the holder's
+    counts), continued in further frames while ``more``.  Answered by ``Reply(req_id,
+    OK, 0)`` once the lease has ended."""
+
+    req_id: int
+    chunks: bytes
+    more: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRevoke:
+    """The holder unpublished the leased version: the reader finishes the copy in flight
+    (still leased), then sends :class:`ShmRelease`; further reads are refused."""
+
+    req_id: int
+
+
+MESSAGES_2 = (ShmVersionRequest, ShmVersionGrant, ShmRelease, ShmRevoke)

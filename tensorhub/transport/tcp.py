@@ -40,6 +40,7 @@ from ..protocol.dataplane import (
     Reply,
     ShmChunkRequest,
     ShmHello,
+    ShmVersionRequest,
 )
 from .base import NotServing, Provider, Verifier
 
@@ -295,7 +296,7 @@ class TcpServer:
                 self.on_sent(peer, total)
             finally:
                 lease.__exit__(None, None, None)
-        elif isinstance(req, ShmHello | ShmChunkRequest):
+        elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
             # Same-host transport: the payload does not use this socket (see shm.py, which
             # builds on this module, hence the late import).
             from .shm import serve_shm
