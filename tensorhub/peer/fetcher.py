@@ -330,8 +330,7 @@ class Fetch:
             conn = conns.get(name)
             if conn is None:
                 conn = conns[name] = await self.connect(peer)
-            dest = self.local.buffers(chunk) if getattr(conn, "lands_arrays", False) \
-                else self.local.segments(chunk)
+            dest = self.local.buffers(chunk) if conn.lands_arrays else self.local.segments(chunk)
             first, stop = self.manifest.chunk_range(chunk)
             limit = self._stall_limit(name, stop - first)
             started = trio.current_time()

@@ -88,13 +88,11 @@ class LocalVersion:
             return self.segments(chunk)
         lo, hi, head, tail = self.manifest.chunk_tensors(chunk)
         pieces: list[Any] = self._nonempty_arrays()[lo:hi]
-        if pieces and head:
-            pieces[0] = byte_views(pieces[:1])[0][head:]
+        if pieces and head:  # only tensors cut by the chunk's bounds are viewed as bytes
+            pieces[0] = byte_views(pieces[:1])[0]
         if pieces and tail:
-            last = byte_views(pieces[-1:])[0] if not isinstance(pieces[-1], memoryview) \
-                else pieces[-1]
-            pieces[-1] = last[:len(last) - tail]
-        return pieces
+            pieces[-1] = byte_views(pieces[-1:])[0]
+        return chunk_pieces(pieces, head, tail)
 
     def mark_verified(self, chunk: int) -> None:
         if not self.verified[chunk]:

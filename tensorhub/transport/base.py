@@ -62,6 +62,7 @@ class Connection(Protocol):
 
     transport: str
     peer: str
+    lands_arrays: bool
 
     async def read_manifest(self, key: VersionKey) -> bytes: ...
 

@@ -50,6 +50,7 @@ class MemoryConnection:
     """A reader's connection to a :class:`MemoryServer`."""
 
     transport = "memory"
+    lands_arrays = False
 
     def __init__(self, server: MemoryServer, peer: str, reader: str) -> None:
         self.peer = peer

@@ -433,6 +433,7 @@ class ShmConnection(TcpConnection):
     transport = "shm"
     """``shm-memfd`` once the last chunk came from the holder's memory files, ``shm`` when
     it came through ``process_vm_readv``."""
+    lands_arrays = False  # chunks are copied into byte views
 
     def __init__(self, sock: trio.socket.SocketType, peer: str) -> None:
         super().__init__(sock, peer)

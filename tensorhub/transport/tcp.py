@@ -329,6 +329,9 @@ class TcpConnection:
     """
 
     transport = "tcp"
+    lands_arrays = True
+    """:meth:`read_chunk` takes any C-contiguous buffers as ``dest`` (numpy arrays
+    included, sized by ``nbytes``), not only byte views (see ``Connection``)."""
 
     def __init__(self, sock: trio.socket.SocketType, peer: str) -> None:
         self._sock = sock
@@ -367,13 +370,6 @@ class TcpConnection:
         buf = bytearray(reply.length)
         await _recv_exact(self._sock, memoryview(buf))
         return bytes(buf)
-
-    @property
-    def lands_arrays(self) -> bool:
-        """Whether :meth:`read_chunk` takes any C-contiguous buffers as ``dest`` (numpy
-        arrays included, sized by ``nbytes``), not only byte views: true of this class's
-        own, not of a subclass that reads chunks its own way."""
-        return type(self).read_chunk is TcpConnection.read_chunk
 
     async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
                          verify: Verifier | None = None) -> int:
