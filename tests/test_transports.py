@@ -56,7 +56,7 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
-from tensorhub.transport import shm, shmem, tcp
+from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
 from tensorhub.transport.memory import MemoryServer
 from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
@@ -146,7 +146,7 @@ def test_copy_batches_any_cuts_on_both_sides() -> None:
         _src_room, src = scattered(rng, data, rng.randrange(1, 3000))
         _dst_room, dst = scattered(rng, bytes(len(data)), rng.randrange(1, 3000))
         assert len(iovecs_of(src)) == len(src)
-        shm._readv_all(os.getpid(), iovecs_of(dst), iovecs_of(src))
+        crossmem.readv_all(os.getpid(), iovecs_of(dst), iovecs_of(src))
         assert b"".join(dst) == data
 
 
@@ -214,7 +214,7 @@ async def test_holder_process_killed_mid_read(holder_process: Any, when: str, ar
     assert np.array_equal(buf, pub.chunk(0))  # one copy from another process's arrays
     assert conn.transport == {"plain": "shm", "shared": "shm-memfd"}[arrays]
 
-    where, name = {"plain": (shm, "_readv_all"), "shared": (shmem.MappedFiles, "copy")}[arrays]
+    where, name = {"plain": (shm, "readv_all"), "shared": (shmem.MappedFiles, "copy")}[arrays]
     copy = getattr(where, name)
 
     def dying_copy(*args: Any) -> None:
@@ -491,7 +491,8 @@ async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
 
 
 def welcome(req: Any, **changes: Any) -> ShmWelcome:
-    good = dict(req_id=req.req_id, pid=os.getpid(), token=shm._token, token_at=shm._token_at)
+    good = dict(req_id=req.req_id, pid=os.getpid(), token=shm_serve._token,
+                token_at=shm_serve._token_at)
     return ShmWelcome(**{**good, **changes})
 
 

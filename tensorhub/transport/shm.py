@@ -37,25 +37,20 @@ go of the lease during a copy makes the read fail instead of returning bytes tha
 changed under it.  A memory file is used only if it is the very file granted (its inode
 matches: descriptor numbers get reused), sealed against shrinking (so a mapping cannot
 fault past its end) and long enough for the piece granted.
+
+This module is the reader side.  The holder side is :mod:`.shm_serve`; the kernel copy
+:mod:`.crossmem`, the memory files :mod:`.shmem`, the copy threads :mod:`.copypool`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
-import queue
 import select
-import threading
-import weakref
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack, suppress
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import outcome
 import trio
 
 from ..errors import LocalProtocolError, RemoteProtocolError, TransportError
@@ -76,269 +71,22 @@ from ..protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
-from .base import NotServing, Provider, Verifier
-from .shmem import MappedFiles, Pieces, address_of, pieces_of
+from . import copypool
+from .base import NotServing, Verifier
+from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
+from .shmem import MappedFiles, Pieces
 from .tcp import TcpConnection, _recv_frame, _send_frame
 
-_T = TypeVar("_T")
+__all__ = ["ShmConnection", "shm_available"]
 
-Iovecs = npt.NDArray[np.uint64]
-"""``(address, length)`` rows: the layout of Linux ``struct iovec`` on 64-bit hosts."""
-
-IOV_MAX = 1024  # iovecs per process_vm_readv call, on each side
-GRANT_IOVECS = 32768  # iovecs per ShmGrant frame: 512 KiB, well under MAX_FRAME
-GRANT_PIECES = 16384  # pieces per ShmFileGrant frame: 512 KiB
 RELEASE_CHUNKS = 131072  # chunk indices per ShmRelease frame: 512 KiB
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_vm_readv: Any = getattr(_libc, "process_vm_readv", None)
-if _vm_readv is not None:
-    _vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
-                          ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    _vm_readv.restype = ctypes.c_ssize_t
-
-_WHY = {
-    errno.EPERM: "not permitted: another user, or kernel.yama.ptrace_scope or a seccomp "
-                 "filter forbids process_vm_readv",
-    errno.ESRCH: "no such process: the holder is gone",
-    errno.EFAULT: "an address is not mapped: the holder granted memory it does not have",
-    errno.ENOSYS: "this kernel has no process_vm_readv",
-}
-
-
-def iovecs_of(views: Sequence[memoryview]) -> Iovecs:
-    """The ``(address, length)`` of each non-empty view, neighbours in memory merged."""
-    iov = np.array([(address_of(v), v.nbytes) for v in views if v.nbytes],
-                   dtype=np.uint64).reshape(-1, 2)
-    if len(iov) > 1:
-        starts = np.flatnonzero(np.r_[True, iov[1:, 0] != iov[:-1, 0] + iov[:-1, 1]])
-        iov = np.column_stack((iov[starts, 0], np.add.reduceat(iov[:, 1], starts)))
-    return iov
-
-
-class _Cursor:
-    """A position in a list of iovecs, handed to the kernel IOV_MAX at a time."""
-
-    def __init__(self, iov: Iovecs) -> None:
-        self.iov = iov
-        self.row = 0
-        self.skip = 0  # bytes of ``iov[row]`` already consumed
-
-    def batch(self) -> Iovecs:
-        out = self.iov[self.row:self.row + IOV_MAX].copy()
-        out[0, 0] += self.skip
-        out[0, 1] -= self.skip
-        return out
-
-    def advance(self, n: int) -> None:
-        lengths = self.iov[self.row:self.row + IOV_MAX, 1].astype(np.int64)
-        ends = np.cumsum(lengths) - self.skip
-        done = int(np.searchsorted(ends, n, side="right"))
-        if done:
-            self.row += done
-            self.skip = n - int(ends[done - 1])
-        else:
-            self.skip += n
-
-
-def _readv_all(pid: int, local: Iovecs, remote: Iovecs) -> None:
-    """Copy ``remote`` (memory of process ``pid``) into ``local``; same total length."""
-    if _vm_readv is None:
-        raise TransportError("this platform has no process_vm_readv")
-    left = int(local[:, 1].sum())
-    mine, theirs = _Cursor(local), _Cursor(remote)
-    while left:
-        lb, rb = mine.batch(), theirs.batch()
-        n = _vm_readv(pid, lb.ctypes.data, len(lb), rb.ctypes.data, len(rb), 0)
-        if n <= 0:
-            err = ctypes.get_errno() if n < 0 else errno.EFAULT
-            why = _WHY.get(err) or os.strerror(err)
-            raise TransportError(f"reading holder pid {pid}: {errno.errorcode.get(err)}: {why}")
-        mine.advance(n)
-        theirs.advance(n)
-        left -= n
-
-
-def shm_available() -> tuple[bool, str]:
-    """Whether this host lets peers read each other's memory, and why (not)."""
-    if _vm_readv is None:
-        return False, "this platform has no process_vm_readv (Linux only)"
-    try:
-        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
-    except (OSError, ValueError):
-        scope = 0
-    if scope:
-        return False, (f"kernel.yama.ptrace_scope={scope} forbids reading another process's "
-                       "memory; set it to 0 to move chunks through shared memory")
-    src, dst = bytearray(b"tensorhub"), bytearray(9)
-    try:
-        _readv_all(os.getpid(), iovecs_of([memoryview(dst)]), iovecs_of([memoryview(src)]))
-        os.close(os.pidfd_open(os.getpid()))  # how a reader watches its holder
-    except TransportError as exc:
-        return False, str(exc)
-    except OSError as exc:
-        return False, f"pidfd_open: {exc.strerror} (needs Linux 5.3)"
-    return True, "process_vm_readv works: one copy, no socket on the payload path"
-
-
-# -- holder side: TcpServer hands ShmHello / ShmChunkRequest here ----------------------
-
-_token = b""
-_token_at = 0
-
-
-def _new_token() -> None:
-    global _token, _token_at
-    _token = os.urandom(16)
-    _token_at = address_of(memoryview(_token))
-
-
-_new_token()
-os.register_at_fork(after_in_child=_new_token)
-
-
-def _flipped_copy(segments: Sequence[memoryview]) -> memoryview:
-    """Test hook (``Provider.corrupt_hook``): a private copy with one byte flipped."""
-    buf = bytearray(b"".join(segments))
-    if buf:
-        buf[0] ^= 0xFF
-    return memoryview(buf)
-
-
-async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
-                    req: ShmHello | ShmChunkRequest | ShmVersionRequest,
-                    on_sent: Callable[[str, int], None]) -> None:
-    """Answer one same-host request; a chunk stays leased until the reader's ShmDone, a
-    version until its ShmRelease (or the connection's end)."""
-    if isinstance(req, ShmHello):
-        await _send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
-        return
-    key = VersionKey(req.model, req.version, req.shard, req.layout)
-    corrupt = False
-    if isinstance(req, ShmVersionRequest):
-        hold = getattr(provider, "hold", None)  # Store.hold: a lease on a whole version
-        if hold is not None:
-            with hold(key) as local:
-                pieces = None if local is None else _whole_version(local)
-                if pieces is not None:
-                    corrupt = provider.corrupt_hook(peer)
-                    if not corrupt:
-                        await _lease_version(sock, peer, local, req.req_id, pieces, on_sent)
-                        return
-    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, on_sent, corrupt)
-
-
-async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provider,
-                       key: VersionKey, req_id: int, chunk: int,
-                       on_sent: Callable[[str, int], None], corrupt: bool) -> None:
-    with ExitStack() as stack:
-        try:
-            await provider.wait_chunk(key, chunk)
-            segments = stack.enter_context(provider.lease(key, chunk))
-        except NotServing as ns:
-            await _send_frame(sock, Reply(req_id, ns.status, 0, ns.detail))
-            return
-        if corrupt or provider.corrupt_hook(peer):
-            segments = [_flipped_copy(segments)]
-        files = pieces_of(segments)
-        rows, grant, per_frame = ((iovecs_of(segments), ShmGrant, GRANT_IOVECS) if files is None
-                                  else (files, ShmFileGrant, GRANT_PIECES))
-        total = int(rows[:, -1].sum())
-        for start in range(0, max(len(rows), 1), per_frame):
-            part = rows[start:start + per_frame].astype("<u8").tobytes()
-            await _send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
-        try:
-            done = await _recv_frame(sock)
-        except TransportError:
-            return  # the reader went away; its lease ends here
-        if done != ShmDone(req_id):
-            raise RemoteProtocolError(f"expected ShmDone({req_id}), got {done!r:.80}")
-        on_sent(peer, total)
-
-
-_WHOLE: weakref.WeakKeyDictionary[Any, Pieces | None] = weakref.WeakKeyDictionary()
-"""Per held version (a ``LocalVersion``): where its whole byte space lies in memory
-files, or None when some of it lies in plain memory."""
-
-
-def _whole_version(local: Any) -> Pieces | None:
-    """The ``(fd, inode, offset, length)`` pieces of a complete version's byte space, in
-    order; None unless all of it lies in this process's memory files."""
-    if local in _WHOLE:
-        return _WHOLE[local]
-    manifest = local.manifest
-    if manifest.total_bytes == 0:
-        pieces = None
-    elif local.flat is not None:
-        pieces = pieces_of([local.flat[:manifest.total_bytes]])
-    else:
-        segments = [s for c in range(manifest.num_chunks) for s in local.segments(c)]
-        pieces = pieces_of(segments)
-    if pieces is not None and int(pieces[:, 3].sum()) != manifest.total_bytes:
-        pieces = None  # pragma: no cover - segments always cover the byte space
-    _WHOLE[local] = pieces
-    return pieces
-
-
-async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, req_id: int,
-                         pieces: Pieces, on_sent: Callable[[str, int], None]) -> None:
-    """Grant the whole version and keep it leased (we run inside ``Store.hold``) until
-    the reader's ShmRelease or the connection's end.  If the version is unpublished
-    meanwhile, tell the reader (ShmRevoke): it releases once its copy in flight is done."""
-    manifest = local.manifest
-    total = manifest.total_bytes
-    for start in range(0, len(pieces), GRANT_PIECES):
-        part = pieces[start:start + GRANT_PIECES].astype("<u8").tobytes()
-        await _send_frame(sock, ShmVersionGrant(req_id, total, manifest.chunk_size, part,
-                                                start + GRANT_PIECES < len(pieces)))
-
-    async def revoke_when_hidden() -> None:
-        while not local.hidden:
-            await local.progress.wait()
-        # Shielded: never leave half a frame on the socket.  A reader that went away
-        # ends the lease by the connection's end.
-        with trio.CancelScope(shield=True), suppress(TransportError, OSError):
-            await _send_frame(sock, ShmRevoke(req_id))
-
-    copied: list[npt.NDArray[np.uint32]] = []
-    got: Any = None
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(revoke_when_hidden)
-        try:
-            while True:
-                got = await _recv_frame(sock)
-                if not isinstance(got, ShmRelease) or got.req_id != req_id \
-                        or len(got.chunks) % 4:
-                    break
-                copied.append(np.frombuffer(got.chunks, dtype="<u4"))
-                if not got.more:
-                    break
-        except (TransportError, OSError):
-            return  # the reader went away; the lease ends here
-        finally:
-            nursery.cancel_scope.cancel()
-    if not isinstance(got, ShmRelease) or got.req_id != req_id or got.more \
-            or len(got.chunks) % 4:
-        raise RemoteProtocolError(f"expected ShmRelease({req_id}), got {got!r:.80}")
-    chunks = np.concatenate(copied) if copied else np.zeros(0, np.uint32)
-    if len(chunks) and int(chunks.max()) >= manifest.num_chunks:
-        raise RemoteProtocolError(f"{peer} released chunks {manifest.num_chunks} and up "
-                                  f"of a {manifest.num_chunks}-chunk version")
-    last = manifest.num_chunks - 1
-    tail = total - last * manifest.chunk_size
-    for c in chunks.tolist():
-        on_sent(peer, manifest.chunk_size if c != last else tail)
-    await _send_frame(sock, Reply(req_id, OK, 0))
-
-
-# -- reader side --------------------------------------------------------------------
 
 
 def _land_iovecs(pid: int, local: Iovecs, remote: Iovecs, dest: Sequence[memoryview],
                  verify: Verifier | None) -> Exception | None:
     """Copy with ``process_vm_readv``, then verify: one worker-thread call.  Returns
     (does not raise) what ``verify`` raised, so the lease still ends in step."""
-    _readv_all(pid, local, remote)
+    readv_all(pid, local, remote)
     return _verified(dest, verify)
 
 
@@ -360,71 +108,10 @@ def _land_files(files: MappedFiles, pieces: Pieces, dest: Sequence[memoryview],
     return _verified(dest, verify)
 
 
-class _CopyPool:
-    """Worker threads for the same-host copies, one per usable core (at most 8), fed
-    from one queue.  Unlike ``trio.to_thread`` a thread that finishes a copy takes the
-    next queued one at once, without waiting for the event loop to hand it over: with
-    a few reads in flight the cores never idle between chunks (on a 2-core host that
-    hand-over took longer than the copy)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._threads = 0
-        self._lock = threading.Lock()
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):  # pragma: no cover - not Linux
-            cores = os.cpu_count() or 2
-        self._limit = max(1, min(8, cores))
-
-    def _work(self) -> None:
-        while True:
-            self._jobs.get()()
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._threads < self._limit:
-                self._threads += 1
-                threading.Thread(target=self._work, name="tensorhub-shm-copy",
-                                 daemon=True).start()
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` in a pool thread, not waiting for it (it must not raise)."""
-        self._start()
-        self._jobs.put(fn)
-
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` in a pool thread; waits for it even when cancelled (the copy
-        writes into memory the caller owns and reads memory the holder leased)."""
-        self._start()
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        result: list[outcome.Outcome[_T]] = []
-
-        def job() -> None:
-            result.append(outcome.capture(fn, *args))
-            with suppress(trio.RunFinishedError):
-                token.run_sync_soon(done.set)
-
-        self._jobs.put(job)
-        with trio.CancelScope(shield=True):
-            await done.wait()
-        return result[0].unwrap()
-
-
-_pool = _CopyPool()
-
-
-def _new_pool() -> None:
-    global _pool
-    _pool = _CopyPool()  # a forked child has none of the parent's threads
-
-
-os.register_at_fork(after_in_child=_new_pool)
-
 
 class ShmConnection(TcpConnection):
-    """A reader's same-host connection: TCP for control, ``process_vm_readv`` for payload.
+    """A reader's same-host connection: TCP for control; payload copied from the holder's
+    memory files or with ``process_vm_readv``.
 
     Manifests travel over TCP as usual.  :meth:`connect` fails with a
     :class:`TransportError` naming the reason when the holder's memory cannot be read.
@@ -486,7 +173,7 @@ class ShmConnection(TcpConnection):
         echo = bytearray(len(welcome.token))
         token_at = np.array([[welcome.token_at, len(echo)]], dtype=np.uint64)
         try:
-            _readv_all(self._pid, iovecs_of([memoryview(echo)]), token_at)
+            readv_all(self._pid, iovecs_of([memoryview(echo)]), token_at)
         except TransportError as exc:
             raise TransportError(f"{elsewhere}: {exc}") from None
         if echo != welcome.token:
@@ -616,10 +303,10 @@ class ShmConnection(TcpConnection):
             self.chunk_grants += 1
             if files:
                 self.transport = "shm-memfd"
-                bad = await _pool.run(_land_files, self._files, rows, dest, verify)
+                bad = await copypool.pool.run(_land_files, self._files, rows, dest, verify)
             else:
                 self.transport = "shm"
-                bad = await _pool.run(_land_iovecs, self._pid, iovecs_of(dest), rows, dest,
+                bad = await copypool.pool.run(_land_iovecs, self._pid, iovecs_of(dest), rows, dest,
                                       verify)
             self._check_holder()
             await _send_frame(self._sock, ShmDone(req_id))
@@ -651,7 +338,7 @@ class ShmConnection(TcpConnection):
             raise RemoteProtocolError(f"{self.peer} leased a version whose chunk {chunk} "
                                       f"has {stop - start} bytes, not {want}")
         self.transport = "shm-memfd"
-        bad = await _pool.run(_land_files, self._files, lease.pieces_of(start, stop), dest,
+        bad = await copypool.pool.run(_land_files, self._files, lease.pieces_of(start, stop), dest,
                               verify)
         dead, spoke = self._holder_state()
         if dead:
@@ -707,7 +394,7 @@ class ShmConnection(TcpConnection):
         # Unmapping a mapping of a whole version costs milliseconds: not on the event
         # loop, which may be running the last copies of the fetch (FIFO: after them).
         if self._files.mapped:
-            _pool.submit(self._files.close)
+            copypool.pool.submit(self._files.close)
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1

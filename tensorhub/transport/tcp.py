@@ -299,7 +299,7 @@ class TcpServer:
         elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
             # Same-host transport: the payload does not use this socket (see shm.py, which
             # builds on this module, hence the late import).
-            from .shm import serve_shm
+            from .shm_serve import serve_shm
             await serve_shm(sock, peer, self.provider, req, self.on_sent)
         else:
             await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))

@@ -1,0 +1,186 @@
+"""Same-host transport, holder side: answering ``ShmHello``, ``ShmChunkRequest`` and
+``ShmVersionRequest`` (handed over by :class:`~tensorhub.transport.tcp.TcpServer`); see
+:mod:`tensorhub.transport.shm` for the protocol and the reader side."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from ..errors import RemoteProtocolError, TransportError
+from ..model import VersionKey
+from ..protocol.dataplane import (
+    OK,
+    Reply,
+    ShmChunkRequest,
+    ShmDone,
+    ShmFileGrant,
+    ShmGrant,
+    ShmHello,
+    ShmRelease,
+    ShmRevoke,
+    ShmVersionGrant,
+    ShmVersionRequest,
+    ShmWelcome,
+)
+from .base import NotServing, Provider
+from .crossmem import iovecs_of
+from .shmem import Pieces, address_of, pieces_of
+from .tcp import _recv_frame, _send_frame
+
+GRANT_IOVECS = 32768  # iovecs per ShmGrant frame: 512 KiB, well under MAX_FRAME
+GRANT_PIECES = 16384  # pieces per ShmFileGrant frame: 512 KiB
+
+_token = b""
+_token_at = 0
+
+
+def _new_token() -> None:
+    global _token, _token_at
+    _token = os.urandom(16)
+    _token_at = address_of(memoryview(_token))
+
+
+_new_token()
+os.register_at_fork(after_in_child=_new_token)
+
+
+def _flipped_copy(segments: Sequence[memoryview]) -> memoryview:
+    """Test hook (``Provider.corrupt_hook``): a private copy with one byte flipped."""
+    buf = bytearray(b"".join(segments))
+    if buf:
+        buf[0] ^= 0xFF
+    return memoryview(buf)
+
+
+async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
+                    req: ShmHello | ShmChunkRequest | ShmVersionRequest,
+                    on_sent: Callable[[str, int], None]) -> None:
+    """Answer one same-host request; a chunk stays leased until the reader's ShmDone, a
+    version until its ShmRelease (or the connection's end)."""
+    if isinstance(req, ShmHello):
+        await _send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
+        return
+    key = VersionKey(req.model, req.version, req.shard, req.layout)
+    corrupt = False
+    if isinstance(req, ShmVersionRequest):
+        hold = getattr(provider, "hold", None)  # Store.hold: a lease on a whole version
+        if hold is not None:
+            with hold(key) as local:
+                pieces = None if local is None else _whole_version(local)
+                if pieces is not None:
+                    corrupt = provider.corrupt_hook(peer)
+                    if not corrupt:
+                        await _lease_version(sock, peer, local, req.req_id, pieces, on_sent)
+                        return
+    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, on_sent, corrupt)
+
+
+async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provider,
+                       key: VersionKey, req_id: int, chunk: int,
+                       on_sent: Callable[[str, int], None], corrupt: bool) -> None:
+    with ExitStack() as stack:
+        try:
+            await provider.wait_chunk(key, chunk)
+            segments = stack.enter_context(provider.lease(key, chunk))
+        except NotServing as ns:
+            await _send_frame(sock, Reply(req_id, ns.status, 0, ns.detail))
+            return
+        if corrupt or provider.corrupt_hook(peer):
+            segments = [_flipped_copy(segments)]
+        files = pieces_of(segments)
+        rows, grant, per_frame = ((iovecs_of(segments), ShmGrant, GRANT_IOVECS) if files is None
+                                  else (files, ShmFileGrant, GRANT_PIECES))
+        total = int(rows[:, -1].sum())
+        for start in range(0, max(len(rows), 1), per_frame):
+            part = rows[start:start + per_frame].astype("<u8").tobytes()
+            await _send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
+        try:
+            done = await _recv_frame(sock)
+        except TransportError:
+            return  # the reader went away; its lease ends here
+        if done != ShmDone(req_id):
+            raise RemoteProtocolError(f"expected ShmDone({req_id}), got {done!r:.80}")
+        on_sent(peer, total)
+
+
+_WHOLE: weakref.WeakKeyDictionary[Any, Pieces | None] = weakref.WeakKeyDictionary()
+"""Per held version (a ``LocalVersion``): where its whole byte space lies in memory
+files, or None when some of it lies in plain memory."""
+
+
+def _whole_version(local: Any) -> Pieces | None:
+    """The ``(fd, inode, offset, length)`` pieces of a complete version's byte space, in
+    order; None unless all of it lies in this process's memory files."""
+    if local in _WHOLE:
+        return _WHOLE[local]
+    manifest = local.manifest
+    if manifest.total_bytes == 0:
+        pieces = None
+    elif local.flat is not None:
+        pieces = pieces_of([local.flat[:manifest.total_bytes]])
+    else:
+        segments = [s for c in range(manifest.num_chunks) for s in local.segments(c)]
+        pieces = pieces_of(segments)
+    if pieces is not None and int(pieces[:, 3].sum()) != manifest.total_bytes:
+        pieces = None  # pragma: no cover - segments always cover the byte space
+    _WHOLE[local] = pieces
+    return pieces
+
+
+async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, req_id: int,
+                         pieces: Pieces, on_sent: Callable[[str, int], None]) -> None:
+    """Grant the whole version and keep it leased (we run inside ``Store.hold``) until
+    the reader's ShmRelease or the connection's end.  If the version is unpublished
+    meanwhile, tell the reader (ShmRevoke): it releases once its copy in flight is done."""
+    manifest = local.manifest
+    total = manifest.total_bytes
+    for start in range(0, len(pieces), GRANT_PIECES):
+        part = pieces[start:start + GRANT_PIECES].astype("<u8").tobytes()
+        await _send_frame(sock, ShmVersionGrant(req_id, total, manifest.chunk_size, part,
+                                                start + GRANT_PIECES < len(pieces)))
+
+    async def revoke_when_hidden() -> None:
+        while not local.hidden:
+            await local.progress.wait()
+        # Shielded: never leave half a frame on the socket.  A reader that went away
+        # ends the lease by the connection's end.
+        with trio.CancelScope(shield=True), suppress(TransportError, OSError):
+            await _send_frame(sock, ShmRevoke(req_id))
+
+    copied: list[npt.NDArray[np.uint32]] = []
+    got: Any = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(revoke_when_hidden)
+        try:
+            while True:
+                got = await _recv_frame(sock)
+                if not isinstance(got, ShmRelease) or got.req_id != req_id \
+                        or len(got.chunks) % 4:
+                    break
+                copied.append(np.frombuffer(got.chunks, dtype="<u4"))
+                if not got.more:
+                    break
+        except (TransportError, OSError):
+            return  # the reader went away; the lease ends here
+        finally:
+            nursery.cancel_scope.cancel()
+    if not isinstance(got, ShmRelease) or got.req_id != req_id or got.more \
+            or len(got.chunks) % 4:
+        raise RemoteProtocolError(f"expected ShmRelease({req_id}), got {got!r:.80}")
+    chunks = np.concatenate(copied) if copied else np.zeros(0, np.uint32)
+    if len(chunks) and int(chunks.max()) >= manifest.num_chunks:
+        raise RemoteProtocolError(f"{peer} released chunks {manifest.num_chunks} and up "
+                                  f"of a {manifest.num_chunks}-chunk version")
+    last = manifest.num_chunks - 1
+    tail = total - last * manifest.chunk_size
+    for c in chunks.tolist():
+        on_sent(peer, manifest.chunk_size if c != last else tail)
+    await _send_frame(sock, Reply(req_id, OK, 0))
