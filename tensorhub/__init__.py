@@ -19,10 +19,11 @@ from .errors import (
     TransportError,
     VersionUnavailable,
 )
-from .model import Manifest, PeerInfo, TensorSpec, VersionKey
-from .peer.fetcher import FetchReport
+from .manifest import Manifest
+from .model import PeerInfo, TensorSpec, VersionKey
+from .peer.fetcher import Fetched, FetchReport
 from .peer.group import Group, GroupStats, GroupSwitchError, open_group
-from .peer.node import Fetched, Peer, PeerStats, open_peer
+from .peer.node import Peer, PeerStats, open_peer
 from .peer.rollout import Committed, Rollout, Staged
 from .protocol.groups import GroupConfig
 from .protocol.sharding import Sharding

@@ -17,8 +17,9 @@ import trio
 
 from .config import PeerConfig
 from .errors import PeerClosed
-from .model import Manifest
-from .peer.node import Fetched, Peer, PeerStats, open_peer
+from .manifest import Manifest
+from .peer.fetcher import Fetched
+from .peer.node import Peer, PeerStats, open_peer
 from .protocol.sharding import Sharding
 
 T = TypeVar("T")

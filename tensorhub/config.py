@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .model import DIGEST_ALGOS
+from .manifest import DIGEST_ALGOS
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 
@@ -86,7 +86,7 @@ class PeerConfig:
     Measured (8 emulated hosts, 400 Mbit, 256 MiB): 2/4/8 MiB -> 1.28/1.16/1.30x bound."""
 
     digest_algo: str = "xxh3-128"
-    """Per-chunk digest (see ``model.DIGEST_ALGOS``).  Measured here, one core, 1 GiB:
+    """Per-chunk digest (see ``manifest.DIGEST_ALGOS``).  Measured here, one core, 1 GiB:
     xxh3-128 ~14 GB/s, blake3 ~6, sha256 ~1.4; xxh3 and blake3 release the GIL.  The
     default catches corruption; choose ``blake3`` where holders are not trusted."""
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub import Manifest, RemoteProtocolError, VersionKey
-from tensorhub.peer.node import build_manifest
+from tensorhub.manifest import build_manifest
 
 DTYPES = ["<f4", "<f2", "|i1", "<i8", "|b1", "<u2"]
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from test_mesh import mesh
 
 from tensorhub import LocalProtocolError, Manifest, RemoteProtocolError, VersionKey
-from tensorhub.model import byte_view, chunk_pieces
-from tensorhub.peer.node import build_manifest
+from tensorhub.manifest import build_manifest, chunk_pieces
+from tensorhub.model import byte_view
 from tensorhub.peer.store import LocalVersion
 
 

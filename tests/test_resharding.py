@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorhub.errors import ConsistencyError, LocalProtocolError
-from tensorhub.model import Manifest, VersionKey, new_hasher
-from tensorhub.peer.node import build_manifest
+from tensorhub.manifest import Manifest, build_manifest, new_hasher
+from tensorhub.model import VersionKey
 from tensorhub.protocol.layout import execute
 from tensorhub.protocol.resharding import ReshardPlan, plan_reshard
 from tensorhub.protocol.sharding import Sharding

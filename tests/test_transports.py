@@ -39,7 +39,8 @@ from transport_conformance import (
 
 from tensorhub import shared_empty
 from tensorhub.errors import IntegrityError, RemoteProtocolError, TransportError
-from tensorhub.model import Manifest, TensorSpec, VersionKey
+from tensorhub.manifest import Manifest
+from tensorhub.model import TensorSpec, VersionKey
 from tensorhub.peer.fetcher import allocate_flat
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (

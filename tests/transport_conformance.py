@@ -43,7 +43,8 @@ import trio
 import trio.testing
 
 from tensorhub.errors import RemoteProtocolError, TransportError
-from tensorhub.model import Manifest, TensorSpec, VersionKey
+from tensorhub.manifest import Manifest
+from tensorhub.model import TensorSpec, VersionKey
 from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol import codec
 from tensorhub.protocol.dataplane import (

@@ -29,7 +29,8 @@ from ..errors import (
     TransportError,
     VersionUnavailable,
 )
-from ..model import Manifest, PeerInfo, VersionKey, as_host_array, new_hasher
+from ..manifest import Manifest, digest_of
+from ..model import PeerInfo, VersionKey, as_host_array
 from ..protocol.dataplane import NOT_YET
 from ..protocol.refs import Holding
 from ..transport.base import Connection, NotServing
@@ -69,6 +70,19 @@ class FetchReport:
     """The plan followed: coordinator and epoch, or why there was none."""
     verified: bool = False
 
+    def add(self, other: FetchReport) -> None:
+        """Count ``other`` (a part of the same fetch) in this report."""
+        self.bytes += other.bytes
+        self.chunks += other.chunks
+        self.chunks_received += other.chunks_received
+        self.resourced_chunks += other.resourced_chunks
+        for name, n in other.bytes_by_source.items():
+            self.bytes_by_source[name] = self.bytes_by_source.get(name, 0) + n
+        for name, n in other.integrity_failures.items():
+            self.integrity_failures[name] = self.integrity_failures.get(name, 0) + n
+        self.transport_by_source.update(other.transport_by_source)
+        self.dropped_sources.update(other.dropped_sources)
+
     @property
     def mb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e6 if self.seconds > 0 else math.inf
@@ -85,6 +99,16 @@ class FetchReport:
             "resourced_chunks": self.resourced_chunks, "verified": self.verified,
             "planned_bytes": self.planned_bytes, "plan": self.plan,
         }
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The result of :meth:`Peer.fetch`: the version, its tensors and what it took."""
+
+    version: int
+    tensors: dict[str, np.ndarray[Any, Any]]
+    report: FetchReport
+
 
 
 def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memoryview | None]:
@@ -157,21 +181,6 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
         elif not isinstance(exc, trio.Cancelled):
             return exc
     return group
-
-
-def _digest(algo: str, segments: Sequence[memoryview]) -> bytes:
-    """The digest of the segments' bytes, in order.  A segment may be an array itself
-    (see :meth:`LocalVersion.buffers`): xxh3 and sha256 hash any contiguous buffer,
-    blake3 only byte-format ones, so it gets a byte view of each array."""
-    h = new_hasher(algo)
-    if algo == "blake3":
-        for s in segments:
-            h.update(s if isinstance(s, memoryview) else memoryview(s).cast("B"))
-    else:
-        for s in segments:
-            h.update(s)
-    out: bytes = h.digest()
-    return out
 
 
 class Fetch:
@@ -337,7 +346,7 @@ class Fetch:
             algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
 
             def verify(landed: Sequence[memoryview]) -> None:
-                if _digest(algo, landed) != expected:
+                if digest_of(algo, landed) != expected:
                     raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
                                          source=name)
 

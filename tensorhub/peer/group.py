@@ -75,7 +75,8 @@ from ..protocol.groups import (
     Switch,
 )
 from ..protocol.sharding import Sharding
-from .node import Fetched, Peer
+from .fetcher import Fetched
+from .node import Peer
 from .rollout import Rollout, Staged
 
 INBOX = 256

@@ -7,16 +7,14 @@ deadlines, and the TCP data server.  Time comes from trio's clock only.
 
 from __future__ import annotations
 
-import itertools
 import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import trio
 import zmq
 
@@ -25,31 +23,24 @@ from ..errors import (
     ConsistencyError,
     LocalProtocolError,
     RemoteProtocolError,
-    RetentionError,
     TransportError,
     VersionUnavailable,
 )
+from ..manifest import Manifest, build_manifest
 from ..model import (
-    Manifest,
     PeerInfo,
-    TensorSpec,
     VersionKey,
     as_host_array,
-    byte_view,
-    byte_views,
     check_model_name,
     check_version,
-    chunk_pieces,
 )
 from ..protocol import codec
 from ..protocol.control import ControlPlane
 from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.groups import GroupEnvelope
-from ..protocol.layout import execute
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding
-from ..protocol.resharding import plan_reshard
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
@@ -58,26 +49,18 @@ from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection, TcpServer
 from .fetcher import (
     Fetch,
+    Fetched,
     FetchReport,
     HolderView,
-    _digest,
     allocate_flat,
-    first_error,
     prepare_destination,
 )
+from .reshard import reshard, same_layout_holder
+from .retention import Retention
 from .store import LocalVersion, Store
 from .zmq_trio import ZmqRouter
 
 register_all()
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """The result of :meth:`Peer.fetch`: the version, its tensors and what it took."""
-
-    version: int
-    tensors: dict[str, np.ndarray[Any, Any]]
-    report: FetchReport
 
 
 @dataclass(frozen=True)
@@ -105,38 +88,11 @@ class PeerStats:
     reports: tuple[dict[str, Any], ...] = field(default=())
 
 
-def _index_of(manifest: Manifest, name: str) -> int | None:
-    """Position of tensor ``name`` in ``manifest`` (None if absent); indexed once."""
-    return manifest.table.index().get(name)
-
-
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, Any]]],
-                   chunk_size: int, algo: str, world: int = 1,
-                   placed: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
-                   ) -> Manifest:
-    """Specs, chunking and digests of arrays laid end to end (runs in a worker thread).
-    ``placed`` gives, per array, its global shape and start when it is a slice."""
-    specs, offset = [], 0
-    for i, (name, arr) in enumerate(arrays):
-        gshape, start = placed[i] if placed is not None else ((), ())
-        specs.append(TensorSpec(name, arr.dtype.str, tuple(arr.shape), offset, gshape, start))
-        offset += arr.nbytes
-    tensors = tuple(specs)
-    skeleton = Manifest(key.model, key.version, tensors, chunk_size, algo, ())
-    nonempty = byte_views([arrays[i][1] for i in skeleton.table.nonempty])
-    digests = []
-    for c in range(skeleton.num_chunks):
-        lo, hi, head, tail = skeleton.chunk_tensors(c)
-        digests.append(_digest(algo, chunk_pieces(nonempty[lo:hi], head, tail)))
-    return Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(digests),
-                    key.shard, world, key.layout)
 
 
 class Peer:
@@ -174,14 +130,8 @@ class Peer:
         self.bad_inputs: list[str] = []
         self._shm = shm_available() if "shm" in config.transports else (False, "not enabled")
         self._shm_refused: dict[str, str] = {}
-        self._pins: set[tuple[str, int]] = set()
         self._resharding: set[VersionKey] = set()
-        self._offloaded: set[VersionKey] = set()
-        """Versions served from our own host copies (retention), not caller arrays."""
-        self._leaving: set[VersionKey] = set()
-        """Retained shards being unpublished here: we no longer vouch for keeping them."""
-        self._keep_asks: dict[int, tuple[trio.MemorySendChannel[bool], str]] = {}
-        self._keep_nonces = itertools.count(1)
+        self.retention = Retention(self)
         self._group_inbox: dict[str, Callable[[GroupEnvelope], None]] = {}
         """Handlers of group messages by group name (see :mod:`tensorhub.peer.group`)."""
         self._nursery: trio.Nursery
@@ -213,8 +163,8 @@ class Peer:
     def _after_change(self) -> None:
         if self.control.changes != self._seen_changes:
             self._seen_changes = self.control.changes
-            if self._offloaded:
-                self._release_unretained()
+            if self.retention.offloaded:
+                self.retention.release_unretained()
             self._changed.set()
             self._changed = trio.Event()
             for f in self._fetches:
@@ -229,7 +179,7 @@ class Peer:
                 self._count_bad(f"control message from {_sender}: {exc}")
                 continue
             if isinstance(msg, KeepQuery | KeepAnswer):
-                self._on_keep(_sender, msg)
+                self.retention.on_message(_sender, msg)
                 continue
             if isinstance(msg, GroupEnvelope):
                 handler = self._group_inbox.get(msg.group)
@@ -344,100 +294,20 @@ class Peer:
         local = self.store.get(key)
         if local is None or local.hidden:
             raise LocalProtocolError(f"{key} is not held here")
-        if local.complete and not local.derived and self._retained(key):
-            self._leaving.add(key)
-            try:
-                if not await self._kept_elsewhere(key):
-                    if not self.config.retention_offload:
-                        raise RetentionError(
-                            f"{key} is retained and this peer holds its last complete copy; "
-                            "offload is off (PeerConfig.retention_offload), so it stays "
-                            "published")
-                    copies = await trio.to_thread.run_sync(
-                        lambda: [np.array(a, copy=True) for a in local.arrays])
-                    await self.store.swap(LocalVersion(local.manifest, copies,
-                                                       local.publisher, verified=True))
-                    self._offloaded.add(key)
-                    return
-            finally:
-                self._leaving.discard(key)  # hidden below, with no await in between
+        if await self.retention.offload_if_last(key, local):
+            return
         self.store.hide(key)
         self._send(self.control.drop_holding(key))
         await self.store.wait_drained(key)
-        self._offloaded.discard(key)
+        self.retention.offloaded.discard(key)
 
     def pin(self, model: str, version: int) -> None:
         """Keep ``model@version`` readable while this peer lives (see :meth:`unpublish`)."""
-        self._pins.add((check_model_name(model), check_version(version)))
+        self.retention.pins.add((check_model_name(model), check_version(version)))
 
     def unpin(self, model: str, version: int) -> None:
-        self._pins.discard((check_model_name(model), check_version(version)))
-        self._release_unretained()
-
-    def _retained(self, key: VersionKey) -> bool:
-        """Pinned, one of the newest ``retain_latest`` sealed versions, or newer than
-        ``latest`` here: a version this peer does not see sealed yet may be sealed
-        already at others (the last rank's claim still on its way), so its last copy
-        is kept until a newer version seals."""
-        if (key.model, key.version) in self._pins:
-            return True
-        if not self.config.retain_latest:
-            return False
-        newest = self.control.readable(key.model)[-self.config.retain_latest:]
-        latest = self.control.latest(key.model)
-        return key.version in newest or latest is None or key.version > latest
-
-    def _other_complete_holders(self, key: VersionKey) -> list[str]:
-        return [p.name for p, h in self.control.holders(key)
-                if h.complete and not h.derived and p.name != self.info.name]
-
-    async def _kept_elsewhere(self, key: VersionKey) -> bool:
-        """Whether another holder confirms it keeps ``key`` (see
-        :mod:`tensorhub.protocol.retention`); False when none does within the timeout."""
-        others = self._other_complete_holders(key)
-        if not others:
-            return False
-        send, recv = trio.open_memory_channel[bool](len(others))
-        nonces = []
-        members = self.control.membership.members()
-        for name in others:
-            nonce = next(self._keep_nonces)
-            if self.send_to(name, KeepQuery(self.info.name, nonce, key.model, key.version,
-                                               key.shard, key.layout)):
-                self._keep_asks[nonce] = (send, members[name].info.control)
-                nonces.append(nonce)
-        try:
-            with trio.move_on_after(self.config.probe_interval * 2):
-                for _ in nonces:
-                    if await recv.receive():
-                        return True
-            return False
-        finally:
-            for nonce in nonces:
-                self._keep_asks.pop(nonce, None)
-
-    def _on_keep(self, sender: str, msg: KeepQuery | KeepAnswer) -> None:
-        if isinstance(msg, KeepAnswer):
-            ask = self._keep_asks.get(msg.nonce)
-            if ask is None or sender != ask[1]:  # late (timed out), or not who we asked
-                self._count_bad(f"unexpected retention answer from {sender}")
-                return
-            del self._keep_asks[msg.nonce]
-            ask[0].send_nowait(msg.keeps)
-            return
-        key = VersionKey(msg.model, msg.version, msg.shard, msg.layout)
-        local = self.store.get(key)
-        keeps = (local is not None and not local.hidden and local.complete
-                 and not local.derived and key not in self._leaving)
-        self.send_to(msg.asker, KeepAnswer(msg.nonce, keeps))
-
-    def _release_unretained(self) -> None:
-        """Drop host copies of versions that are no longer retained."""
-        for key in [k for k in self._offloaded if not self._retained(k)]:
-            self._offloaded.discard(key)
-            if self.store.hide(key) is not None:
-                self._send(self.control.drop_holding(key))
-                self._nursery.start_soon(self.store.wait_drained, key)
+        self.retention.pins.discard((check_model_name(model), check_version(version)))
+        self.retention.release_unretained()
 
     async def fetch(self, model: str, version: int | str = "latest",
                     into: Mapping[str, Any] | None = None, *,
@@ -477,29 +347,10 @@ class Peer:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
         allowed = frozenset(sources) if sources is not None else None
         seal = await self._sealed(model, resolved, wait=allowed is not None)
-        if key.layout != seal.layout_id and not await self._same_layout_holder(
-                key, seal, allowed):
-            return await self._reshard(key, seal, spec, into, allowed)
+        if key.layout != seal.layout_id and not await same_layout_holder(
+                self, key, seal, allowed):
+            return await reshard(self, key, seal, spec, into, allowed)
         return await self._fetch_key(key, into, allowed, derived=key.layout != seal.layout_id)
-
-    async def _same_layout_holder(self, key: VersionKey, seal: Seal,
-                                  allowed: frozenset[str] | None) -> bool:
-        """Whether to read ``key`` whole from a holder of the same layout rather than
-        reshard.  With named sources that hold neither ``key`` nor a publish shard yet,
-        wait for them (up to ``stall_timeout``): a named source may be still starting."""
-        deadline = trio.current_time() + self.config.stall_timeout
-        while True:
-            same = [p for p, _ in self.control.holders(key) if p.name != self.info.name
-                    and (allowed is None or p.name in allowed)]
-            if same or allowed is None:
-                return bool(same)
-            publish = {p.name for s in range(seal.world or 0)
-                       for p, _ in self.control.holders(
-                           VersionKey(key.model, key.version, s, seal.layout_id or b""))}
-            if publish & allowed or trio.current_time() >= deadline:
-                return False
-            with trio.move_on_at(deadline):
-                await self._changed.wait()
 
     async def _sealed(self, model: str, version: int, wait: bool) -> Seal:
         """The seal of ``model@version``; with ``wait``, wait up to ``stall_timeout`` for
@@ -513,130 +364,6 @@ class Peer:
                     raise
             with trio.move_on_at(deadline):
                 await self._changed.wait()
-
-    async def _reshard(self, key: VersionKey, seal: Seal, spec: Sharding,
-                       into: Mapping[str, Any] | None, allowed: frozenset[str] | None
-                       ) -> Fetched:
-        """Assemble our slices from the publish shards that intersect them."""
-        assert seal.world is not None and seal.layout_id is not None
-        self._resharding.add(key)
-        try:
-            return await self._reshard_parts(key, seal, spec, into, allowed)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
-        finally:
-            self._resharding.discard(key)
-
-    async def _reshard_parts(self, key: VersionKey, seal: Seal, spec: Sharding,
-                             into: Mapping[str, Any] | None, allowed: frozenset[str] | None
-                             ) -> Fetched:
-        assert seal.world is not None and seal.layout_id is not None
-        started = trio.current_time()
-        src = [VersionKey(key.model, key.version, s, seal.layout_id)
-               for s in range(seal.world)]
-        with ExitStack() as held:
-            # publish shards this peer holds itself are read in place (pinned meanwhile)
-            mine = {s: local for s in range(seal.world)
-                    if (local := held.enter_context(self.store.hold(src[s]))) is not None}
-            return await self._reshard_from(key, seal, spec, into, allowed, src, mine,
-                                            started)
-
-    async def _reshard_from(self, key: VersionKey, seal: Seal, spec: Sharding,
-                            into: Mapping[str, Any] | None, allowed: frozenset[str] | None,
-                            src: list[VersionKey], mine: dict[int, LocalVersion],
-                            started: float) -> Fetched:
-        got: dict[int, tuple[Manifest, str]] = {
-            s: (local.manifest, local.publisher) for s, local in mine.items()}
-
-        async def manifest_of(s: int) -> None:
-            got[s] = await self._fetch_manifest(src[s], allowed)
-
-        async with trio.open_nursery() as nursery:
-            for s in range(len(src)):
-                if s not in mine:
-                    nursery.start_soon(manifest_of, s)
-        manifests = {s: m for s, (m, _) in got.items()}
-        plan = await trio.to_thread.run_sync(plan_reshard, spec, manifests)
-        skeleton = Manifest(key.model, key.version, plan.tensors, 1, "blake3", (),
-                            key.shard, spec.size, key.layout)
-        flat = None
-        if into is None:
-            arrays, flat = allocate_flat(skeleton)
-        else:
-            arrays = prepare_destination(skeleton, into)
-        temps: dict[int, np.ndarray[Any, Any]] = {}
-        reports: list[FetchReport] = []
-
-        async def pull(s: int) -> None:
-            m, publisher = got[s]
-            buf = np.empty(m.total_bytes, dtype=np.uint8)
-            part = LocalVersion(m, [], publisher, verified=False,
-                                flat=memoryview(buf))  # type: ignore[arg-type]
-            job = Fetch(me=self.info.name, local=part, view=self._view(allowed),
-                        upstream=allowed or frozenset(), connect=self._connect,
-                        window=self._window(m), stall_timeout=self.config.stall_timeout,
-                        on_progress=lambda: None, only=plan.chunks[s])
-            self._fetches.add(job)
-            try:
-                reports.append(await job.run())
-            except BaseException:
-                self._count_integrity(job.report)
-                raise
-            finally:
-                self._fetches.discard(job)
-            temps[s] = buf
-
-        async with trio.open_nursery() as nursery:
-            for s in plan.chunks:
-                if s not in mine:
-                    nursery.start_soon(pull, s)
-
-        def source(s: int, name: str) -> Any:
-            """The bytes of tensor ``name`` in publish shard ``s``."""
-            index = _index_of(manifests[s], name)
-            if index is None:
-                return None
-            if s in mine:
-                return byte_view(mine[s].arrays[index])
-            t = manifests[s].tensors[index]
-            return temps[s][t.offset:t.end] if s in temps else None
-
-        def assemble() -> Manifest:
-            for t, dest in zip(plan.tensors, arrays, strict=True):
-                bufs = {s: b for s in manifests if (b := source(s, t.name)) is not None}
-                execute(plan.plans[t.name], bufs, dest)
-            return build_manifest(key, [(t.name, a) for t, a in zip(plan.tensors, arrays,
-                                                                  strict=True)],
-                                  self.config.chunk_size, self.config.digest_algo,
-                                  spec.size, [(t.global_shape, t.start)
-                                              for t in plan.tensors])
-
-        manifest = await trio.to_thread.run_sync(assemble)
-        temps.clear()
-        local = LocalVersion(manifest, arrays, got[0][1] if 0 in got else "",
-                             verified=True, flat=flat, derived=True)
-        self.store.add(local)
-        self._send(self.control.put_holding(local.holding()))
-        report = FetchReport(key.model, key.version, verified=True)
-        for r in reports:
-            report.bytes += r.bytes
-            report.chunks += r.chunks
-            report.chunks_received += r.chunks_received
-            report.resourced_chunks += r.resourced_chunks
-            for src_name, n in r.bytes_by_source.items():
-                report.bytes_by_source[src_name] = report.bytes_by_source.get(src_name, 0) + n
-            report.transport_by_source.update(r.transport_by_source)
-            for src_name, n in r.integrity_failures.items():
-                report.integrity_failures[src_name] = \
-                    report.integrity_failures.get(src_name, 0) + n
-            report.dropped_sources.update(r.dropped_sources)
-        report.seconds = trio.current_time() - started
-        report.plan = (f"resharded from {len(src)} shards of layout "
-                       f"{src[0].layout.hex()[:8] or 'whole'}"
-                       + (f", {len(mine)} of them held here" if mine else ""))
-        self._account(report)
-        return Fetched(key.version, {t.name: a for t, a in zip(plan.tensors, arrays,
-                                                                 strict=True)}, report)
 
     def _view(self, allowed: frozenset[str] | None) -> HolderView:
         def view(k: VersionKey) -> list[tuple[PeerInfo, Holding]]:

@@ -29,7 +29,8 @@ import trio
 from ..errors import LocalProtocolError, TensorHubError, VersionUnavailable
 from ..model import check_model_name
 from ..protocol.sharding import Sharding
-from .node import Fetched, Peer
+from .fetcher import Fetched
+from .node import Peer
 
 Tensors = dict[str, np.ndarray[Any, Any]]
 

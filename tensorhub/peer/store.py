@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..model import Manifest, VersionKey, byte_views, chunk_pieces
+from ..manifest import Manifest, chunk_pieces
+from ..model import VersionKey, byte_views
 from ..protocol.dataplane import BAD_REQUEST, NOT_HELD, NOT_YET
 from ..protocol.refs import Holding, bitmap_of
 from ..transport.base import NotServing

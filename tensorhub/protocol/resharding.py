@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConsistencyError, LocalProtocolError
-from ..model import Manifest, TensorSpec
+from ..manifest import Manifest
+from ..model import TensorSpec
 from .layout import Shard, ShardPlan, plan_shard
 from .sharding import Sharding
 

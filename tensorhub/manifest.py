@@ -1,0 +1,541 @@
+"""Manifests: the tensor specs, chunking and per-chunk digests of one version, and
+their wire form.
+
+Nothing here performs I/O.  A version's byte space (see :mod:`tensorhub.model`) is cut
+into chunks of ``Manifest.chunk_size`` bytes.  A chunk may span several small tensors,
+so many small tensors travel together.  Every chunk has a digest in the manifest, and
+the manifest itself has a digest (its *id*) that the reference table carries, so a
+fetcher can check a manifest it got from any holder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import msgpack
+import numpy as np
+import xxhash
+
+from .errors import LocalProtocolError, RemoteProtocolError
+from .model import (
+    MAX_LAYOUT_ID,
+    MAX_MODEL_NAME,
+    MAX_NDIM,
+    MAX_TENSOR_NAME,
+    TensorSpec,
+    VersionKey,
+    byte_views,
+)
+
+DIGEST_ALGOS = ("xxh3-128", "blake3", "sha256")
+"""Per-chunk digests a manifest may name.  ``xxh3-128`` catches corruption (bit flips,
+truncation, a buggy or stale holder) at memory speed; ``blake3`` and ``sha256`` are
+cryptographic, for meshes where a holder may lie on purpose."""
+
+def new_hasher(algo: str) -> Any:
+    """A fresh incremental hasher (``update`` / ``digest``) for ``algo``."""
+    if algo == "xxh3-128":
+        return xxhash.xxh3_128()
+    if algo == "blake3":
+        return blake3.blake3()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise LocalProtocolError(f"unknown digest algorithm {algo!r}; use one of {DIGEST_ALGOS}")
+
+
+
+def digest_of(algo: str, segments: Sequence[Any]) -> bytes:
+    """The digest of the segments' bytes, in order.  A segment may be an array itself
+    (see :meth:`LocalVersion.buffers`): xxh3 and sha256 hash any contiguous buffer,
+    blake3 only byte-format ones, so it gets a byte view of each array."""
+    h = new_hasher(algo)
+    if algo == "blake3":
+        for s in segments:
+            h.update(s if isinstance(s, memoryview) else memoryview(s).cast("B"))
+    else:
+        for s in segments:
+            h.update(s)
+    out: bytes = h.digest()
+    return out
+
+
+@dataclass(slots=True)
+class Segment:
+    """Part of a chunk that lies in one tensor: ``[start, stop)`` bytes of tensor ``index``."""
+
+    index: int
+    start: int
+    stop: int
+
+
+class TensorTable:
+    """What a fetch or a holder needs to know about a tuple of tensor specs, as columns
+    computed once (lazily) and shared by every manifest built on that same tuple.
+
+    Decoding caches the tuple by its wire columns (see :func:`_tensors_from_wire`), so
+    each version of a model whose layout does not change shares one table: finding a
+    chunk's tensors, checking ``into=`` arrays or naming the result costs no per-tensor
+    Python work after the first time.  Positions in :attr:`nonempty` order are what the
+    chunk spans use: empty tensors have no bytes and appear in no chunk."""
+
+    def __init__(self, tensors: Sequence[TensorSpec]) -> None:
+        self.tensors = tensors
+        self._names: list[str] | None = None
+        self._index: dict[str, int] | None = None
+        self._nonempty: list[int] | None = None
+        self._starts: np.ndarray[Any, Any] | None = None
+        self._ends: np.ndarray[Any, Any] | None = None
+        self._expected: tuple[list[tuple[int, ...]], list[np.dtype[Any]]] | None = None
+        self._spans: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        self._exports: bool | None = None
+
+    @property
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = [t.name for t in self.tensors]
+        return self._names
+
+    def index(self) -> dict[str, int]:
+        """Tensor name -> position in the manifest."""
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self.names)}
+        return self._index
+
+    def _columns(self) -> None:
+        n = len(self.tensors)
+        offsets = np.fromiter((t.offset for t in self.tensors), np.int64, n)
+        sizes = np.fromiter((t.nbytes for t in self.tensors), np.int64, n)
+        keep = np.flatnonzero(sizes)
+        self._nonempty = keep.tolist()
+        self._starts = offsets[keep]
+        self._ends = self._starts + sizes[keep]
+
+    @property
+    def nonempty(self) -> list[int]:
+        """Positions of the tensors that have bytes, in manifest (and offset) order."""
+        if self._nonempty is None:
+            self._columns()
+        assert self._nonempty is not None
+        return self._nonempty
+
+    def exports_buffers(self) -> bool:
+        """Whether arrays of every dtype here export their memory as a buffer (numbers
+        and bools do; datetimes, for one, do not)."""
+        if self._exports is None:
+            self._exports = all(np.dtype(d).kind in "biufc" for d in {t.dtype for t in
+                                                                      self.tensors})
+        return self._exports
+
+    def expected(self) -> tuple[list[tuple[int, ...]], list[np.dtype[Any]]]:
+        """Every tensor's shape and numpy dtype, in manifest order."""
+        if self._expected is None:
+            dtypes: dict[str, np.dtype[Any]] = {}
+            out = []
+            for t in self.tensors:
+                dt = dtypes.get(t.dtype)
+                if dt is None:
+                    dt = dtypes[t.dtype] = np.dtype(t.dtype)
+                out.append(dt)
+            self._expected = ([t.shape for t in self.tensors], out)
+        return self._expected
+
+    def spans(self, chunk_size: int, total: int) -> tuple[list[int], list[int]]:
+        """Per chunk, ``lo`` and ``hi``: the chunk overlaps exactly the tensors at
+        positions ``nonempty[lo:hi]`` (one ``searchsorted`` for all chunks)."""
+        got = self._spans.get((chunk_size, total))
+        if got is None:
+            if self._nonempty is None:
+                self._columns()
+            assert self._starts is not None and self._ends is not None
+            bounds = np.arange(0, total, chunk_size, dtype=np.int64)
+            lo = np.searchsorted(self._ends, bounds, "right")
+            hi = np.searchsorted(self._starts, np.minimum(bounds + chunk_size, total), "left")
+            got = self._spans[(chunk_size, total)] = (lo.tolist(), hi.tolist())
+        return got
+
+    def first_ending_after(self, offset: int) -> int:
+        """Position in :attr:`nonempty` of the first tensor that ends after ``offset``."""
+        if self._ends is None:
+            self._columns()
+        assert self._ends is not None
+        return int(np.searchsorted(self._ends, offset, "right"))
+
+    def piece_bounds(self, lo: int, hi: int) -> tuple[int, int]:
+        """Where the first of ``nonempty[lo:hi]`` starts and the last ends (bytes)."""
+        assert self._starts is not None and self._ends is not None
+        return int(self._starts[lo]), int(self._ends[hi - 1])
+
+
+_TABLES: OrderedDict[int, tuple[Sequence[TensorSpec], TensorTable]] = OrderedDict()
+_TABLES_KEPT = 32
+_CACHE_LOCK = threading.Lock()
+
+
+def table_of(tensors: Sequence[TensorSpec]) -> TensorTable:
+    """The shared :class:`TensorTable` of this very tuple of specs (by identity: the cache
+    keeps the tuple alive, so its id cannot be reused while it is cached)."""
+    with _CACHE_LOCK:  # manifests are also built in worker threads (publish)
+        hit = _TABLES.get(id(tensors))
+        if hit is not None and hit[0] is tensors:
+            _TABLES.move_to_end(id(tensors))
+            return hit[1]
+        table = TensorTable(tensors)
+        _TABLES[id(tensors)] = (tensors, table)
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+        return table
+
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Tensor specs, chunking and per-chunk digests of one published version."""
+
+    model: str
+    version: int
+    tensors: tuple[TensorSpec, ...]
+    chunk_size: int
+    digest_algo: str
+    chunk_digests: tuple[bytes, ...]
+    shard: int = 0
+    world: int = 1
+    layout: bytes = b""
+    """Which shard of which layout this manifest describes (see :class:`VersionKey`)."""
+    table: TensorTable = field(init=False, repr=False, compare=False)
+    """Derived columns, shared with every manifest of the same tensor tuple."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "table", table_of(self.tensors))
+
+    @property
+    def key(self) -> VersionKey:
+        return VersionKey(self.model, self.version, self.shard, self.layout)
+
+    @property
+    def total_bytes(self) -> int:
+        if not self.tensors:
+            return 0
+        last = self.tensors[-1]
+        return last.offset + last.nbytes
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.total_bytes // self.chunk_size) if self.total_bytes else 0
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_size
+        return start, min(start + self.chunk_size, self.total_bytes)
+
+    def segments(self, start: int, stop: int) -> list[Segment]:
+        """The tensor pieces that make up bytes ``[start, stop)`` of the version."""
+        out: list[Segment] = []
+        nonempty = self.table.nonempty
+        for p in range(self.table.first_ending_after(start), len(nonempty)):
+            t = self.tensors[nonempty[p]]
+            if t.offset >= stop:
+                break
+            s, e = max(start, t.offset), min(stop, t.end)
+            if e > s:
+                out.append(Segment(nonempty[p], s - t.offset, e - t.offset))
+        return out
+
+    def chunk_tensors(self, chunk: int) -> tuple[int, int, int, int]:
+        """Chunk ``chunk`` as ``(lo, hi, head, tail)``: the bytes of the tensors at
+        positions ``table.nonempty[lo:hi]``, less ``head`` bytes at the start of the
+        first and ``tail`` at the end of the last (see :func:`chunk_pieces`)."""
+        start, stop = self.chunk_range(chunk)
+        los, his = self.table.spans(self.chunk_size, self.total_bytes)
+        lo, hi = los[chunk], his[chunk]
+        if lo >= hi:
+            return lo, hi, 0, 0
+        first, last = self.table.piece_bounds(lo, hi)
+        return lo, hi, start - first, last - stop
+
+    # -- wire form -------------------------------------------------------------
+
+    def to_wire(self) -> dict[str, Any]:
+        """Columns, not one record per tensor: a model of 10,000 small tensors decodes
+        in a few milliseconds (see :func:`_tensors_from_wire`)."""
+        ts = self.tensors
+        dtypes = sorted({t.dtype for t in ts})
+        index = {d: i for i, d in enumerate(dtypes)}
+        sliced = [t for t in ts if t.global_shape]
+        return {
+            "model": self.model,
+            "version": self.version,
+            "tensors": {
+                "names": [t.name for t in ts],
+                "dtypes": dtypes,
+                "dtype": np.array([index[t.dtype] for t in ts], "<u2").tobytes(),
+                "ndim": np.array([len(t.shape) for t in ts], "u1").tobytes(),
+                "dims": np.array([d for t in ts for d in t.shape], "<i8").tobytes(),
+                "sliced": np.array([bool(t.global_shape) for t in ts], "u1").tobytes()
+                if sliced else b"",
+                "global": np.array([d for t in sliced for d in t.global_shape],
+                                   "<i8").tobytes(),
+                "start": np.array([d for t in sliced for d in t.start], "<i8").tobytes(),
+            },
+            "chunk_size": self.chunk_size,
+            "digest_algo": self.digest_algo,
+            "chunk_digests": list(self.chunk_digests),
+            "shard": [self.shard, self.world, self.layout],
+        }
+
+    def encode(self) -> bytes:
+        """The wire form (computed once: a manifest is immutable)."""
+        cached: bytes | None = self.__dict__.get("_encoded")
+        if cached is None:
+            cached = msgpack.packb(self.to_wire(), use_bin_type=True)
+            object.__setattr__(self, "_encoded", cached)
+        return cached
+
+    def manifest_id(self) -> bytes:
+        """A digest of the encoded manifest: what the reference table carries."""
+        cached: bytes | None = self.__dict__.get("_id")
+        if cached is None:
+            cached = manifest_id_of(self.encode())
+            object.__setattr__(self, "_id", cached)
+        return cached
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Manifest:
+        """Validate and build a manifest received from a peer."""
+        try:
+            return _manifest_from_wire(obj)
+        except RemoteProtocolError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+            raise RemoteProtocolError(f"malformed manifest: {exc}") from None
+
+    @classmethod
+    def decode(cls, data: bytes, expected_id: bytes | None = None) -> Manifest:
+        """Parse a manifest from the wire.  With ``expected_id`` the bytes are checked
+        against it first: a manifest whose encoding does not hash to the id the
+        reference table carries is refused before it is parsed."""
+        if expected_id is not None and manifest_id_of(data) != expected_id:
+            raise RemoteProtocolError("manifest does not match its id")
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises a zoo of types on bad input
+            raise RemoteProtocolError(f"malformed manifest encoding: {exc}") from None
+        manifest = cls.from_wire(obj)
+        if expected_id is not None:  # these exact bytes are its canonical encoding
+            object.__setattr__(manifest, "_encoded", bytes(data))
+            object.__setattr__(manifest, "_id", expected_id)
+        return manifest
+
+
+def chunk_pieces(views: list[memoryview], head: int, tail: int) -> list[memoryview]:
+    """Trim the whole-tensor byte ``views`` of a chunk (see :meth:`Manifest.chunk_tensors`)
+    to the chunk's own bytes, in place."""
+    if views and head > 0:
+        views[0] = views[0][head:]
+    if views and tail > 0:
+        views[-1] = views[-1][:len(views[-1]) - tail]
+    return views
+
+
+def manifest_id_of(encoded: bytes) -> bytes:
+    return hashlib.sha256(encoded).digest()[:16]
+
+
+def _manifest_from_wire(obj: Any) -> Manifest:
+    def bad(what: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"malformed manifest: {what}")
+
+    if not isinstance(obj, dict) or set(obj) != {
+        "model", "version", "tensors", "chunk_size", "digest_algo", "chunk_digests", "shard"
+    }:
+        raise bad("wrong fields")
+    sh = obj["shard"]
+    if not (isinstance(sh, list) and len(sh) == 3 and _is_count(sh[0]) and _is_count(sh[1])
+            and sh[0] < sh[1] and isinstance(sh[2], bytes) and len(sh[2]) <= MAX_LAYOUT_ID
+            and (sh[1] == 1 or sh[2])):
+        raise bad("shard")
+    shard, world, layout = sh
+    model, version = obj["model"], obj["version"]
+    if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_NAME:
+        raise bad("model")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
+        raise bad("version")
+    chunk_size = obj["chunk_size"]
+    if not isinstance(chunk_size, int) or not 0 < chunk_size <= 1 << 31:
+        raise bad("chunk_size")
+    algo = obj["digest_algo"]
+    if algo not in DIGEST_ALGOS:
+        raise bad("digest_algo")
+    tensors, offset = _tensors_from_wire(obj["tensors"])
+    digests = obj["chunk_digests"]
+    expected = -(-offset // chunk_size) if offset else 0
+    if not isinstance(digests, list) or len(digests) != expected:
+        raise bad("chunk digest count")
+    if not all(isinstance(d, bytes) and 16 <= len(d) <= 64 for d in digests):
+        raise bad("chunk digest")
+    return Manifest(model, version, tensors, chunk_size, algo, tuple(digests),
+                    shard, world, layout)
+
+
+_TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}
+MAX_TENSORS = 1 << 22
+_DECODED: OrderedDict[tuple[Any, ...], tuple[tuple[TensorSpec, ...], int]] = OrderedDict()
+_DECODED_KEPT = 16
+"""Tensor columns decoded lately, by their exact wire content: the next version of a
+model has the same tensors (only its digests change), so its manifest reuses the specs
+(and their :class:`TensorTable`) instead of validating and building them again."""
+
+
+def _tensors_from_wire(cols: Any) -> tuple[tuple[TensorSpec, ...], int]:
+    """The specs (laid end to end) of validated tensor columns; the same tuple again for
+    columns equal to ones decoded lately."""
+    key = _columns_key(cols)
+    if key is not None:
+        with _CACHE_LOCK:
+            hit = _DECODED.get(key)
+            if hit is not None:
+                _DECODED.move_to_end(key)
+                return hit
+    tensors, offset = _build_tensors(cols)
+    got = (tuple(tensors), offset)
+    if key is not None:
+        with _CACHE_LOCK:
+            _DECODED[key] = got
+            if len(_DECODED) > _DECODED_KEPT:
+                _DECODED.popitem(last=False)
+    return got
+
+
+def _columns_key(cols: Any) -> tuple[Any, ...] | None:
+    """The columns as one hashable value, or None if they are not even shaped right
+    (they then go to validation, which says what is wrong)."""
+    if not isinstance(cols, dict) or set(cols) != _TENSOR_COLUMNS \
+            or not isinstance(cols["names"], list) or not isinstance(cols["dtypes"], list):
+        return None
+    key = (tuple(cols["names"]), tuple(cols["dtypes"]), cols["dtype"], cols["ndim"],
+           cols["dims"], cols["sliced"], cols["global"], cols["start"])
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _build_tensors(cols: Any) -> tuple[list[TensorSpec], int]:
+    """Validate the tensor columns and build the specs (laid end to end)."""
+    def bad(what: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"malformed manifest: {what}")
+
+    if not isinstance(cols, dict) or set(cols) != _TENSOR_COLUMNS:
+        raise bad("tensor columns")
+    names, dtypes = cols["names"], cols["dtypes"]
+    if not isinstance(names, list) or len(names) > MAX_TENSORS \
+            or not all(type(n) is str and 0 < len(n) <= MAX_TENSOR_NAME for n in names):
+        raise bad("tensor names")
+    n = len(names)
+    if len(set(names)) != n:
+        raise bad("duplicate tensor name")
+    if not isinstance(dtypes, list) or len(dtypes) > 256:
+        raise bad("dtypes")
+    itemsizes = []
+    for d in dtypes:
+        if type(d) is not str or len(d) > 16:
+            raise bad("dtype")
+        try:
+            dt = np.dtype(d)
+        except TypeError:
+            raise bad(f"dtype {d!r}") from None
+        if dt.hasobject or dt.itemsize == 0 or dt.str != d:
+            raise bad(f"dtype {d!r}")
+        itemsizes.append(dt.itemsize)
+    for key in ("dtype", "ndim", "dims", "sliced", "global", "start"):
+        if not isinstance(cols[key], bytes):
+            raise bad(key)
+    if len(cols["dtype"]) != 2 * n or len(cols["ndim"]) != n:
+        raise bad("column lengths")
+    dtype_idx = np.frombuffer(cols["dtype"], "<u2")
+    ndim = np.frombuffer(cols["ndim"], "u1").astype(np.int64)
+    if n and (int(dtype_idx.max()) >= len(dtypes) or int(ndim.max()) > MAX_NDIM):
+        raise bad("dtype index or ndim")
+    ends = np.cumsum(ndim)
+    total_dims = int(ends[-1]) if n else 0
+    if len(cols["dims"]) != 8 * total_dims:
+        raise bad("dims length")
+    dims = np.frombuffer(cols["dims"], "<i8")
+    if total_dims and (int(dims.min()) < 0 or int(dims.max()) >= 2**40):
+        raise bad("shape")
+    # bytes per tensor: product of its dims (in floats first, to refuse overflow)
+    padded = np.append(dims, 1).astype(np.float64)
+    starts = ends - ndim
+    counts_f = np.where(ndim > 0, np.multiply.reduceat(padded, starts), 1.0) if n \
+        else np.zeros(0)
+    sizes_f = counts_f * np.array(itemsizes, np.float64)[dtype_idx] if n else counts_f
+    if n and float(sizes_f.max()) >= 2**50:
+        raise bad("tensor too large")
+    dim_list = dims.tolist()
+    shapes = [tuple(dim_list[a:b]) for a, b in zip(starts.tolist(), ends.tolist(),
+                                                     strict=True)]
+    sliced_col = cols["sliced"]
+    sliced = np.frombuffer(sliced_col, "u1") if sliced_col else np.zeros(n, "u1")
+    if len(sliced) != n or (n and int(sliced.max()) > 1):
+        raise bad("sliced")
+    n_sliced_dims = int(ndim[sliced == 1].sum()) if n else 0
+    if len(cols["global"]) != 8 * n_sliced_dims or len(cols["start"]) != 8 * n_sliced_dims:
+        raise bad("slice columns")
+    gdims = np.frombuffer(cols["global"], "<i8").tolist()
+    gstart = np.frombuffer(cols["start"], "<i8").tolist()
+    dtype_strs = [dtypes[i] for i in dtype_idx.tolist()]
+    sizes = [int(x) for x in sizes_f.tolist()]
+    out: list[TensorSpec] = []
+    offset = 0
+    g = 0
+    new = object.__new__
+    for i, name in enumerate(names):
+        shape = shapes[i]
+        gshape: tuple[int, ...] = ()
+        start: tuple[int, ...] = ()
+        if sliced[i]:
+            k = len(shape)
+            gshape, start = tuple(gdims[g:g + k]), tuple(gstart[g:g + k])
+            g += k
+            if not all(a >= 0 and a + m <= gs < 2**40
+                       for a, m, gs in zip(start, shape, gshape, strict=True)):
+                raise bad(f"slice of tensor {name!r}")
+        spec = new(TensorSpec)  # validated above: skip the dataclass __init__
+        spec.__dict__.update(name=name, dtype=dtype_strs[i], shape=shape, offset=offset,
+                             global_shape=gshape, start=start, nbytes=sizes[i])
+        out.append(spec)
+        offset += sizes[i]
+    return out, offset
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
+
+
+
+
+def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, Any]]],
+                   chunk_size: int, algo: str, world: int = 1,
+                   placed: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+                   ) -> Manifest:
+    """Specs, chunking and digests of arrays laid end to end (runs in a worker thread).
+    ``placed`` gives, per array, its global shape and start when it is a slice."""
+    specs, offset = [], 0
+    for i, (name, arr) in enumerate(arrays):
+        gshape, start = placed[i] if placed is not None else ((), ())
+        specs.append(TensorSpec(name, arr.dtype.str, tuple(arr.shape), offset, gshape, start))
+        offset += arr.nbytes
+    tensors = tuple(specs)
+    skeleton = Manifest(key.model, key.version, tensors, chunk_size, algo, ())
+    nonempty = byte_views([arrays[i][1] for i in skeleton.table.nonempty])
+    digests = []
+    for c in range(skeleton.num_chunks):
+        lo, hi, head, tail = skeleton.chunk_tensors(c)
+        digests.append(digest_of(algo, chunk_pieces(nonempty[lo:hi], head, tail)))
+    return Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(digests),
+                    key.shard, world, key.layout)

@@ -1,0 +1,127 @@
+"""Retention at one peer: which versions it keeps readable, and what its unpublish does
+with the last copy of one (see :mod:`tensorhub.protocol.retention` for the hand-over
+between holders leaving at once)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from ..errors import RetentionError
+from ..model import VersionKey
+from ..protocol.retention import KeepAnswer, KeepQuery
+from .store import LocalVersion
+
+if TYPE_CHECKING:
+    from .node import Peer
+
+
+class Retention:
+    """A peer's pins, its host copies of retained versions, and the keep queries it has
+    asked or answers."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.pins: set[tuple[str, int]] = set()
+        self.offloaded: set[VersionKey] = set()
+        """Versions served from our own host copies, not caller arrays."""
+        self._leaving: set[VersionKey] = set()
+        """Retained shards being unpublished here: we no longer vouch for keeping them."""
+        self._asks: dict[int, tuple[trio.MemorySendChannel[bool], str]] = {}
+        self._nonces = itertools.count(1)
+
+    def retained(self, key: VersionKey) -> bool:
+        """Pinned, one of the newest ``retain_latest`` sealed versions, or newer than
+        ``latest`` here: a version this peer does not see sealed yet may be sealed
+        already at others (the last rank's claim still on its way), so its last copy
+        is kept until a newer version seals."""
+        if (key.model, key.version) in self.pins:
+            return True
+        config, control = self.peer.config, self.peer.control
+        if not config.retain_latest:
+            return False
+        newest = control.readable(key.model)[-config.retain_latest:]
+        latest = control.latest(key.model)
+        return key.version in newest or latest is None or key.version > latest
+
+    async def offload_if_last(self, key: VersionKey, local: LocalVersion) -> bool:
+        """Before ``local`` is unpublished: if it is the last complete copy of a retained
+        shard, copy it to host memory we keep serving from and return True (unpublish is
+        then done); :class:`RetentionError` if offload is off.  False: drop it."""
+        if not (local.complete and not local.derived and self.retained(key)):
+            return False
+        self._leaving.add(key)
+        try:
+            if await self._kept_elsewhere(key):
+                return False
+            if not self.peer.config.retention_offload:
+                raise RetentionError(
+                    f"{key} is retained and this peer holds its last complete copy; "
+                    "offload is off (PeerConfig.retention_offload), so it stays published")
+            copies = await trio.to_thread.run_sync(
+                lambda: [np.array(a, copy=True) for a in local.arrays])
+            await self.peer.store.swap(LocalVersion(local.manifest, copies, local.publisher,
+                                                    verified=True))
+            self.offloaded.add(key)
+            return True
+        finally:
+            self._leaving.discard(key)  # the caller hides it with no await in between
+
+    def _other_complete_holders(self, key: VersionKey) -> list[str]:
+        me = self.peer.info.name
+        return [p.name for p, h in self.peer.control.holders(key)
+                if h.complete and not h.derived and p.name != me]
+
+    async def _kept_elsewhere(self, key: VersionKey) -> bool:
+        """Whether another holder confirms it keeps ``key``; False when none does within
+        two probe intervals."""
+        others = self._other_complete_holders(key)
+        if not others:
+            return False
+        send, recv = trio.open_memory_channel[bool](len(others))
+        nonces = []
+        members = self.peer.control.membership.members()
+        for name in others:
+            nonce = next(self._nonces)
+            if self.peer.send_to(name, KeepQuery(self.peer.info.name, nonce, key.model,
+                                                 key.version, key.shard, key.layout)):
+                self._asks[nonce] = (send, members[name].info.control)
+                nonces.append(nonce)
+        try:
+            with trio.move_on_after(self.peer.config.probe_interval * 2):
+                for _ in nonces:
+                    if await recv.receive():
+                        return True
+            return False
+        finally:
+            for nonce in nonces:
+                self._asks.pop(nonce, None)
+
+    def on_message(self, sender: str, msg: KeepQuery | KeepAnswer) -> None:
+        """A keep query to answer, or the answer to one of ours (``sender``: the control
+        endpoint it came from)."""
+        if isinstance(msg, KeepAnswer):
+            ask = self._asks.get(msg.nonce)
+            if ask is None or sender != ask[1]:  # late (timed out), or not who we asked
+                self.peer._count_bad(f"unexpected retention answer from {sender}")
+                return
+            del self._asks[msg.nonce]
+            ask[0].send_nowait(msg.keeps)
+            return
+        key = VersionKey(msg.model, msg.version, msg.shard, msg.layout)
+        local = self.peer.store.get(key)
+        keeps = (local is not None and not local.hidden and local.complete
+                 and not local.derived and key not in self._leaving)
+        self.peer.send_to(msg.asker, KeepAnswer(msg.nonce, keeps))
+
+    def release_unretained(self) -> None:
+        """Drop host copies of versions that are no longer retained."""
+        peer = self.peer
+        for key in [k for k in self.offloaded if not self.retained(k)]:
+            self.offloaded.discard(key)
+            if peer.store.hide(key) is not None:
+                peer._send(peer.control.drop_holding(key))
+                peer._nursery.start_soon(peer.store.wait_drained, key)
