@@ -1,0 +1,107 @@
+"""The streaming copy: exact bytes for any length, alignment and cut; its machine code is
+its listing; switched off it copies the same."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorhub.transport import streamcopy
+from tensorhub.transport.streamcopy import BLOCK, MIN_BYTES, stream_copy, stream_copy_all
+
+ROOT = Path(__file__).resolve().parents[1]
+NATIVE = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def test_the_routine_is_used_where_it_can_be() -> None:
+    status = streamcopy.status()
+    if NATIVE and os.environ.get("TENSORHUB_STREAM_COPY", "1") != "0":
+        assert status == "non-temporal (SSE2)"
+    else:
+        assert status.startswith(("off", "not available", "not loaded", "executable"))
+
+
+def lengths() -> st.SearchStrategy[tuple[int, int]]:
+    """(whole blocks, bytes after them): short copies, and copies long enough for the
+    routine whose last partial block is empty, one byte, a line or almost a block."""
+    tails = st.one_of(st.integers(0, 130), st.sampled_from([BLOCK - 64, BLOCK - 1]))
+    return st.one_of(st.tuples(st.just(0), st.integers(0, 3 * BLOCK)),
+                     st.tuples(st.integers(MIN_BYTES // BLOCK, MIN_BYTES // BLOCK + 3), tails))
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=lengths(), src_at=st.integers(0, 127), dst_at=st.integers(0, 127),
+       data=st.data())
+def test_copies_exact_bytes_whatever_the_alignment_and_cuts(
+        size: tuple[int, int], src_at: int, dst_at: int, data: st.DataObject) -> None:
+    blocks, tail = size
+    room = blocks * BLOCK + tail + 256
+    dst_room = np.zeros(room, np.uint8)
+    head = (-(dst_room.ctypes.data + dst_at)) % 64 if blocks else 0
+    length = head + blocks * BLOCK + tail  # the routine's blocks start after ``head``
+    src_room = np.random.default_rng(length + src_at).integers(0, 256, room, dtype=np.uint8)
+    src, dst = src_room[src_at:src_at + length], dst_room[dst_at:dst_at + length]
+    cuts = sorted(data.draw(st.lists(st.integers(0, length), max_size=4)))
+    bounds = list(zip([0, *cuts], [*cuts, length], strict=True))
+    order = data.draw(st.permutations(bounds))  # neighbours merge only when in order
+    stream_copy_all([(dst[a:b], src[a:b]) for a, b in order])
+    assert np.array_equal(dst, src)
+    assert not dst_room[:dst_at].any() and not dst_room[dst_at + length:].any()
+
+
+def test_a_large_copy_into_an_array_of_another_dtype_view() -> None:
+    src = np.random.default_rng(1).standard_normal((3, 1 << 17)).astype(np.float32)
+    dst = np.empty_like(src)
+    stream_copy(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.parametrize(("dst", "src", "error"), [
+    (np.zeros(10, np.uint8), np.zeros(11, np.uint8), "11 bytes into 10"),
+    (np.zeros(20, np.uint8)[::2], np.zeros(10, np.uint8), "contiguous"),
+    (np.zeros(10, np.uint8), np.zeros(20, np.uint8)[::2], "contiguous"),
+])
+def test_refuses_mismatched_or_strided_arrays(dst: Any, src: Any, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        stream_copy(dst, src)
+    assert not dst.any()
+
+
+def test_refuses_a_read_only_destination() -> None:
+    dst = np.zeros(10, np.uint8)
+    dst.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        stream_copy(dst, np.ones(10, np.uint8))
+
+
+@pytest.mark.skipif(not (NATIVE and shutil.which("as") and shutil.which("objcopy")),
+                    reason="needs GNU as and objcopy for x86-64")
+def test_the_machine_code_is_the_listing_assembled(tmp_path: Path) -> None:
+    (tmp_path / "ntcopy.s").write_text(streamcopy.assembly())
+    subprocess.run(["as", "ntcopy.s", "-o", "ntcopy.o"], cwd=tmp_path, check=True)
+    subprocess.run(["objcopy", "-O", "binary", "-j", ".text", "ntcopy.o", "ntcopy.bin"],
+                   cwd=tmp_path, check=True)
+    assert (tmp_path / "ntcopy.bin").read_bytes() == streamcopy.CODE
+
+
+def test_switched_off_it_copies_with_memmove() -> None:
+    script = ("import numpy as np\n"
+              "from tensorhub.transport import streamcopy as s\n"
+              "src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)\n"
+              "dst = np.zeros_like(src)\n"
+              "s.stream_copy(dst[3:], src[3:])\n"
+              "print(s.status(), bool((dst[3:] == src[3:]).all()), int(dst[:3].sum()))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, check=True,
+                         env={**os.environ, "TENSORHUB_STREAM_COPY": "0"}).stdout
+    assert out.split() == ["off", "(TENSORHUB_STREAM_COPY=0)", "True", "0"]
