@@ -271,6 +271,31 @@ async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
             np.testing.assert_array_equal(got.tensors[k], w[k])
 
 
+async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() -> None:
+    """A publisher's arrays in memory files: the reader gets a lease on the whole
+    version and copies neighbouring chunks in one call each."""
+    from tensorhub.transport.shm import shm_available
+
+    ok, why = shm_available()
+    if not ok:
+        pytest.skip(f"same-host transport unavailable here: {why}")
+    async with mesh(2, labels=(("host", "box1"),)) as (pub, r):
+        w = weights(4, 32)
+        shared = {k: tensorhub.shared_empty(v.shape, v.dtype) for k, v in w.items()}
+        for k, v in w.items():
+            shared[k][...] = v
+        await pub.publish("m", 4, shared)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        got = await r.fetch("m", 4)
+        assert got.report.transport_by_source == {"p0": "shm-memfd"}
+        chunks = -(-sum(v.nbytes for v in w.values()) // (1 << 20))  # 1 MiB chunks
+        assert got.report.chunks == got.report.chunks_received == chunks
+        assert got.report.reads < got.report.chunks / 2
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+
+
 async def test_different_hosts_use_tcp() -> None:
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(tensorhub.open_peer(

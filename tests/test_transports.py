@@ -8,6 +8,7 @@ to really die run it as a separate process and SIGKILL it.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import subprocess
@@ -399,6 +400,109 @@ async def test_unpublish_waits_for_the_version_lease_to_end(ending: str) -> None
                 await drained.wait()
         assert holder.store.get(key) is None and not holder.bad
         await conn.aclose()
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    land = shm._land_batch
+
+    def counted(files: Any, jobs: Any) -> Any:
+        calls.append(len(jobs))
+        return land(files, jobs)
+
+    monkeypatch.setattr(shm, "_land_batch", counted)
+    rng = rng_for("leased-batch")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [1_000_000, 1_100_000], chunk_size=300_000)
+        key, count = pub.local.manifest.key, pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        buf = np.zeros(len(pub.chunk(0)), dtype=np.uint8)
+        await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+        bufs = [np.zeros(len(pub.chunk(c)), dtype=np.uint8) for c in range(1, count)]
+        got = await conn.read_chunks(key, range(1, count), [[memoryview(b)] for b in bufs],  # type: ignore[arg-type]
+                                     [None] * (count - 1))
+        assert got == [len(pub.chunk(c)) for c in range(1, count)]
+        assert all(np.array_equal(b, pub.chunk(c)) for c, b in enumerate(bufs, 1))
+        assert calls == [1, count - 1]
+        assert isinstance(conn, ShmConnection) and conn.version_leases == 1
+        await conn.aclose()
+        with trio.fail_after(5):  # the holder counts every chunk copied under its lease
+            await pub.local.drained.wait()
+            while len(holder.sent) < count:
+                await trio.sleep(0.001)
+        assert sorted(holder.sent) == sorted(len(pub.chunk(c)) for c in range(count))
+
+
+def reader_mappings(inode: int) -> list[str]:
+    """The address ranges of this process's read-only shared mappings of the file
+    ``inode`` (a reader's; the holder's own are writable)."""
+    with open("/proc/self/maps") as maps:
+        rows = [line.split() for line in maps]
+    return [r[0] for r in rows if len(r) > 4 and r[4] == str(inode) and r[1] == "r--s"]
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_connections_share_one_mapping_until_the_holder_lets_go_of_its_file() -> None:
+    """Mapping a holder's file (and faulting its pages in) happens once per reader
+    process, not once per connection; the mapping goes once the holder closes the file
+    (it would otherwise keep the holder's freed memory alive)."""
+    rng = rng_for("mapping-cache")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [300_000], chunk_size=100_000)
+        pieces = shmem.pieces_of(pub.local.segments(0))
+        assert pieces is not None
+        fd, inode = int(pieces[0][0]), int(pieces[0][1])
+        seen = []
+        for _ in range(3):  # connections one after another, as fetches make them
+            conn = await holder.connect()
+            for c in range(3):
+                buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+                await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
+                assert np.array_equal(buf, pub.chunk(c))
+            await conn.aclose()
+            seen += reader_mappings(inode)
+        assert len(seen) == 3 and len(set(seen)) == 1  # one mapping, kept all along
+        assert shmem.sweep_mappings(os.getpid()) >= 1  # the holder still has the file
+        assert reader_mappings(inode) == seen[:1]
+
+        key = pub.local.manifest.key
+        holder.store.hide(key)
+        await holder.store.wait_drained(key)
+        del pub, pieces
+        gc.collect()
+        assert not os.path.exists(f"/proc/self/fd/{fd}") or os.fstat(fd).st_ino != inode
+        with trio.fail_after(10):  # the sweeper thread notices within about a second
+            while reader_mappings(inode):
+                await trio.sleep(0.05)
+
+        # A new file, very likely under the same descriptor number: a new mapping.
+        pub = publish(holder.store, rng, [300_000], chunk_size=100_000, version=2)
+        conn = await holder.connect()
+        buf = np.zeros(len(pub.chunk(1)), dtype=np.uint8)
+        await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+        assert np.array_equal(buf, pub.chunk(1))
+        await conn.aclose()
+
+
+@needs_shm
+async def test_a_dead_holders_files_are_unmapped(holder_process: Any) -> None:
+    proc, address, pub = holder_process(f"{SEED}:dead-mapped", 3 << 20, 1 << 20, "shared")
+    conn = await ShmConnection.connect(address, "holder", 10)
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
+    assert np.array_equal(buf, pub.chunk(1))
+    ((_fd, inode),) = conn._files.mapped
+    await conn.aclose()
+    assert len(reader_mappings(inode)) == 1  # kept: the holder still has the file
+    proc.kill()
+    proc.wait(5)
+    shmem.sweep_mappings(proc.pid)
+    gc.collect()
+    assert not reader_mappings(inode)
 
 
 @needs_shm

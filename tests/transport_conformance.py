@@ -190,6 +190,54 @@ async def test_concurrent_reads_on_several_connections(open_holder: OpenHolder) 
         assert not bad
 
 
+async def test_batched_reads_return_each_chunks_bytes(open_holder: OpenHolder) -> None:
+    """``read_chunks``: one entry per chunk read, in order, each chunk's exact bytes; a
+    chunk whose check fails is that entry (the chunks before it are good)."""
+    rng = rng_for("batched")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [rng.randrange(1, 900_000) for _ in range(10)],
+                      chunk_size=300_000 + rng.randrange(1000))
+        key, count = pub.local.manifest.key, pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        first = np.zeros(len(pub.chunk(0)), dtype=np.uint8)
+        await read_into(conn, pub, 0, cut(first, rng, 2))  # a same-host reader's lease
+        checked: list[int] = []
+
+        def check(c: int) -> Callable[[Sequence[memoryview]], None]:
+            def verify(landed: Sequence[memoryview]) -> None:
+                assert b"".join(landed) == pub.chunk(c).tobytes()
+                checked.append(c)
+            return verify
+
+        at = 1
+        while at < count:
+            chunks = list(range(at, min(count, at + rng.randrange(2, 6))))
+            bufs = [np.zeros(len(pub.chunk(c)), dtype=np.uint8) for c in chunks]
+            got = await conn.read_chunks(key, chunks, [cut(b, rng, 3) for b in bufs],
+                                         [check(c) for c in chunks])
+            assert got == [len(pub.chunk(c)) for c in chunks]
+            for c, buf in zip(chunks, bufs, strict=True):
+                assert np.array_equal(buf, pub.chunk(c)), f"chunk {c}"
+            at = chunks[-1] + 1
+        assert checked == list(range(1, count))
+
+        class Bad(Exception):
+            pass
+
+        def refuse(_landed: Sequence[memoryview]) -> None:
+            raise Bad("refused by the check")
+
+        chunks = [1, 2, 3]
+        bufs = [np.zeros(len(pub.chunk(c)), dtype=np.uint8) for c in chunks]
+        got = await conn.read_chunks(key, chunks, [[memoryview(b)] for b in bufs],  # type: ignore[arg-type]
+                                     [None, refuse, None])
+        assert got[0] == len(pub.chunk(1)) and np.array_equal(bufs[0], pub.chunk(1))
+        assert isinstance(got[1], Bad) and len(got) in (2, 3)
+        if len(got) == 3:  # a transport that read on: that chunk is good too
+            assert got[2] == len(pub.chunk(3)) and np.array_equal(bufs[2], pub.chunk(3))
+        await conn.aclose()
+
+
 # -- partial reads --------------------------------------------------------------------
 
 

@@ -59,6 +59,9 @@ class FetchReport:
     chunks_received: int = 0
     """Chunk payloads received in full (verified or not): equals ``chunks`` when no
     chunk had to be received twice."""
+    reads: int = 0
+    """Reads that landed chunks: one per chunk, except from a same-host holder that
+    leased the whole version, read several neighbouring chunks at a time."""
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     transport_by_source: dict[str, str] = field(default_factory=dict)
     integrity_failures: dict[str, int] = field(default_factory=dict)
@@ -75,6 +78,7 @@ class FetchReport:
         self.bytes += other.bytes
         self.chunks += other.chunks
         self.chunks_received += other.chunks_received
+        self.reads += other.reads
         self.resourced_chunks += other.resourced_chunks
         for name, n in other.bytes_by_source.items():
             self.bytes_by_source[name] = self.bytes_by_source.get(name, 0) + n
@@ -91,7 +95,7 @@ class FetchReport:
         return {
             "model": self.model, "version": self.version, "seconds": self.seconds,
             "bytes": self.bytes, "chunks": self.chunks, "mb_per_s": self.mb_per_s,
-            "chunks_received": self.chunks_received,
+            "chunks_received": self.chunks_received, "reads": self.reads,
             "bytes_by_source": dict(self.bytes_by_source),
             "transport_by_source": dict(self.transport_by_source),
             "integrity_failures": dict(self.integrity_failures),
@@ -301,22 +305,44 @@ class Fetch:
                     await self._wait_for_source()
                     continue
                 chunk, peer = job
-                self.pending.remove(chunk)
-                self.claimed[chunk] = peer.name
+                chunks = self._batch(chunk, peer, conns.get(peer.name))
+                for c in chunks:
+                    self.pending.remove(c)
+                    self.claimed[c] = peer.name
                 self.load[peer.name] = self.load.get(peer.name, 0) + 1
-                ok = False
+                landed: set[int] = set()
                 try:
-                    ok = await self._read(conns, chunk, peer)
+                    landed = await self._read(conns, chunks, peer)
                 finally:
                     self.load[peer.name] -= 1
-                    del self.claimed[chunk]
-                    if not ok:
-                        self.pending.append(chunk)
-                        self.pending.sort()
+                    for c in chunks:
+                        del self.claimed[c]
+                        if c not in landed:
+                            self.pending.append(c)
+                    self.pending.sort()
                     self._notify()  # a slot or a source is free again
         finally:
             for conn in conns.values():
                 await conn.aclose()
+
+    def _batch(self, chunk: int, peer: PeerInfo, conn: Connection | None) -> list[int]:
+        """``chunk`` and the pending chunks right after it that ``peer`` holds, as many
+        as ``conn`` takes in one read but no more than leaves work for every worker
+        (planned chunks stay with their planned source)."""
+        count = 0 if conn is None else min(conn.batch_bytes // self.manifest.chunk_size,
+                                           len(self.pending) // self.window)
+        if count < 2:
+            return [chunk]
+        holding = next((h for p, h in self.view(self.key) if p.name == peer.name), None)
+        out = [chunk]
+        at = self.pending.index(chunk)
+        for nxt in self.pending[at + 1:at + count]:
+            planned = self.planned.get(nxt)
+            if nxt != out[-1] + 1 or holding is None or not holding.has(nxt) \
+                    or (planned is not None and planned.name != peer.name):
+                break
+            out.append(nxt)
+        return out
 
     async def _wait_for_source(self) -> None:
         """No usable holder has a pending chunk.  Wait for news: a holder that is still
@@ -333,48 +359,59 @@ class Fetch:
         with trio.move_on_at(wake):
             await changed.wait()
 
-    async def _read(self, conns: dict[str, Connection], chunk: int, peer: PeerInfo) -> bool:
+    async def _read(self, conns: dict[str, Connection], chunks: list[int], peer: PeerInfo
+                    ) -> set[int]:
+        """Read ``chunks`` from ``peer``; returns those that landed verified."""
         name = peer.name
         try:
             conn = conns.get(name)
             if conn is None:
                 conn = conns[name] = await self.connect(peer)
-            dest = self.local.buffers(chunk) if conn.lands_arrays else self.local.segments(chunk)
-            first, stop = self.manifest.chunk_range(chunk)
-            limit = self._stall_limit(name, stop - first)
+            dests = [self.local.buffers(c) if conn.lands_arrays else self.local.segments(c)
+                     for c in chunks]
+            size = sum(stop - first for first, stop in map(self.manifest.chunk_range, chunks))
+            limit = self._stall_limit(name, size)
             started = trio.current_time()
-            algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
-
-            def verify(landed: Sequence[memoryview]) -> None:
-                if digest_of(algo, landed) != expected:
-                    raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
-                                         source=name)
-
+            verifies = [self._verifier(c, name) for c in chunks]
             with trio.move_on_after(limit) as scope:
-                n = await conn.read_chunk(self.key, chunk, dest, verify)
+                if len(chunks) == 1:
+                    results: list[int | Exception] = [
+                        await conn.read_chunk(self.key, chunks[0], dests[0], verifies[0])]
+                else:
+                    results = await conn.read_chunks(self.key, chunks, dests, verifies)
             if scope.cancelled_caught:
-                raise TransportError(f"stalled: chunk {chunk} took over {limit:.2f}s")
-            self._observe(name, n, trio.current_time() - started)
-            self.report.chunks_received += 1
-        except NotServing as ns:
-            if ns.status == NOT_YET:
-                self.lacks.setdefault(name, set()).add(chunk)
-            else:
-                await self._drop(conns, name, f"refused: {ns.detail}", math.inf)
-            return False
-        except IntegrityError as exc:
-            self.report.chunks_received += 1  # received in full, then refused
-            self.report.integrity_failures[name] = self.report.integrity_failures.get(name, 0) + 1
-            await self._drop(conns, name, str(exc), math.inf)
-            return False
-        except RemoteProtocolError as exc:
-            await self._drop(conns, name, str(exc), math.inf)
-            return False
-        except (TransportError, OSError) as exc:
-            # Maybe a passing fault: retry this source later (membership removes it
-            # from the view meanwhile if it died).
-            await self._drop(conns, name, str(exc) or type(exc).__name__, self.stall_timeout)
-            return False
+                raise TransportError(f"stalled: chunks {chunks} took over {limit:.2f}s")
+        except (NotServing, IntegrityError, RemoteProtocolError, TransportError, OSError) as exc:
+            await self._failed(conns, name, chunks[0], exc)
+            return set()
+        landed: set[int] = set()
+        for chunk, result in zip(chunks, results, strict=False):  # results may stop early
+            if isinstance(result, Exception):
+                await self._failed(conns, name, chunk, result)
+                break
+            landed.add(chunk)
+            self._landed(chunk, result, name, conn)
+        if landed:
+            self.report.reads += 1
+            self._observe(name, sum(stop - first for first, stop in
+                                    map(self.manifest.chunk_range, landed)),
+                          trio.current_time() - started)
+            self.on_progress()
+        return landed
+
+    def _verifier(self, chunk: int, source: str) -> Callable[[Sequence[memoryview]], None]:
+        algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
+
+        def verify(landed: Sequence[memoryview]) -> None:
+            if digest_of(algo, landed) != expected:
+                raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
+                                     source=source)
+
+        return verify
+
+    def _landed(self, chunk: int, n: int, name: str, conn: Connection) -> None:
+        """Count a chunk that arrived from ``name`` and passed its check."""
+        self.report.chunks_received += 1
         if chunk in self.tried:
             self.report.resourced_chunks += 1
         self.local.mark_verified(chunk)
@@ -385,8 +422,27 @@ class Fetch:
         if self.planned.get(chunk) is not None and self.planned[chunk].name == name:
             self.report.planned_bytes += n
         self.report.transport_by_source[name] = conn.transport
-        self.on_progress()
-        return True
+
+    async def _failed(self, conns: dict[str, Connection], name: str, chunk: int,
+                      exc: Exception) -> None:
+        """What a failed read of ``chunk`` from ``name`` means for the source."""
+        if isinstance(exc, NotServing):
+            if exc.status == NOT_YET:
+                self.lacks.setdefault(name, set()).add(chunk)
+            else:
+                await self._drop(conns, name, f"refused: {exc.detail}", math.inf)
+        elif isinstance(exc, IntegrityError):
+            self.report.chunks_received += 1  # received in full, then refused
+            self.report.integrity_failures[name] = self.report.integrity_failures.get(name, 0) + 1
+            await self._drop(conns, name, str(exc), math.inf)
+        elif isinstance(exc, RemoteProtocolError):
+            await self._drop(conns, name, str(exc), math.inf)
+        elif isinstance(exc, TransportError | OSError):
+            # Maybe a passing fault: retry this source later (membership removes it
+            # from the view meanwhile if it died).
+            await self._drop(conns, name, str(exc) or type(exc).__name__, self.stall_timeout)
+        else:
+            raise exc
 
     def _stall_limit(self, source: str, nbytes: int) -> float:
         """No progress for 8x the time this chunk should take at the source's measured

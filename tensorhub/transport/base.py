@@ -63,6 +63,10 @@ class Connection(Protocol):
     transport: str
     peer: str
     lands_arrays: bool
+    batch_bytes: int
+    """How many bytes of consecutive chunks a reader should hand one :meth:`read_chunks`
+    call: nonzero only where each read has a cost worth sharing (a same-host version
+    lease: one worker-thread call per read)."""
 
     async def read_manifest(self, key: VersionKey) -> bytes: ...
 
@@ -75,4 +79,31 @@ class Connection(Protocol):
         thread where the transport copies in one -- and raises if they are bad."""
         ...
 
+    async def read_chunks(
+        self, key: VersionKey, chunks: Sequence[int], dests: Sequence[Sequence[memoryview]],
+        verifies: Sequence[Verifier | None],
+    ) -> list[int | Exception]:
+        """Read several chunks, each as :meth:`read_chunk` would: one entry per chunk
+        read, in order -- its bytes, or the exception it failed with (its bytes are not
+        to be used).  Chunks past the end of the list were not read.  Raises, as
+        :meth:`read_chunk` does, when no chunk was read."""
+        ...
+
     async def aclose(self) -> None: ...
+
+
+async def read_each(conn: Connection, key: VersionKey, chunks: Sequence[int],
+                    dests: Sequence[Sequence[memoryview]], verifies: Sequence[Verifier | None]
+                    ) -> list[int | Exception]:
+    """:meth:`Connection.read_chunks` as one :meth:`~Connection.read_chunk` after
+    another, up to the first that fails."""
+    out: list[int | Exception] = []
+    for chunk, dest, verify in zip(chunks, dests, verifies, strict=True):
+        try:
+            out.append(await conn.read_chunk(key, chunk, dest, verify))
+        except Exception as exc:
+            if not out:
+                raise
+            out.append(exc)
+            break
+    return out

@@ -16,7 +16,7 @@ import trio
 
 from ..errors import RemoteProtocolError, TransportError
 from ..model import VersionKey
-from .base import Provider, Verifier
+from .base import Provider, Verifier, read_each
 
 PIECE = 1 << 20
 """Bytes copied between checkpoints."""
@@ -51,6 +51,7 @@ class MemoryConnection:
 
     transport = "memory"
     lands_arrays = False
+    batch_bytes = 0
 
     def __init__(self, server: MemoryServer, peer: str, reader: str) -> None:
         self.peer = peer
@@ -91,6 +92,11 @@ class MemoryConnection:
         if verify is not None:
             verify(dest)
         return want
+
+    async def read_chunks(self, key: VersionKey, chunks: Sequence[int],
+                          dests: Sequence[Sequence[memoryview]],
+                          verifies: Sequence[Verifier | None]) -> list[int | Exception]:
+        return await read_each(self, key, chunks, dests, verifies)
 
     async def _copy(self, src: list[memoryview], dest: list[memoryview]) -> None:
         """Copy ``src`` into ``dest`` (two cuts of the same bytes), a piece at a time."""

@@ -72,7 +72,7 @@ from ..protocol.dataplane import (
     ShmWelcome,
 )
 from . import copypool
-from .base import NotServing, Verifier
+from .base import NotServing, Verifier, read_each
 from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
 from .shmem import MappedFiles, Pieces
 from .tcp import TcpConnection, _recv_frame, _send_frame
@@ -99,13 +99,17 @@ def _verified(dest: Sequence[memoryview], verify: Verifier | None) -> Exception 
     return None
 
 
-def _land_files(files: MappedFiles, pieces: Pieces, dest: Sequence[memoryview],
-                verify: Verifier | None) -> Exception | None:
-    """Copy from the holder's memory files, then verify: one worker-thread call.
-    (Hashing each 256 KiB block right after copying it costs less CPU, but measured
-    slower here: two threads hashing small blocks contend for the GIL.)"""
-    files.copy(pieces, dest)
-    return _verified(dest, verify)
+def _land_batch(files: MappedFiles, jobs: Sequence[tuple[Pieces, Sequence[memoryview],
+                                                         Verifier | None]]
+                ) -> list[Exception | None]:
+    """Copy chunks from the holder's memory files, then verify each: one worker-thread
+    call.  Every copy comes first (neighbouring pieces as one run), then every check:
+    measured faster than checking each chunk right after its copy, whose streaming
+    stores may still be in flight.  (Hashing each 256 KiB block right after copying it
+    with cached stores costs less memory traffic but measured slower: two threads hashing
+    small blocks contend for the GIL.)  Returns what each check raised, if anything."""
+    files.copy([(pieces, dest) for pieces, dest, _ in jobs])
+    return [_verified(dest, verify) for _, dest, verify in jobs]
 
 
 
@@ -121,6 +125,10 @@ class ShmConnection(TcpConnection):
     """``shm-memfd`` once the last chunk came from the holder's memory files, ``shm`` when
     it came through ``process_vm_readv``."""
     lands_arrays = False  # chunks are copied into byte views
+    batch_bytes = 64 << 20
+    """Under a version lease, bytes per worker-thread call.  Measured (1 GiB in 4 MiB
+    chunks, 2 cores): 0.165 s a fetch with one chunk per call, 0.129 with 4, 0.124 with
+    8, 0.117 with 16 (64 MiB)."""
 
     def __init__(self, sock: trio.socket.SocketType, peer: str) -> None:
         super().__init__(sock, peer)
@@ -283,7 +291,7 @@ class ShmConnection(TcpConnection):
             if self._lease is not None and self._lease.key != key:
                 await self._release()
             if self._lease is not None:
-                return await self._read_leased(self._lease, chunk, dest, want, verify)
+                return await self._read_leased_one(self._lease, chunk, dest, verify)
             req_id = next(self._ids)
             if key in self._unleased:
                 await _send_frame(self._sock, ShmChunkRequest(
@@ -298,12 +306,13 @@ class ShmConnection(TcpConnection):
                     self._lease = await self._version_grant(req_id, key, first)
                     self._unleased.discard(key)
                     self.version_leases += 1
-                    return await self._read_leased(self._lease, chunk, dest, want, verify)
+                    return await self._read_leased_one(self._lease, chunk, dest, verify)
                 files, rows = await self._grant(req_id, want, first)
             self.chunk_grants += 1
             if files:
                 self.transport = "shm-memfd"
-                bad = await copypool.pool.run(_land_files, self._files, rows, dest, verify)
+                (bad,) = await copypool.pool.run(_land_batch, self._files,
+                                                 [(rows, dest, verify)])
             else:
                 self.transport = "shm"
                 bad = await copypool.pool.run(_land_iovecs, self._pid, iovecs_of(dest), rows, dest,
@@ -319,9 +328,40 @@ class ShmConnection(TcpConnection):
             raise
         return want
 
-    async def _read_leased(self, lease: _VersionLease, chunk: int, dest: Sequence[memoryview],
-                           want: int, verify: Verifier | None) -> int:
-        """Serve a read from the version lease: no message, one worker-thread call."""
+    async def read_chunks(self, key: VersionKey, chunks: Sequence[int],
+                          dests: Sequence[Sequence[memoryview]],
+                          verifies: Sequence[Verifier | None]) -> list[int | Exception]:
+        """Under a version lease of ``key``, every chunk in one worker-thread call (the
+        holder is checked once, after it); otherwise one read after another."""
+        lease = self._lease
+        if lease is None or lease.key != key or len(chunks) < 2 or self._sock.fileno() < 0:
+            return await read_each(self, key, chunks, dests, verifies)
+        for chunk, dest in zip(chunks, dests, strict=True):
+            if any(d.readonly for d in dest):
+                raise LocalProtocolError(f"destination of chunk {chunk} of {key} is read-only")
+        try:
+            bad = await self._read_leased(lease, chunks, dests, verifies)
+        except NotServing:
+            raise
+        except BaseException:
+            self._close()
+            raise
+        return [sum(d.nbytes for d in dest) if b is None else b
+                for dest, b in zip(dests, bad, strict=True)]
+
+    async def _read_leased_one(self, lease: _VersionLease, chunk: int,
+                               dest: Sequence[memoryview], verify: Verifier | None) -> int:
+        (bad,) = await self._read_leased(lease, [chunk], [dest], [verify])
+        if bad is not None:
+            raise bad
+        return sum(d.nbytes for d in dest)
+
+    async def _read_leased(self, lease: _VersionLease, chunks: Sequence[int],
+                           dests: Sequence[Sequence[memoryview]],
+                           verifies: Sequence[Verifier | None]) -> list[Exception | None]:
+        """Serve reads from the version lease: no message, one worker-thread call for
+        all of them.  Returns what each chunk's check raised, if anything; the lease is
+        released if any check failed."""
         dead, spoke = self._holder_state()
         if dead:
             raise TransportError(f"{self.peer} (pid {self._pid}) exited")
@@ -330,26 +370,28 @@ class ShmConnection(TcpConnection):
         if lease.revoked:
             await self._release()
             raise NotServing(NOT_HELD, f"{lease.key} was unpublished by {self.peer}")
-        if not 0 <= chunk < lease.num_chunks:
-            raise NotServing(BAD_REQUEST, f"{lease.key} has no chunk {chunk}")
-        start = chunk * lease.chunk_size
-        stop = min(start + lease.chunk_size, lease.length)
-        if want != stop - start:
-            raise RemoteProtocolError(f"{self.peer} leased a version whose chunk {chunk} "
-                                      f"has {stop - start} bytes, not {want}")
+        jobs = []
+        for chunk, dest, verify in zip(chunks, dests, verifies, strict=True):
+            if not 0 <= chunk < lease.num_chunks:
+                raise NotServing(BAD_REQUEST, f"{lease.key} has no chunk {chunk}")
+            start = chunk * lease.chunk_size
+            stop = min(start + lease.chunk_size, lease.length)
+            want = sum(d.nbytes for d in dest)
+            if want != stop - start:
+                raise RemoteProtocolError(f"{self.peer} leased a version whose chunk {chunk} "
+                                          f"has {stop - start} bytes, not {want}")
+            jobs.append((lease.pieces_of(start, stop), dest, verify))
         self.transport = "shm-memfd"
-        bad = await copypool.pool.run(_land_files, self._files, lease.pieces_of(start, stop), dest,
-                              verify)
+        bad = await copypool.pool.run(_land_batch, self._files, jobs)
         dead, spoke = self._holder_state()
         if dead:
             raise TransportError(f"{self.peer} (pid {self._pid}) exited during the copy")
         if spoke:
-            await self._heard(lease)  # a revoke still covers this copy: it was leased
-        lease.copied.append(chunk)
-        if bad is not None:
-            await self._release()  # in step, so the holder counts the copy; then fail
-            raise bad
-        return want
+            await self._heard(lease)  # a revoke still covers these copies: they were leased
+        lease.copied.extend(chunks)
+        if any(b is not None for b in bad):
+            await self._release()  # in step, so the holder counts the copies; then fail
+        return bad
 
     async def _heard(self, lease: _VersionLease) -> None:
         """The holder spoke while we hold its version lease: only a revoke is in turn."""

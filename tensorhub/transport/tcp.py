@@ -42,7 +42,7 @@ from ..protocol.dataplane import (
     ShmHello,
     ShmVersionRequest,
 )
-from .base import NotServing, Provider, Verifier
+from .base import NotServing, Provider, Verifier, read_each
 
 _LEN = struct.Struct(">I")
 _SOCKBUF = 4 << 20
@@ -332,6 +332,7 @@ class TcpConnection:
     lands_arrays = True
     """:meth:`read_chunk` takes any C-contiguous buffers as ``dest`` (numpy arrays
     included, sized by ``nbytes``), not only byte views (see ``Connection``)."""
+    batch_bytes = 0
 
     def __init__(self, sock: trio.socket.SocketType, peer: str) -> None:
         self._sock = sock
@@ -378,6 +379,11 @@ class TcpConnection:
         n: int = await self._exchange(
             req, lambda sock, reply: self._land_chunk(sock, reply, chunk, dest, verify))
         return n
+
+    async def read_chunks(self, key: VersionKey, chunks: Sequence[int],
+                          dests: Sequence[Sequence[memoryview]],
+                          verifies: Sequence[Verifier | None]) -> list[int | Exception]:
+        return await read_each(self, key, chunks, dests, verifies)
 
     async def _exchange(self, req: ManifestRequest | ChunkRequest,
                         land: Callable[[socket.socket, Reply], Any]) -> Any:
