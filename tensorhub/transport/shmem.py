@@ -166,11 +166,12 @@ def sweep_mappings(pid: int | None = None) -> int:
     the file open too: then keeping it costs no memory."""
     now = time.monotonic()
     with _maps_lock:
-        keys = [k for k in _maps if pid is None or k[0] == pid]
-    gone = [k for k in keys if not _still_open(k) or now - _maps[k][1] > KEEP_IDLE_S]
+        used = {k: at for k, (_, at) in _maps.items() if pid is None or k[0] == pid}
+    gone = [k for k, at in used.items() if now - at > KEEP_IDLE_S or not _still_open(k)]
     with _maps_lock:
         for k in gone:
-            _maps.pop(k, None)
+            if _maps.get(k, (None, now))[1] == used[k]:  # unless reused meanwhile
+                del _maps[k]
         return len(_maps)
 
 
