@@ -10,7 +10,8 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
     (``tensorhub.shared_empty``), so the reader maps them (``shm-memfd``);
 (d) a chain publisher -> A -> B -> C, each fetching from the previous while it receives;
 (e) 10,000 tensors of 4 KiB;
-(f) a numpy copy of the same bytes: the same-host ceiling.
+(f) a numpy copy of the same bytes in the driver, the same-host ceiling: run just before
+    each (c), like (a) before each (b).
 
 It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
 ``--only tcp`` measures (a) and (b) alone, to iterate on the TCP data plane.
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,16 +74,18 @@ def raw_socket_seconds(size: int, runs: int) -> list[float]:
     return out
 
 
-def numpy_copy_seconds(size: int, runs: int) -> list[float]:
+def numpy_copier(size: int) -> Callable[[], float]:
+    """A timed numpy copy of ``size`` bytes between two pre-faulted arrays: the seconds."""
     src = np.ones(size, np.uint8)
     dst = np.empty(size, np.uint8)
     dst[::4096] = 0
-    out = []
-    for _ in range(runs):
+
+    def once() -> float:
         t0 = time.perf_counter()
         np.copyto(dst, src)
-        out.append(time.perf_counter() - t0)
-    return out
+        return time.perf_counter() - t0
+
+    return once
 
 
 def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, Any]:
@@ -107,12 +111,14 @@ def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, A
         results["publisher_rss_growth_mib"] = (published["rss_after_mib"]
                                                - published["rss_before_mib"])
 
-        def single(proc: WorkerClient, model: str, raw: list[float] | None = None
+        def single(proc: WorkerClient, model: str,
+                   baseline: Callable[[], float] | None = None, seen: list[float] | None = None
                    ) -> list[dict[str, Any]]:
+            """``runs`` fetches; ``baseline()`` runs just before each, into ``seen``."""
             out = []
             for _ in range(runs):
-                if raw is not None:
-                    raw += raw_socket_seconds(size, 1)
+                if baseline is not None and seen is not None:
+                    seen.append(baseline())
                 got = proc.call("fetched", cmd="fetch", model=model, version=1,
                                 sources=["pub"], into=True)
                 proc.call("unpublished", cmd="unpublish", model=model, version=1)
@@ -122,12 +128,13 @@ def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, A
         for name in names[1:]:
             procs[name].call("prepared", cmd="prepare", model="big", shape="model", size=size)
         raw: list[float] = []
-        tcp = single(procs["f_tcp"], "big", raw)
+        tcp = single(procs["f_tcp"], "big", lambda: raw_socket_seconds(size, 1)[0], raw)
         results.update(raw=raw, tcp=tcp,
                        fetcher_peak_rss_mib=max(r["peak_rss_mib"] for r in tcp))
         if only_tcp:
             return results
-        shm = single(procs["f_shm"], "big")
+        copies: list[float] = []
+        shm = single(procs["f_shm"], "big", numpy_copier(size), copies)
         chain = []
         for _ in range(runs):
             for name, src in (("a", "pub"), ("b", "a"), ("c", "b")):
@@ -144,7 +151,7 @@ def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, A
     finally:
         for p in procs.values():
             p.close()
-    results.update(shm=shm, chain=chain, small=small)
+    results.update(shm=shm, copy=copies, chain=chain, small=small)
     return results
 
 
@@ -158,7 +165,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="1GiB", help="bytes per transfer (default 1GiB)")
     p.add_argument("--chunk", default=str(DEFAULT_CHUNK_SIZE),
                    help=f"chunk size (default {DEFAULT_CHUNK_SIZE >> 20}MiB)")
-    p.add_argument("--runs", type=int, default=3, help="runs per measurement (median)")
+    p.add_argument("--runs", type=int, default=5, help="runs per measurement (median)")
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
     p.add_argument("--only", choices=("all", "tcp"), default="all",
                    help="tcp: just (a) and (b), for iterating on the TCP data plane")
@@ -167,8 +174,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     size, chunk, runs = parse_size(args.size), parse_size(args.chunk), args.runs
     only_tcp = args.only == "tcp"
-    copy_s = [] if only_tcp else numpy_copy_seconds(size, runs)
     r = run(size, chunk, runs, only_tcp)
+    copy_s: list[float] = r.get("copy", [])
     med = statistics.median
     raw_s = r["raw"]
     model_bytes = r["tcp"][0]["report"]["bytes"]
