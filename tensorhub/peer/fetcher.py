@@ -330,7 +330,7 @@ class Fetch:
         as ``conn`` takes in one read but no more than leaves work for every worker
         (planned chunks stay with their planned source)."""
         count = 0 if conn is None else min(conn.batch_bytes // self.manifest.chunk_size,
-                                           len(self.pending) // self.window)
+                                           -(-len(self.pending) // self.window))
         if count < 2:
             return [chunk]
         holding = next((h for p, h in self.view(self.key) if p.name == peer.name), None)
