@@ -40,22 +40,38 @@ def lengths() -> st.SearchStrategy[tuple[int, int]]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(size=lengths(), src_at=st.integers(0, 127), dst_at=st.integers(0, 127),
+@given(size=lengths(), head=st.integers(0, 63), src_at=st.integers(0, 127),
        data=st.data())
 def test_copies_exact_bytes_whatever_the_alignment_and_cuts(
-        size: tuple[int, int], src_at: int, dst_at: int, data: st.DataObject) -> None:
+        size: tuple[int, int], head: int, src_at: int, data: st.DataObject) -> None:
+    """``head``: bytes before the destination's first 64-byte boundary (copied with
+    memmove when the routine takes the rest)."""
     blocks, tail = size
-    room = blocks * BLOCK + tail + 256
-    dst_room = np.zeros(room, np.uint8)
-    head = (-(dst_room.ctypes.data + dst_at)) % 64 if blocks else 0
-    length = head + blocks * BLOCK + tail  # the routine's blocks start after ``head``
-    src_room = np.random.default_rng(length + src_at).integers(0, 256, room, dtype=np.uint8)
+    length = head + blocks * BLOCK + tail
+    dst_room = np.zeros(length + 256, np.uint8)
+    dst_at = ((-dst_room.ctypes.data) % 64 + 64 - head) % 64 + 64
+    assert (-(dst_room.ctypes.data + dst_at)) % 64 == head
+    src_room = np.random.default_rng(length + src_at).integers(0, 256, length + 256,
+                                                                dtype=np.uint8)
     src, dst = src_room[src_at:src_at + length], dst_room[dst_at:dst_at + length]
     cuts = sorted(data.draw(st.lists(st.integers(0, length), max_size=4)))
     bounds = list(zip([0, *cuts], [*cuts, length], strict=True))
     order = data.draw(st.permutations(bounds))  # neighbours merge only when in order
     stream_copy_all([(dst[a:b], src[a:b]) for a, b in order])
     assert np.array_equal(dst, src)
+    assert not dst_room[:dst_at].any() and not dst_room[dst_at + length:].any()
+
+
+@pytest.mark.parametrize("head", [0, 1, 48, 63])
+@pytest.mark.parametrize("tail", [0, 1, 63, 64, 65, BLOCK - 1])
+def test_every_head_and_tail_around_the_routines_blocks(head: int, tail: int) -> None:
+    length = head + (MIN_BYTES // BLOCK) * BLOCK + tail
+    dst_room = np.zeros(length + 256, np.uint8)
+    dst_at = ((-dst_room.ctypes.data) % 64 + 64 - head) % 64 + 64
+    src = np.random.default_rng(head * 100_003 + tail).integers(0, 256, length,
+                                                                 dtype=np.uint8)
+    stream_copy(dst_room[dst_at:dst_at + length], src)
+    assert np.array_equal(dst_room[dst_at:dst_at + length], src)
     assert not dst_room[:dst_at].any() and not dst_room[dst_at + length:].any()
 
 
