@@ -29,6 +29,7 @@ import trio
 
 from .config import DEFAULT_CHUNK_SIZE, PeerConfig
 from .model import VersionKey
+from .transport.shmem import shared_empty
 
 MODEL = "demo-llm"
 
@@ -59,11 +60,16 @@ def model_specs(size: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def allocate(specs: list[tuple[str, tuple[int, ...]]]) -> dict[str, np.ndarray[Any, Any]]:
-    out = {}
-    for name, shape in specs:
-        arr = np.empty(shape, dtype=np.float16)
-        arr.reshape(-1).view(np.uint8)[::4096] = 0  # pre-fault every page
-        out[name] = arr
+    """One buffer slot: the tensors as views of one :func:`shared_empty` array, so that
+    peers on this host copy straight from it (``shm-memfd``), as docs/operations.md
+    recommends for real trainers."""
+    sizes = [int(np.prod(shape)) for _, shape in specs]
+    flat = shared_empty(sum(sizes), np.float16)
+    flat.view(np.uint8)[::4096] = 0  # pre-fault every page
+    out, at = {}, 0
+    for (name, shape), size in zip(specs, sizes, strict=True):
+        out[name] = flat[at:at + size].reshape(shape)
+        at += size
     return out
 
 
