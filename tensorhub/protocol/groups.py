@@ -36,7 +36,10 @@ new leader calls :meth:`GroupMember.start` (with its latest version) when ranks 
 round; if ranks are missing, that round aborts at once but still settles.
 
 Invariants (``tests/test_groups.py`` checks them after every step): at live ranks a
-round switches, to the version proposed in it, or aborts with one error -- never both;
+round switches, to the version proposed in it, or aborts -- never both -- and an aborted
+round has one error text, except at a rank whose new incarnation accepted a late copy of
+the round's proposal from the owner's dead incarnation: the owner's decision never
+reaches it, and the round's settler aborts it there as abandoned;
 promises and each leader's rounds only grow; once faults heal, one round brings every
 rank to one version.  Safety assumes that a rank declared dead has stopped (the shell
 restarts it with a new member and ``boot``); what it did last is then moot.  Unanswered
