@@ -25,8 +25,8 @@ refused with ``Failed``, naming the promise, and the leader aborts and counts ab
 
 Leader death.  A member that voted ``Ready`` may not drop its staging on its own: the
 leader may have committed and told someone else.  Offered a newer round, it is *blocked*:
-it reports the undecided round in its ``Promise`` (with the outcomes it learnt since its
-last commit) and stages nothing new.  The new leader settles that round: it relays the
+it reports the undecided round in its ``Promise`` (with the last outcomes it learnt) and
+stages nothing new.  The new leader settles that round: it relays the
 outcome if any promise knows it; otherwise, once every rank has promised but the dead
 owner -- so no live rank can still apply the owner's late decision -- the round cannot
 have committed at a live rank and it aborts it with a text fixed by the round, so any two
@@ -36,10 +36,7 @@ new leader calls :meth:`GroupMember.start` (with its latest version) when ranks 
 round; if ranks are missing, that round aborts at once but still settles.
 
 Invariants (``tests/test_groups.py`` checks them after every step): at live ranks a
-round switches, to the version proposed in it, or aborts -- never both -- and an aborted
-round has one error text, except at a rank whose new incarnation accepted a late copy of
-the round's proposal from the owner's dead incarnation: the owner's decision never
-reaches it, and the round's settler aborts it there as abandoned;
+round switches, to the version proposed in it, or aborts with one error -- never both;
 promises and each leader's rounds only grow; once faults heal, one round brings every
 rank to one version.  Safety assumes that a rank declared dead has stopped (the shell
 restarts it with a new member and ``boot``); what it did last is then moot.  Unanswered
@@ -57,7 +54,7 @@ from dataclasses import dataclass, field
 from ..errors import LocalProtocolError, RemoteProtocolError
 
 MAX_OUTCOMES = 64
-"""Aborted outcomes a member remembers since its last commit (oldest forgotten first)."""
+"""Aborted outcomes a member remembers (oldest forgotten first), besides its last commit."""
 
 
 # -- wire messages ----------------------------------------------------------------------
@@ -247,9 +244,11 @@ class _Lead:
 
 def _remember(book: dict[Round, Outcome], o: Outcome) -> None:
     book[o.round] = o
-    if o.committed:  # nobody can still be blocked on a round before a commit
-        for r in [r for r in book if r < o.round]:
+    if o.committed:  # the latest commit is enough to know of commits
+        for r in [r for r, x in book.items() if x.committed and r < o.round]:
             del book[r]
+    # Aborts are kept across commits: a restarted rank may still get a late copy of an
+    # old round's proposal and block on it; whoever settles it then relays this text.
     aborts = sorted(r for r, x in book.items() if not x.committed)
     for r in aborts[:max(0, len(aborts) - MAX_OUTCOMES)]:
         del book[r]
