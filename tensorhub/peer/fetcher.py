@@ -374,11 +374,7 @@ class Fetch:
             started = trio.current_time()
             verifies = [self._verifier(c, name) for c in chunks]
             with trio.move_on_after(limit) as scope:
-                if len(chunks) == 1:
-                    results: list[int | Exception] = [
-                        await conn.read_chunk(self.key, chunks[0], dests[0], verifies[0])]
-                else:
-                    results = await conn.read_chunks(self.key, chunks, dests, verifies)
+                results = await conn.read_chunks(self.key, chunks, dests, verifies)
             if scope.cancelled_caught:
                 raise TransportError(f"stalled: chunks {chunks} took over {limit:.2f}s")
         except (NotServing, IntegrityError, RemoteProtocolError, TransportError, OSError) as exc:
