@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub.transport import streamcopy
-from tensorhub.transport.streamcopy import BLOCK, MIN_BYTES, stream_copy, stream_copy_all
+from tensorhub.transport.streamcopy import BLOCK, MIN_BYTES, stream_copy_all
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
@@ -70,7 +70,7 @@ def test_every_head_and_tail_around_the_routines_blocks(head: int, tail: int) ->
     dst_at = ((-dst_room.ctypes.data) % 64 + 64 - head) % 64 + 64
     src = np.random.default_rng(head * 100_003 + tail).integers(0, 256, length,
                                                                  dtype=np.uint8)
-    stream_copy(dst_room[dst_at:dst_at + length], src)
+    stream_copy_all([(dst_room[dst_at:dst_at + length], src)])
     assert np.array_equal(dst_room[dst_at:dst_at + length], src)
     assert not dst_room[:dst_at].any() and not dst_room[dst_at + length:].any()
 
@@ -78,7 +78,7 @@ def test_every_head_and_tail_around_the_routines_blocks(head: int, tail: int) ->
 def test_a_large_copy_into_an_array_of_another_dtype_view() -> None:
     src = np.random.default_rng(1).standard_normal((3, 1 << 17)).astype(np.float32)
     dst = np.empty_like(src)
-    stream_copy(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
+    stream_copy_all([(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))])
     assert np.array_equal(dst, src)
 
 
@@ -89,7 +89,7 @@ def test_a_large_copy_into_an_array_of_another_dtype_view() -> None:
 ])
 def test_refuses_mismatched_or_strided_arrays(dst: Any, src: Any, error: str) -> None:
     with pytest.raises(ValueError, match=error):
-        stream_copy(dst, src)
+        stream_copy_all([(dst, src)])
     assert not dst.any()
 
 
@@ -97,7 +97,7 @@ def test_refuses_a_read_only_destination() -> None:
     dst = np.zeros(10, np.uint8)
     dst.flags.writeable = False
     with pytest.raises(ValueError, match="writable"):
-        stream_copy(dst, np.ones(10, np.uint8))
+        stream_copy_all([(dst, np.ones(10, np.uint8))])
 
 
 @pytest.mark.skipif(not (NATIVE and shutil.which("as") and shutil.which("objcopy")),
@@ -115,7 +115,7 @@ def test_switched_off_it_copies_with_memmove() -> None:
               "from tensorhub.transport import streamcopy as s\n"
               "src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)\n"
               "dst = np.zeros_like(src)\n"
-              "s.stream_copy(dst[3:], src[3:])\n"
+              "s.stream_copy_all([(dst[3:], src[3:])])\n"
               "print(s.status(), bool((dst[3:] == src[3:]).all()), int(dst[:3].sum()))\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                          text=True, check=True,

@@ -14,11 +14,11 @@ Neither numpy nor the standard library has such a copy, so on Linux x86-64 this 
 puts a small SSE2 routine (every x86-64 CPU has SSE2; listing: :func:`assembly`) into an
 executable page of its own and calls it through ``ctypes``, which releases the GIL for
 the call.  It copies 16 KiB blocks four pages at a time (four read streams keep more
-memory reads in flight) to a 64-byte aligned destination; :func:`stream_copy` copies the
-unaligned head and the tail with ``numpy.copyto``.  The routine checks itself on first use
+memory reads in flight) to a 64-byte aligned destination; :func:`stream_copy_all` copies
+the unaligned head and the tail with ``memmove``.  The routine checks itself on first use
 and is not used where it cannot be loaded (another platform, a kernel or security policy
 that refuses executable anonymous pages) or where ``TENSORHUB_STREAM_COPY=0``:
-:func:`stream_copy` then copies with ``numpy.copyto``.  :func:`status` says which.
+:func:`stream_copy_all` then copies with ``memmove``.  :func:`status` says which.
 """
 
 from __future__ import annotations
@@ -121,16 +121,10 @@ def _routine() -> _Routine | None:
 
 
 def status() -> str:
-    """How :func:`stream_copy` copies in this process, and why (for statistics)."""
+    """How :func:`stream_copy_all` copies in this process, and why (for statistics)."""
     _routine()
     assert _loaded is not None
     return _loaded[1]
-
-
-def stream_copy(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> None:
-    """``dst[:] = src`` for contiguous uint8 arrays of one length (see
-    :func:`stream_copy_all`)."""
-    stream_copy_all([(dst, src)])
 
 
 def stream_copy_all(pairs: Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]
@@ -144,9 +138,9 @@ def stream_copy_all(pairs: Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.
     for dst, src in pairs:
         n = len(dst)
         if len(src) != n:
-            raise ValueError(f"stream_copy of {len(src)} bytes into {n}")
+            raise ValueError(f"stream_copy_all: {len(src)} bytes into {n}")
         if not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
-            raise ValueError("stream_copy needs contiguous arrays and a writable destination")
+            raise ValueError("stream_copy_all needs contiguous arrays and a writable destination")
         if not n:
             continue
         d, s = dst.ctypes.data, src.ctypes.data
