@@ -70,6 +70,13 @@ print(f"shared memory transport: {SHM} ({WHY_NOT})")
 needs_shm = pytest.mark.skipif(not SHM, reason=WHY_NOT)
 
 
+async def read_whole(conn: Any, pub: Published, c: int) -> None:
+    """Read chunk ``c`` into one fresh buffer and check its bytes."""
+    buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+    await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
+    assert np.array_equal(buf, pub.chunk(c)), f"chunk {c}"
+
+
 @asynccontextmanager
 async def memory_holder() -> AsyncIterator[Holder]:
     store, sent = Store(), list[int]()
@@ -345,9 +352,7 @@ async def test_a_complete_memfd_holder_leases_the_whole_version_once() -> None:
         order = list(range(pub.local.manifest.num_chunks)) * 2
         rng.shuffle(order)
         for c in order:
-            buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
-            await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
-            assert np.array_equal(buf, pub.chunk(c)), f"chunk {c}"
+            await read_whole(conn, pub, c)
         assert (conn.version_leases, conn.chunk_grants) == (1, 0)
         assert conn.transport == "shm-memfd" and holder.sent == []
         await trio.testing.wait_all_tasks_blocked()
@@ -460,9 +465,7 @@ async def test_connections_share_one_mapping_until_the_holder_lets_go_of_its_fil
         for _ in range(3):  # connections one after another, as fetches make them
             conn = await holder.connect()
             for c in range(3):
-                buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
-                await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
-                assert np.array_equal(buf, pub.chunk(c))
+                await read_whole(conn, pub, c)
             await conn.aclose()
             seen += reader_mappings(inode)
         assert len(seen) == 3 and len(set(seen)) == 1  # one mapping, kept all along
@@ -482,9 +485,7 @@ async def test_connections_share_one_mapping_until_the_holder_lets_go_of_its_fil
         # A new file, very likely under the same descriptor number: a new mapping.
         pub = publish(holder.store, rng, [300_000], chunk_size=100_000, version=2)
         conn = await holder.connect()
-        buf = np.zeros(len(pub.chunk(1)), dtype=np.uint8)
-        await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
-        assert np.array_equal(buf, pub.chunk(1))
+        await read_whole(conn, pub, 1)
         await conn.aclose()
 
 
@@ -492,9 +493,7 @@ async def test_connections_share_one_mapping_until_the_holder_lets_go_of_its_fil
 async def test_a_dead_holders_files_are_unmapped(holder_process: Any) -> None:
     proc, address, pub = holder_process(f"{SEED}:dead-mapped", 3 << 20, 1 << 20, "shared")
     conn = await ShmConnection.connect(address, "holder", 10)
-    buf = np.zeros(1 << 20, dtype=np.uint8)
-    await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
-    assert np.array_equal(buf, pub.chunk(1))
+    await read_whole(conn, pub, 1)
     ((_fd, inode),) = conn._files.mapped
     await conn.aclose()
     assert len(reader_mappings(inode)) == 1  # kept: the holder still has the file
@@ -518,10 +517,9 @@ async def test_a_holder_still_receiving_grants_chunk_by_chunk() -> None:
         conn = await holder.connect()
         assert isinstance(conn, ShmConnection)
         for c in (0, 2, 1):
-            buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
-            await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
-            assert np.array_equal(buf, pub.chunk(c))
+            await read_whole(conn, pub, c)
         pub.local.end_receiving()
+        buf = np.zeros(len(pub.chunk(3)), dtype=np.uint8)
         with pytest.raises(NotServing) as info:
             await read_into(conn, pub, 3, [memoryview(buf)])  # type: ignore[arg-type]
         assert info.value.status == NOT_YET
@@ -879,9 +877,7 @@ async def test_tcp_idle_connection_outlives_the_reader_timeout(
         pub = publish(holder.store, rng, [10_000], chunk_size=4096)
         conn = await holder.connect()
         for _ in range(2):
-            buf = np.zeros(len(pub.chunk(1)), dtype=np.uint8)
-            await read_into(conn, pub, 1, [memoryview(buf)])  # type: ignore[arg-type]
-            assert np.array_equal(buf, pub.chunk(1))
+            await read_whole(conn, pub, 1)
             waited = len(idle)
             with trio.fail_after(10):
                 while len(idle) < waited + 2:  # two timeouts pass with nothing asked
