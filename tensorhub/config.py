@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .bounds import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_PEER_NAME
 from .errors import ConfigError
 from .manifest import DIGEST_ALGOS
 
@@ -127,16 +128,22 @@ class PeerConfig:
     """Free-form options for experiments; never read by the core."""
 
     def __post_init__(self) -> None:
-        if not self.name or len(self.name) > 200 or any(c.isspace() for c in self.name):
-            raise ConfigError(f"peer name must be 1-200 non-space chars, got {self.name!r}")
+        if not self.name or len(self.name) > MAX_PEER_NAME or any(c.isspace() for c in self.name):
+            raise ConfigError(f"peer name must be 1-{MAX_PEER_NAME} non-space chars, "
+                              f"got {self.name!r}")
         parse_hostport(self.listen)
         if self.data_listen is not None:
             parse_hostport(self.data_listen)
         for seed in self.join:
             parse_hostport(seed)
+        if len(self.labels) > MAX_LABELS:
+            raise ConfigError(f"at most {MAX_LABELS} labels")
         for item in self.labels:
-            if len(item) != 2 or not all(isinstance(s, str) and s for s in item):
-                raise ConfigError(f"labels must be (key, value) pairs of strings, got {item!r}")
+            if len(item) != 2 or not all(isinstance(s, str) and s for s in item) \
+                    or len(item[0]) > MAX_LABEL_KEY or len(item[1]) > MAX_LABEL_VALUE:
+                raise ConfigError(f"labels must be (key, value) pairs of non-empty strings of "
+                                  f"<= {MAX_LABEL_KEY} and <= {MAX_LABEL_VALUE} chars, "
+                                  f"got {item!r}")
         positive = (
             "gossip_interval", "probe_interval", "probe_timeout", "suspicion_mult",
             "push_pull_interval", "dead_reap_after", "stall_timeout", "connect_timeout",

@@ -24,7 +24,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Annotated
 
+from ..bounds import MAX_PEERS, ControlEndpoint, MaxLen, PeerName
 from ..config import PeerConfig
 from ..model import PeerInfo, VersionKey
 from .coordination import Coordination, CoordReply, CoordRequest
@@ -36,17 +38,17 @@ from .versions import Seal, ShardClaim, VersionView
 
 @dataclass(frozen=True, slots=True)
 class RefsDigest:
-    sender: str
-    name: str
-    stamps: tuple[Stamp, ...]
+    sender: ControlEndpoint
+    name: PeerName
+    stamps: Annotated[tuple[Stamp, ...], MaxLen(MAX_PEERS)]
     answer_with_digest: bool
 
 
 @dataclass(frozen=True, slots=True)
 class RefsDelta:
-    sender: str
-    name: str
-    entries: tuple[OriginEntry, ...]
+    sender: ControlEndpoint
+    name: PeerName
+    entries: Annotated[tuple[OriginEntry, ...], MaxLen(MAX_PEERS)]
 
 
 MESSAGES = (RefsDigest, RefsDelta)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Annotated, Protocol
 
+from ..bounds import U32, U63, U64, ControlEndpoint, MaxLen, PeerName, PeerNames, Range, Text
 from ..errors import LocalProtocolError, VersionUnavailable
-from ..model import VersionKey
+from ..model import ModelName, VersionKey
 from .planner import Planner, PlannerConfig, SourceRange
 from .ring import CoordinatorView, Epoch, EpochTracker, Local, Verdict, route
 from .topology import NodeInfo, Topology
@@ -32,28 +33,28 @@ MAX_HOPS = 4
 
 @dataclass(frozen=True, slots=True)
 class CoordRequest:
-    sender: str  # control address of the asking peer (replies go there directly)
-    name: str
-    req_id: int
-    model: str
-    version: int
+    sender: ControlEndpoint  # the asking peer (replies go there directly)
+    name: PeerName
+    req_id: U63
+    model: ModelName
+    version: U63
     seen: Epoch | None
-    hops: int
-    size: int = 0
+    hops: Annotated[int, Range(0, MAX_HOPS)]
+    size: U64 = 0
     """Bytes of the version (0: the asker only wants to know who coordinates)."""
-    chunks: int = 0
+    chunks: U32 = 0
 
 
 @dataclass(frozen=True, slots=True)
 class CoordReply:
-    req_id: int
-    model: str
-    version: int
+    req_id: U63
+    model: ModelName
+    version: U63
     ok: bool
     epoch: Epoch | None
-    fetchers: tuple[str, ...]
-    detail: str
-    sources: tuple[SourceRange, ...] = ()
+    fetchers: PeerNames
+    detail: Text
+    sources: Annotated[tuple[SourceRange, ...], MaxLen(1024)] = ()
     """The asker's part of the plan: which chunk ranges to pull from whom."""
 
 

@@ -14,6 +14,10 @@ tell "try another holder" (``NOT_HELD``, ``NOT_YET``) from "you asked nonsense"
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from ..bounds import U8, U32, U63, U64, MaxLen, Rank, Text
+from ..model import LayoutId, ModelName
 
 OK = 0
 NOT_HELD = 1
@@ -29,36 +33,36 @@ MAX_FRAME = 1 << 20  # requests and reply headers are small; manifests travel as
 
 @dataclass(frozen=True, slots=True)
 class ManifestRequest:
-    req_id: int
-    model: str
-    version: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkRequest:
-    req_id: int
-    model: str
-    version: int
-    chunk: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    chunk: U32
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    req_id: int
-    status: int
-    length: int
-    detail: str = ""
+    req_id: U63
+    status: U8
+    length: U64
+    detail: Text = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ShmHello:
     """Same-host handshake: "show me where you are"; answered by :class:`ShmWelcome`."""
 
-    req_id: int
+    req_id: U63
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +71,10 @@ class ShmWelcome:
     of its memory: a reader that reads those bytes back shares the holder's host and pid
     namespace and may read its memory."""
 
-    req_id: int
-    pid: int
-    token: bytes
-    token_at: int
+    req_id: U63
+    pid: U32
+    token: Annotated[bytes, MaxLen(64)]
+    token_at: U64
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +82,12 @@ class ShmChunkRequest:
     """Lease chunk ``chunk`` and say where its bytes lie; answered by one or more
     :class:`ShmGrant` frames, or by a non-OK :class:`Reply` (no lease then)."""
 
-    req_id: int
-    model: str
-    version: int
-    chunk: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    chunk: U32
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +97,8 @@ class ShmGrant:
     frame is granted in several frames, all but the last with ``more``.  The lease holds
     until the reader sends :class:`ShmDone` or the connection ends."""
 
-    req_id: int
-    length: int
+    req_id: U63
+    length: U64
     iovecs: bytes
     more: bool
 
@@ -103,7 +107,7 @@ class ShmGrant:
 class ShmDone:
     """The reader has copied the chunk of request ``req_id``: the holder ends the lease."""
 
-    req_id: int
+    req_id: U63
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +118,8 @@ class ShmFileGrant:
     ``/proc/<pid>/fd/<fd>``, checks the inode and maps the pages instead of copying
     through the kernel.  Same lease, same :class:`ShmDone`."""
 
-    req_id: int
-    length: int
+    req_id: U63
+    length: U64
     pieces: bytes
     more: bool
 
@@ -138,12 +142,12 @@ class ShmVersionRequest:
     :class:`ShmChunkRequest` of ``chunk`` (a chunk grant, then :class:`ShmDone`, or a
     non-OK :class:`Reply`)."""
 
-    req_id: int
-    model: str
-    version: int
-    chunk: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    chunk: U32
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +157,9 @@ class ShmVersionGrant:
     cut into chunks of ``chunk_size``; several frames, all but the last with ``more``,
     when they do not fit in one.  The reader copies any chunk without asking again."""
 
-    req_id: int
-    length: int
-    chunk_size: int
+    req_id: U63
+    length: U64
+    chunk_size: U32
     pieces: bytes
     more: bool
 
@@ -167,7 +171,7 @@ class ShmRelease:
     counts), continued in further frames while ``more``.  Answered by ``Reply(req_id,
     OK, 0)`` once the lease has ended."""
 
-    req_id: int
+    req_id: U63
     chunks: bytes
     more: bool
 
@@ -177,7 +181,7 @@ class ShmRevoke:
     """The holder unpublished the leased version: the reader finishes the copy in flight
     (still leased), then sends :class:`ShmRelease`; further reads are refused."""
 
-    req_id: int
+    req_id: U63
 
 
 MESSAGES_2 = (ShmVersionRequest, ShmVersionGrant, ShmRelease, ShmRevoke)

@@ -42,8 +42,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import cast
+from typing import Annotated, cast
 
+from ..bounds import MAX_PEERS, U63, ControlEndpoint, MaxLen, PeerName, Range
 from ..config import PeerConfig
 from ..errors import LocalProtocolError
 from ..model import PeerInfo
@@ -79,10 +80,10 @@ class Update:
     it (the accuser of a suspicion or death, the member itself otherwise); ``info`` is
     carried by alive claims and by full-state records."""
 
-    kind: int
-    name: str
-    incarnation: int
-    origin: str
+    kind: Annotated[int, Range(0, _L)]
+    name: PeerName
+    incarnation: U63
+    origin: PeerName
     info: PeerInfo | None
 
     def __post_init__(self) -> None:
@@ -94,55 +95,62 @@ class Update:
             raise ValueError("update info missing or about another member")
 
 
+ProbeUpdates = Annotated[tuple[Update, ...], MaxLen(PIGGYBACK_PROBE + 1)]
+"""What rides on a probe: the piggybacked news, plus the receiver's own record."""
+
+
 @dataclass(frozen=True, slots=True)
 class Ping:
-    sender: str
-    sender_name: str
-    seq: int
-    target: str  # the name we expect to answer (an address may have been reused)
-    updates: tuple[Update, ...]
+    sender: ControlEndpoint
+    sender_name: PeerName
+    seq: U63
+    target: PeerName  # the name we expect to answer (an address may have been reused)
+    updates: ProbeUpdates
 
 
 @dataclass(frozen=True, slots=True)
 class IndirectPing:
-    sender: str
-    sender_name: str
-    seq: int
-    target: str
-    target_control: str
-    updates: tuple[Update, ...]
+    """Ask the receiver to ping member ``target`` for us.  ``target_control`` is only
+    informative: the receiver pings the address *its* view has for ``target``."""
+
+    sender: ControlEndpoint
+    sender_name: PeerName
+    seq: U63
+    target: PeerName
+    target_control: ControlEndpoint
+    updates: ProbeUpdates
 
 
 @dataclass(frozen=True, slots=True)
 class Ack:
-    sender: str
-    sender_name: str
-    seq: int
-    updates: tuple[Update, ...]
+    sender: ControlEndpoint
+    sender_name: PeerName
+    seq: U63
+    updates: ProbeUpdates
 
 
 @dataclass(frozen=True, slots=True)
 class Nack:
-    sender: str
-    sender_name: str
-    seq: int
+    sender: ControlEndpoint
+    sender_name: PeerName
+    seq: U63
 
 
 @dataclass(frozen=True, slots=True)
 class Gossip:
-    sender: str
-    sender_name: str
-    updates: tuple[Update, ...]
+    sender: ControlEndpoint
+    sender_name: PeerName
+    updates: Annotated[tuple[Update, ...], MaxLen(PIGGYBACK_GOSSIP)]
 
 
 @dataclass(frozen=True, slots=True)
 class PushPull:
     """A view digest, optionally with full state (``members``: one record per member)."""
 
-    sender: str
-    sender_name: str
-    digest: bytes
-    members: tuple[Update, ...]
+    sender: ControlEndpoint
+    sender_name: PeerName
+    digest: Annotated[bytes, MaxLen(64)]
+    members: Annotated[tuple[Update, ...], MaxLen(MAX_PEERS)]
     want_reply: bool
 
 

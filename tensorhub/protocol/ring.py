@@ -75,6 +75,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ..bounds import U63, PeerName
 from ..errors import LocalProtocolError
 from ..model import VersionKey
 
@@ -226,9 +227,9 @@ def moved(keys: Iterable[VersionKey], before: Iterable[str],
 class Epoch:
     """Stamp on every plan: compared by term, then coordinator name, then incarnation."""
 
-    term: int
-    coordinator: str
-    incarnation: int
+    term: U63
+    coordinator: PeerName
+    incarnation: U63
 
 
 MESSAGES = (Epoch,)
