@@ -10,12 +10,11 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wire_strategies import valid as strategy_for
 
 from tensorhub.errors import LocalProtocolError, RemoteProtocolError
 from tensorhub.protocol import codec
 from tensorhub.protocol.messages import register_all
-
-from wire_strategies import valid as strategy_for
 
 register_all()
 MESSAGES = sorted(codec.registered().items())

@@ -3,10 +3,17 @@
 One nursery holds every task: the ZeroMQ socket's owner, the control dispatcher (decode,
 feed :class:`ControlPlane`, send what it returns), the timer task that ticks it at its
 deadlines, and the TCP data server.  Time comes from trio's clock only.
+
+No input ends the dispatcher: a frame that does not decode, a message of a kind the
+control port does not take, or one whose sender field is not the connection it came on
+(the only address a reply may go to) is dropped and counted (``malformed_dropped``); an
+exception a handler raises on remote input is a bug, counted in ``internal_errors`` with
+its text, logged, and the peer goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import time
@@ -34,9 +41,9 @@ from ..model import (
     check_model_name,
     check_version,
 )
-from ..protocol import codec
+from ..protocol import codec, control, coordination, membership
 from ..protocol.control import ControlPlane
-from ..protocol.coordination import CoordinatorAnswer
+from ..protocol.coordination import CoordinatorAnswer, CoordRequest
 from ..protocol.groups import GroupEnvelope
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
@@ -61,6 +68,11 @@ from .store import LocalVersion, Store
 from .zmq_trio import ZmqRouter
 
 register_all()
+log = logging.getLogger(__name__)
+
+_CONTROL = (*membership.MESSAGES, *control.MESSAGES, *coordination.MESSAGES)
+"""What the control plane handles; each but CoordReply names its sender's address."""
+INTERNAL_ERRORS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,10 @@ class PeerStats:
     gossip_dropped: int
     control_received: int
     control_sent: int
+    internal_errors: int
+    """Exceptions our own code raised on remote input (bugs: always expected to be 0)."""
+    internal_error_texts: tuple[str, ...]
+    """The last few of them."""
     shm: str
     """Whether the same-host transport is usable here, and if not why."""
     shm_fallbacks: dict[str, str]
@@ -123,6 +139,8 @@ class Peer:
         self._closed = False
         self._served = self._chunks_served = self._fetched = self._nfetches = 0
         self._malformed = 0
+        self._internal_errors = 0
+        self._internal_texts: list[str] = []
         self._by_source: dict[str, int] = {}
         self._by_transport: dict[str, int] = {}
         self._integrity: dict[str, int] = {}
@@ -156,8 +174,12 @@ class Peer:
 
     def _send(self, out: list[Outbound]) -> None:
         for item in out:
-            self._router.send_nowait(item.dest, codec.encode(item.msg,
-                                                             self.config.max_message_bytes))
+            try:
+                data = codec.encode(item.msg, self.config.max_message_bytes)
+            except LocalProtocolError as exc:
+                self.internal_error(f"cannot send {type(item.msg).__name__}: {exc}")
+                continue
+            self._router.send_nowait(item.dest, data, reply=item.reply)
         self._after_change()
 
     def _after_change(self) -> None:
@@ -172,23 +194,61 @@ class Peer:
         self._wake_ticker.set()
 
     async def _dispatch(self) -> None:
-        async for _sender, data in self._router.inbound:
+        while True:
+            try:
+                sender, data = await self._router.receive()
+            except trio.EndOfChannel:
+                return
             try:
                 msg = codec.decode(data, self.config.max_message_bytes)
             except RemoteProtocolError as exc:
-                self._count_bad(f"control message from {_sender}: {exc}")
+                self._count_bad(f"control message from {sender[:100]!r}: {exc}")
                 continue
-            if isinstance(msg, KeepQuery | KeepAnswer):
-                self.retention.on_message(_sender, msg)
-                continue
-            if isinstance(msg, GroupEnvelope):
-                handler = self._group_inbox.get(msg.group)
-                if handler is None:
-                    self._count_bad(f"group message for unknown group {msg.group!r}")
-                else:
-                    handler(msg)
-                continue
+            try:
+                self._handle(sender, msg)
+            except Exception as exc:  # a bug on remote input: count it, keep serving
+                self.internal_error(f"{type(msg).__name__} from {sender[:100]!r}: "
+                                    f"{type(exc).__name__}: {exc}", exc)
+
+    def _handle(self, sender: str, msg: object) -> None:
+        """One decoded message from the connection with routing id ``sender``."""
+        problem = self._misaddressed(sender, msg)
+        if problem:
+            self._count_bad(f"{type(msg).__name__} from {sender[:100]!r}: {problem}")
+        elif isinstance(msg, KeepQuery | KeepAnswer):
+            self.retention.on_message(sender, msg)
+        elif isinstance(msg, GroupEnvelope):
+            handler = self._group_inbox.get(msg.group)
+            if handler is None:
+                self._count_bad(f"group message for unknown group {msg.group[:100]!r}")
+            else:
+                handler(msg)
+        else:
             self._send(self.control.receive(trio.current_time(), msg))
+
+    def _misaddressed(self, sender: str, msg: object) -> str:
+        """Why ``msg`` may not be taken from routing id ``sender`` ('' if it may): a
+        sender field must be that connection, a sender name a member reached there."""
+        if isinstance(msg, GroupEnvelope | KeepQuery):
+            name = msg.sender if isinstance(msg, GroupEnvelope) else msg.asker
+            member = self.control.membership.members().get(name)
+            if member is None or member.info.control != sender:
+                return f"speaks for {name[:100]!r}, not a member at that address"
+            return ""
+        if isinstance(msg, KeepAnswer):
+            return ""
+        if not isinstance(msg, _CONTROL):
+            return "not a control-plane message"
+        if isinstance(msg, CoordRequest) and msg.hops:
+            return ""  # forwarded: answered at the asker's address in our own view
+        claimed = getattr(msg, "sender", sender)
+        return "" if claimed == sender else f"claims to come from {claimed[:100]!r}"
+
+    def internal_error(self, what: str, exc: BaseException | None = None) -> None:
+        """Our own code failed on remote input: count, keep the text, log, go on."""
+        self._internal_errors += 1
+        self._internal_texts = [*self._internal_texts[-(INTERNAL_ERRORS_KEPT - 1):], what]
+        log.error("tensorhub peer %s: internal error: %s", self.info.name, what, exc_info=exc)
 
     def send_to(self, peer: str, msg: object) -> bool:
         """Send a control message to peer ``peer`` by name (False if it is not a live
@@ -556,6 +616,8 @@ class Peer:
             integrity_failures=dict(self._integrity), malformed_dropped=self._malformed,
             gossip_dropped=rs.dropped_inbound + rs.dropped_outbound,
             control_received=rs.received, control_sent=rs.sent,
+            internal_errors=self._internal_errors,
+            internal_error_texts=tuple(self._internal_texts),
             shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
             shm_fallbacks=dict(self._shm_refused),
             reports=tuple(self._reports),

@@ -259,9 +259,13 @@ class ControlPlane:
                 self.coordination.on_reply(out)
                 self.changes += 1
                 return []
-            return [Outbound(msg.sender, out)]
+            if msg.hops == 0:  # straight from the asker: back over its connection
+                return [Outbound(msg.sender, out, True)]
+            dest = msg.name  # forwarded: to the asker's address in our own view
         member = self.membership.members().get(dest)
-        return [Outbound(member.info.control, out)] if member is not None else []
+        if member is None or not self.membership.is_live(dest):
+            return []
+        return [Outbound(member.info.control, out)]
 
     def _random_peers(self, k: int) -> list[PeerInfo]:
         live = [p for p in self.membership.live_members() if p.name != self.me.name]
@@ -279,10 +283,10 @@ class ControlPlane:
 
     def _on_digest(self, msg: RefsDigest) -> list[Outbound]:
         out = [
-            Outbound(msg.sender, RefsDelta(self.me.control, self.me.name, tuple(part)))
+            Outbound(msg.sender, RefsDelta(self.me.control, self.me.name, tuple(part)), True)
             for part in self.refs.newer_than(msg.stamps, _REFS_PART_BYTES)
         ]
         if msg.answer_with_digest and self.refs.wants_from(msg.stamps):
             out.append(Outbound(msg.sender, RefsDigest(
-                self.me.control, self.me.name, self.refs.digest(), False)))
+                self.me.control, self.me.name, self.refs.digest(), False), True))
         return out

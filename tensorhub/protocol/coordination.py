@@ -29,6 +29,9 @@ from .ring import CoordinatorView, Epoch, EpochTracker, Local, Verdict, route
 from .topology import NodeInfo, Topology
 
 MAX_HOPS = 4
+MAX_ASKED = 1024
+"""Our own requests awaiting an answer (the oldest are forgotten); a reply to any other
+request id is unsolicited and ignored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,8 @@ class Coordination:
         self.tracker = EpochTracker()
         self._next_id = 0
         self.answers: dict[int, CoordinatorAnswer | str] = {}
-        self.forwarded = self.stale_replies = 0
+        self._asked: dict[int, None] = {}
+        self.forwarded = self.stale_replies = self.unsolicited = 0
         self.keys: set[VersionKey] = set()
         """Every version this peer knows of: the election runs over all of them."""
 
@@ -132,6 +136,9 @@ class Coordination:
         """A registration for ``key``: (request id, message, member name to send to).
         With ``size`` and ``chunks`` the coordinator plans the asker into the transfer."""
         self._next_id += 1
+        self._asked[self._next_id] = None
+        if len(self._asked) > MAX_ASKED:
+            del self._asked[next(iter(self._asked))]
         msg = CoordRequest(self.address, self.me, self._next_id, key.model, key.version,
                            self.tracker.current(key), 0, size, chunks)
         return self._next_id, msg, self.coordinator(key, live)
@@ -187,6 +194,9 @@ class Coordination:
             return (), f"no plan: {exc}"
 
     def on_reply(self, msg: CoordReply) -> None:
+        if self._asked.pop(msg.req_id, 0) is not None:
+            self.unsolicited += 1
+            return
         if not msg.ok or msg.epoch is None:
             self.answers[msg.req_id] = msg.detail or "refused"
             return

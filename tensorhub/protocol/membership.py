@@ -165,6 +165,10 @@ _HANDLED = frozenset(MESSAGES)
 class Outbound:
     dest: str     # control address
     msg: object   # a wire message (membership's, or another protocol's riding along)
+    reply: bool = False
+    """``dest`` is the sender of a message we answer: the shell sends it back over the
+    connection that message came on and never connects to ``dest`` (an address taken
+    from a message is never contacted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +286,7 @@ class Membership:
                 if entry is not None and entry[1] + RECONNECT_TIMEOUT <= now:
                     del self._view.failed[name]
         for requester, seq in self._prober.overdue_relays(now):
-            out.append(Outbound(requester, Nack(self._addr, self._name, seq)))
+            out.append(Outbound(requester, Nack(self._addr, self._name, seq), True))
         p = self._prober.current
         if p is not None:
             if not p.indirect and now >= p.ack_deadline:
@@ -308,7 +312,7 @@ class Membership:
         if self._left:
             if kind is Ping or kind is IndirectPing or kind is PushPull:
                 out.append(Outbound(m.sender, Gossip(
-                    self._addr, self._name, (self._view.records[self._name],))))
+                    self._addr, self._name, (self._view.records[self._name],)), True))
             return out
         self._refuted = False
         replied = False
@@ -317,7 +321,7 @@ class Membership:
             self._merge(now, ping.updates, False, out)
             if ping.target == self._name:
                 out.append(Outbound(ping.sender, Ack(
-                    self._addr, self._name, ping.seq, self._piggyback(ping.sender_name))))
+                    self._addr, self._name, ping.seq, self._piggyback(ping.sender_name)), True))
                 replied = True
             else:
                 self._counts["misdirected"] += 1
@@ -337,7 +341,7 @@ class Membership:
             replied = self._on_push_pull(now, cast(PushPull, m), out)
         if self._refuted and not replied:  # whoever accused us hears the refutation
             out.append(Outbound(m.sender, Gossip(
-                self._addr, self._name, (self._view.records[self._name],))))
+                self._addr, self._name, (self._view.records[self._name],)), True))
         return out
 
     def members(self) -> Mapping[str, MemberState]:
@@ -522,15 +526,19 @@ class Membership:
     def _on_ack(self, msg: Ack, out: list[Outbound]) -> None:
         relay = self._prober.relays.pop(msg.seq, None)
         if relay is not None:
-            out.append(Outbound(relay[0], Ack(self._addr, self._name, relay[1], ())))
+            out.append(Outbound(relay[0], Ack(self._addr, self._name, relay[1], ()), True))
         elif self._prober.acked(msg.seq):
             self._health.apply(-1)
 
     def _relay(self, now: float, msg: IndirectPing, out: list[Outbound]) -> None:
-        if msg.target == self._name:
+        """Ping ``msg.target`` at the address *our* view has for it (a member we do not
+        know is not pinged: the message's ``target_control`` is never contacted)."""
+        if msg.target == self._name or not self._view.is_live(msg.target):
+            self._counts["misdirected"] += 1
             return
         seq = self._prober.relay(msg.sender, msg.seq, now + NACK_AFTER * self._cfg.probe_timeout)
-        out.append(Outbound(msg.target_control, Ping(self._addr, self._name, seq, msg.target, ())))
+        out.append(Outbound(self._view.control(msg.target),
+                            Ping(self._addr, self._name, seq, msg.target, ())))
 
     # -- dissemination -------------------------------------------------------------------
 
@@ -582,7 +590,8 @@ class Membership:
         view = self._view
         if msg.want_reply or (not msg.members and msg.digest != view.digest()):
             out.append(Outbound(msg.sender, PushPull(
-                self._addr, self._name, view.digest(), view.full_state(), not msg.want_reply)))
+                self._addr, self._name, view.digest(), view.full_state(), not msg.want_reply),
+                True))
             return True
         return False
 

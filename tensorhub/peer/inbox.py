@@ -1,0 +1,77 @@
+"""A fair inbound queue: one bounded queue per sender, served round-robin.
+
+Theory of operation
+-------------------
+Control frames wait here between the socket's owner task and the dispatcher.  One FIFO
+queue would let a single flooding sender fill it, so the frames of everyone else would
+wait behind the flood or be dropped.  Here each sender (ZeroMQ routing id) has its own
+queue of at most ``per_sender`` frames, and :meth:`FairInbox.pop` takes one frame from
+each sender with frames waiting in turn: a flood delays another sender's next frame by
+at most one frame of each flooder, however fast it sends.
+
+All queues together hold at most ``capacity`` frames.  When that is reached, a frame
+from a sender holding less than its fair share (``capacity`` over the senders waiting)
+pushes out the oldest frame of the longest queue; any other frame is dropped.  So many
+flooders together cannot lock out a sender that is quiet, and a sender that stops
+sending gives its room back as soon as its queue is served.  Every drop is counted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+
+class FairInbox:
+    def __init__(self, capacity: int, per_sender: int) -> None:
+        if not 1 <= per_sender <= capacity:
+            raise ValueError("need 1 <= per_sender <= capacity")
+        self.capacity = capacity
+        self.per_sender = per_sender
+        self._queues: OrderedDict[bytes, deque[bytes]] = OrderedDict()
+        self._total = 0
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return self._total
+
+    @property
+    def senders(self) -> int:
+        """Senders with frames waiting."""
+        return len(self._queues)
+
+    def put(self, sender: bytes, frame: bytes) -> bool:
+        """Queue ``frame`` from ``sender`` (perhaps pushing out another sender's oldest
+        frame); False if ``frame`` was dropped instead."""
+        queue = self._queues.get(sender)
+        held = 0 if queue is None else len(queue)
+        if held >= self.per_sender or (self._total >= self.capacity and (
+                held * (len(self._queues) + 1) >= self.capacity or not self._push_out())):
+            self.dropped += 1
+            return False
+        if queue is None:
+            queue = self._queues[sender] = deque()
+        queue.append(frame)
+        self._total += 1
+        return True
+
+    def pop(self) -> tuple[bytes, bytes] | None:
+        """The next frame in round-robin order of senders, or None if all are empty."""
+        if not self._queues:
+            return None
+        sender, queue = next(iter(self._queues.items()))
+        frame = queue.popleft()
+        self._total -= 1
+        if queue:
+            self._queues.move_to_end(sender)
+        else:
+            del self._queues[sender]
+        return sender, frame
+
+    def _push_out(self) -> bool:
+        longest = max(self._queues.values(), key=len)
+        if len(longest) < 2:
+            return False  # every sender holds one frame: nobody has more than its share
+        longest.popleft()
+        self._total -= 1
+        self.dropped += 1
+        return True
