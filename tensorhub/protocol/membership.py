@@ -70,6 +70,7 @@ RECONNECT_MAX = 4096       # ... and at most this many (oldest forgotten first)
 EVENTS_MAX = 65536         # undrained events kept; older ones are dropped and counted
 
 _T_SUSPECT, _T_REAP, _T_FORGET = range(3)
+MAX_INCARNATION = 2**63 - 1  # what an incarnation field may carry (bounds.U63)
 
 
 # -- wire messages ---------------------------------------------------------------------
@@ -441,8 +442,8 @@ class Membership:
             self._queue.put(name, Update(_S, name, s.incarnation, accuser, None))
 
     def _about_me(self, now: float, u: Update, out: list[Outbound]) -> None:
-        if self._left or u.incarnation < self._inc:
-            return
+        if self._left or u.incarnation < self._inc or u.incarnation >= MAX_INCARNATION:
+            return  # (at the top a refutation would not decode anywhere: nothing to do)
         if u.incarnation == self._inc and u.kind == _A and u.info == self.me:
             return
         if u.kind != _A:
