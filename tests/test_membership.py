@@ -195,7 +195,8 @@ def test_messages_round_trip_through_the_wire_codec() -> None:
     info = PeerInfo("a", "tcp://a:1", "a:2", (("dc", "x"), ("rack", "r1")))
     alive, suspect = Update(0, "a", 3, "a", info), Update(1, "b", 0, "a", None)
     samples = [Ping("tcp://a:1", "a", 1, "b", (alive, suspect)),
-               IndirectPing("tcp://a:1", "a", 2, "b", "tcp://b:1", ()), Ack("tcp://a:1", "a", 1, (alive,)),
+               IndirectPing("tcp://a:1", "a", 2, "b", "tcp://b:1", ()),
+               Ack("tcp://a:1", "a", 1, (alive,)),
                Nack("tcp://a:1", "a", 1), Gossip("tcp://a:1", "a", (suspect,)),
                PushPull("tcp://a:1", "a", b"d" * 12, (alive,), True)]
     assert {type(m) for m in samples} == set(MESSAGES)
