@@ -19,6 +19,7 @@ data address ``HOST:PORT``, HOST a DNS name or an IP address, PORT in 1..65535.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Callable
@@ -89,6 +90,7 @@ def check_host(host: str) -> str:
     return host
 
 
+@functools.lru_cache(maxsize=8192)  # gossip repeats the same few endpoints endlessly
 def check_hostport(text: str) -> str:
     """``HOST:PORT`` with a sane host and a port in 1..65535."""
     host, sep, port = text.rpartition(":")
@@ -99,6 +101,7 @@ def check_hostport(text: str) -> str:
     return text
 
 
+@functools.lru_cache(maxsize=8192)
 def check_control_endpoint(text: str) -> str:
     """``tcp://HOST:PORT``: the only control endpoints a peer connects to."""
     if not text.startswith("tcp://"):
