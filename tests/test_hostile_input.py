@@ -22,9 +22,9 @@ import zmq
 
 import tensorhub
 from tensorhub import PeerConfig
+from tensorhub.model import PeerInfo
 from tensorhub.peer.node import _free_port
 from tensorhub.peer.zmq_trio import ZmqRouter
-from tensorhub.model import PeerInfo
 from tensorhub.protocol import codec
 from tensorhub.protocol.membership import Ack, Gossip, IndirectPing, Ping, Update
 
