@@ -202,10 +202,10 @@ def test_control_plane_survives_any_decoded_message(data: st.DataObject) -> None
         msg = _hostile_control_message(data)
         if msg is not None:
             for o in plane.receive(now, msg):
-                codec.encode(o.msg)  # everything we send encodes: no OverflowError
+                codec.decode(codec.encode(o.msg))  # what we send, receivers accept
         now += data.draw(st.sampled_from([0.0, 0.05, 0.5, 5.0, 60.0]))
         for o in plane.tick(now):
-            codec.encode(o.msg)
+            codec.decode(codec.encode(o.msg))
         plane.drain_events()
     # The plane still works: a member it has never heard of is accepted.
     plane.receive(now, Gossip(LEGIT.control, LEGIT.name,
@@ -250,6 +250,8 @@ def test_group_member_refuses_or_handles_any_decoded_message(data: st.DataObject
             continue
         for o in out:
             if isinstance(o, groups.Send):
-                codec.encode(o.msg)
+                codec.decode(codec.encode(o.msg))
         now += 1.0
-        member.tick(now)
+        for o in member.tick(now):
+            if isinstance(o, groups.Send):
+                codec.decode(codec.encode(o.msg))

@@ -243,10 +243,7 @@ class ControlPlane:
         completed holdings turn fetchers into sources in the plans we keep."""
         self.changes += 1
         self._fresh.clear()  # cheap: each model is re-sealed on its next query
-        keys = {h.key for e in entries for h in e.holdings}
-        if not keys <= self.coordination.keys:
-            self.coordination.keys |= keys
-            self.coordination.elect(self)
+        self.coordination.learn({h.key for e in entries for h in e.holdings}, self)
         for e in entries:
             for h in e.holdings:
                 if h.complete and h.key in self.coordination.planners:

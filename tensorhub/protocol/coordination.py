@@ -17,6 +17,7 @@ coordinator is recognisably stale and ignored.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Protocol
@@ -30,6 +31,10 @@ from .topology import NodeInfo, Topology
 
 MAX_HOPS = 4
 MAX_ASKED = 1024
+MAX_REQUESTED_KEYS = 4096
+"""Versions we coordinate only because someone asked (none is in our reference table);
+beyond this many the least recently asked is forgotten: requests cannot grow our state
+or the cost of elections without bound."""
 """Our own requests awaiting an answer (the oldest are forgotten); a reply to any other
 request id is unsolicited and ignored."""
 
@@ -106,10 +111,20 @@ class Coordination:
         self.forwarded = self.stale_replies = self.unsolicited = 0
         self.keys: set[VersionKey] = set()
         """Every version this peer knows of: the election runs over all of them."""
+        self._requested: OrderedDict[VersionKey, None] = OrderedDict()
+        """Keys known only from requests, least recently asked first."""
 
     def coordinator(self, key: VersionKey, live: Iterable[str]) -> str:
         found = route(key, live, self.me)
         return self.me if found is Local.LOCAL else str(found)
+
+    def learn(self, keys: set[VersionKey], mesh: MeshView) -> None:
+        """Versions seen in the reference table: elect over them, and keep them."""
+        for key in keys:
+            self._requested.pop(key, None)
+        if not keys <= self.keys:
+            self.keys |= keys
+            self.elect(mesh)
 
     def elect(self, mesh: MeshView) -> None:
         """Re-run the election (after a view change): take over or drop versions."""
@@ -157,9 +172,20 @@ class Coordination:
             fwd = CoordRequest(msg.sender, msg.name, msg.req_id, msg.model, msg.version,
                                msg.seen, msg.hops + 1, msg.size, msg.chunks)
             return str(target), fwd
-        if self.view.state(key) is None:
+        if msg.name not in live:
+            return "reply", CoordReply(msg.req_id, msg.model, msg.version, False, None, (),
+                                       f"{msg.name} is not a live member in {self.me}'s view")
+        if key not in self.keys:
             self.keys.add(key)
-            self.elect(mesh)
+            self._requested[key] = None
+            if len(self._requested) > MAX_REQUESTED_KEYS:
+                old, _ = self._requested.popitem(last=False)
+                self.keys.discard(old)
+                self.view.drop(old)
+                self.planners.pop(old, None)
+        elif key in self._requested:
+            self._requested.move_to_end(key)
+        self.view.adopt(key, [(n, None) for n in mesh.fetchers_of(key)])
         epoch = self.view.register(key, msg.name, None, msg.seen)
         state = self.view.state(key)
         fetchers = tuple(sorted(state.fetchers)) if state is not None else ()
