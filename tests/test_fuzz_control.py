@@ -27,6 +27,7 @@ from tensorhub.errors import LocalProtocolError, RemoteProtocolError
 from tensorhub.model import PeerInfo
 from tensorhub.protocol import codec, control, coordination, groups, membership
 from tensorhub.protocol.control import ControlPlane
+from tensorhub.protocol.coordination import MAX_REQUESTED_KEYS, CoordReply, CoordRequest
 from tensorhub.protocol.groups import GroupMember
 from tensorhub.protocol.membership import ALIVE, Gossip, PushPull, Update
 from tensorhub.protocol.messages import register_all
@@ -235,6 +236,20 @@ def test_full_state_with_boundary_members_is_merged() -> None:
                                                  for inc in (0, 2**32, 2**63 - 1)))
     out = plane.receive(0.0, PushPull(FRIENDS[0].control, "f0", b"", records, True))
     assert out and all(codec.decode(codec.encode(o.msg)) == o.msg for o in out)
+
+
+def test_coordinator_requests_cannot_grow_state_without_bound() -> None:
+    plane = _plane()
+    coord = plane.coordination
+    for i in range(MAX_REQUESTED_KEYS * 8):  # a quarter of them is ours to coordinate
+        plane.receive(0.0, CoordRequest(FRIENDS[1].control, "f1", i, "m", i, None, 0))
+    assert len(coord.keys) == MAX_REQUESTED_KEYS
+    assert coord.view.statistics().coordinated <= MAX_REQUESTED_KEYS
+    # strangers do not register, and replies to requests never made are ignored
+    out = plane.receive(0.0, CoordRequest(FRIENDS[1].control, "stranger", 1, "m", 1, None, 0))
+    assert all(not o.msg.ok for o in out if isinstance(o.msg, CoordReply))
+    plane.receive(0.0, CoordReply(12345, "m", 1, False, None, (), "forged"))
+    assert coord.answers == {} and coord.unsolicited == 1
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
