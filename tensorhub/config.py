@@ -80,6 +80,11 @@ class PeerConfig:
     gossip_queue: int = 1024
     """Inbound/outbound control messages buffered; excess gossip is dropped and counted."""
 
+    control_rate: float = 1000.0
+    """Control messages a second one sender may have handled (bursts of ``gossip_queue``
+    / 8); beyond that its messages are dropped and counted.  Peers send tens a second:
+    this only bounds what a flooding sender costs us."""
+
     # -- data plane -------------------------------------------------------------
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """Bytes per chunk: the unit of verification, so of store-and-forward.  Each level of a
@@ -164,6 +169,8 @@ class PeerConfig:
             raise ConfigError("max_message_bytes must be in [64 KiB, 1 GiB]")
         if self.gossip_queue < 16:
             raise ConfigError("gossip_queue must be >= 16")
+        if not self.control_rate > 0:
+            raise ConfigError("control_rate must be > 0")
         if not 0 <= self.retain_latest <= 1 << 20:
             raise ConfigError("retain_latest must be in [0, 2**20]")
         if not self.nic_bps > 0:

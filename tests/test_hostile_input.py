@@ -159,7 +159,7 @@ def random_frames(rng: random.Random, n: int) -> list[list[bytes]]:
 
 async def test_raw_garbage_on_both_ports_changes_nothing() -> None:
     rng = random.Random(SEED)
-    async with mesh(2) as peers:
+    async with mesh(2, control_rate=1e9) as peers:  # every frame gets to the handlers
         victim = peers[0]
         with dealer(victim, "tcp://127.0.0.1:1") as sock:
             dropped = victim._router.statistics().dropped_inbound

@@ -72,3 +72,15 @@ def test_many_flooders_cannot_lock_out_a_new_sender() -> None:
     assert len(box) == 64
     popped = [box.pop() for _ in range(9)]
     assert (b"good", b"hello") in popped
+
+
+def test_a_sender_beyond_its_rate_is_dropped_before_it_costs_more() -> None:
+    box = FairInbox(1024, 16, rate=100.0)
+    admitted = 0
+    for i in range(10_000):  # 1 s at 10,000 frames a second, each served at once
+        admitted += box.put(b"flood", b"x", now=i / 10_000)
+        box.pop()
+    assert 100 <= admitted <= 16 + 100 + 1  # the burst, then 100 a second
+    assert box.over_rate == box.dropped == 10_000 - admitted
+    assert box.put(b"quiet", b"hello", now=1.0)  # another sender has its own bucket
+    assert box.put(b"flood", b"x", now=2.0)  # and the flooder's refills with time

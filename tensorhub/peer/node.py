@@ -119,7 +119,7 @@ class Peer:
         host, port = parse_hostport(config.listen)
         port = port or _free_port(host)
         self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
-                                 config.gossip_queue)
+                                 config.gossip_queue, config.control_rate)
         self.store = Store(chunk_wait=config.stall_timeout)
         self._server = TcpServer(self.store, self._count_sent, self._count_bad)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \

@@ -38,7 +38,7 @@ from .inbox import FairInbox
 
 _RETRY_FOR = 2.0
 _RETRY_EVERY = 0.02
-_BATCH = 64          # socket operations between two yields to the scheduler
+_BATCH = 8           # socket operations between two yields to the scheduler
 _KNOWN_INBOUND = 4096  # routing ids remembered from inbound frames (oldest forgotten)
 
 
@@ -55,7 +55,7 @@ class RouterStats:
 
 class ZmqRouter:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
-                 max_bytes: int, queue: int) -> None:
+                 max_bytes: int, queue: int, rate: float = float("inf")) -> None:
         self.endpoint = endpoint
         sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTING_ID, endpoint.encode())
@@ -81,7 +81,7 @@ class ZmqRouter:
         """Routing ids that connected to us (bounded): sending to them needs no connect."""
         self._first_try: dict[str, float] = {}
         self._wake: trio.CancelScope | None = None
-        self._inbox = FairInbox(queue, max(4, queue // 8))
+        self._inbox = FairInbox(queue, max(4, queue // 8), rate)
         self._inbox_ready = trio.Event()
         self._closed = False
         self._received = self._sent = self._drop_in = self._drop_out = self._unreach = 0
@@ -151,7 +151,7 @@ class ZmqRouter:
             did = True
             if len(frames) == 2:
                 self._remember(frames[0])
-                if self._inbox.put(frames[0], frames[1]):
+                if self._inbox.put(frames[0], frames[1], trio.current_time()):
                     self._received += 1
                     self._inbox_ready.set()
             else:
