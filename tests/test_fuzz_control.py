@@ -25,7 +25,8 @@ from tensorhub import PeerConfig
 from tensorhub.bounds import Range
 from tensorhub.errors import LocalProtocolError, RemoteProtocolError
 from tensorhub.model import PeerInfo
-from tensorhub.protocol import codec, control, coordination, groups, membership
+from tensorhub.protocol import codec, groups
+from tensorhub.protocol.addressing import CONTROL, misaddressed
 from tensorhub.protocol.control import ControlPlane
 from tensorhub.protocol.coordination import MAX_REQUESTED_KEYS, CoordReply, CoordRequest
 from tensorhub.protocol.groups import GroupMember
@@ -34,7 +35,6 @@ from tensorhub.protocol.messages import register_all
 
 register_all()
 MESSAGES = sorted(codec.registered().items())
-CONTROL = (*membership.MESSAGES, *control.MESSAGES, *coordination.MESSAGES)
 GROUP = tuple(c for c in groups.MESSAGES if c is not groups.GroupEnvelope)
 CONFIG = PeerConfig.local("me")
 ME = PeerInfo("me", "tcp://127.0.0.1:7000", "127.0.0.1:7001", (("host", "h"),))
@@ -236,6 +236,22 @@ def test_full_state_with_boundary_members_is_merged() -> None:
                                                  for inc in (0, 2**32, 2**63 - 1)))
     out = plane.receive(0.0, PushPull(FRIENDS[0].control, "f0", b"", records, True))
     assert out and all(codec.decode(codec.encode(o.msg)) == o.msg for o in out)
+
+
+def test_sender_fields_must_be_the_connection_they_came_on() -> None:
+    plane = _plane()
+    members = plane.membership.members()
+    f1 = FRIENDS[1]
+    ok = [(Gossip(f1.control, "f1", ()), f1.control),
+          (CoordRequest("tcp://elsewhere:1", "f2", 1, "m", 1, None, 2), f1.control),
+          (groups.GroupEnvelope("g", "f1", b""), f1.control)]
+    bad = [(Gossip("tcp://elsewhere:1", "f1", ()), f1.control),
+           (CoordRequest("tcp://elsewhere:1", "f2", 1, "m", 1, None, 0), f1.control),
+           (groups.GroupEnvelope("g", "f2", b""), f1.control),
+           (groups.GroupEnvelope("g", "stranger", b""), f1.control),
+           (groups.Ready(0, groups.Round(0, 0), 1), f1.control)]
+    assert [misaddressed(m, r, members) for m, r in ok] == ["", "", ""]
+    assert all(misaddressed(m, r, members) for m, r in bad)
 
 
 def test_coordinator_requests_cannot_grow_state_without_bound() -> None:

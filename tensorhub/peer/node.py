@@ -41,9 +41,10 @@ from ..model import (
     check_model_name,
     check_version,
 )
-from ..protocol import codec, control, coordination, membership
+from ..protocol import codec
+from ..protocol.addressing import misaddressed
 from ..protocol.control import ControlPlane
-from ..protocol.coordination import CoordinatorAnswer, CoordRequest
+from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.groups import GroupEnvelope
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
@@ -69,9 +70,6 @@ from .zmq_trio import ZmqRouter
 
 register_all()
 log = logging.getLogger(__name__)
-
-_CONTROL = (*membership.MESSAGES, *control.MESSAGES, *coordination.MESSAGES)
-"""What the control plane handles; each but CoordReply names its sender's address."""
 INTERNAL_ERRORS_KEPT = 16
 
 
@@ -212,7 +210,7 @@ class Peer:
 
     def _handle(self, sender: str, msg: object) -> None:
         """One decoded message from the connection with routing id ``sender``."""
-        problem = self._misaddressed(sender, msg)
+        problem = misaddressed(msg, sender, self.control.membership.members())
         if problem:
             self._count_bad(f"{type(msg).__name__} from {sender[:100]!r}: {problem}")
         elif isinstance(msg, KeepQuery | KeepAnswer):
@@ -225,24 +223,6 @@ class Peer:
                 handler(msg)
         else:
             self._send(self.control.receive(trio.current_time(), msg))
-
-    def _misaddressed(self, sender: str, msg: object) -> str:
-        """Why ``msg`` may not be taken from routing id ``sender`` ('' if it may): a
-        sender field must be that connection, a sender name a member reached there."""
-        if isinstance(msg, GroupEnvelope | KeepQuery):
-            name = msg.sender if isinstance(msg, GroupEnvelope) else msg.asker
-            member = self.control.membership.members().get(name)
-            if member is None or member.info.control != sender:
-                return f"speaks for {name[:100]!r}, not a member at that address"
-            return ""
-        if isinstance(msg, KeepAnswer):
-            return ""
-        if not isinstance(msg, _CONTROL):
-            return "not a control-plane message"
-        if isinstance(msg, CoordRequest) and msg.hops:
-            return ""  # forwarded: answered at the asker's address in our own view
-        claimed = getattr(msg, "sender", sender)
-        return "" if claimed == sender else f"claims to come from {claimed[:100]!r}"
 
     def internal_error(self, what: str, exc: BaseException | None = None) -> None:
         """Our own code failed on remote input: count, keep the text, log, go on."""
