@@ -162,18 +162,6 @@ def test_labels_and_collections_are_capped() -> None:
         codec.decode(codec.encode(Gossip("tcp://h:1", "a", many)))
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.data())
-def test_truncated_frames_one_byte_at_a_time(data: st.DataObject) -> None:
-    _, cls = data.draw(st.sampled_from(MESSAGES))
-    msg = data.draw(valid(cls))
-    wire = codec.encode(msg)
-    for i in range(len(wire)):
-        with pytest.raises(RemoteProtocolError):
-            codec.decode(wire[:i])
-    assert codec.decode(wire) == msg
-
-
 def _plane() -> ControlPlane:
     plane = ControlPlane(ME, CONFIG, random.Random(0), 0.0, 1)
     ups = tuple(Update(0, f.name, 0, f.name, f) for f in FRIENDS)

@@ -17,6 +17,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from tensorhub.bounds import MaxLen, Range, Valid, check_control_endpoint, check_hostport
+from tensorhub.protocol.codec import _to_wire
 
 BOUNDARY_INTS = (0, -1, 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, -(2**63))
 HOSTS = ("127.0.0.1", "localhost", "10.0.0.7", "[::1]", "node-3.example")
@@ -82,14 +83,6 @@ def valid(tp: Any) -> st.SearchStrategy[Any]:
     raise AssertionError(f"no strategy for {tp!r}")
 
 
-def _wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [_wire(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init]
-    if isinstance(value, tuple):
-        return [_wire(v) for v in value]
-    return value
-
-
 WRONG = st.sampled_from([None, True, 1.5, "s", b"b", [], [1, 2], -1, 2**64 - 1])
 
 
@@ -121,5 +114,5 @@ def hostile(tp: Any) -> st.SearchStrategy[Any]:
             return st.none() | hostile(next(a for a in args if a is not type(None)))
         if origin is tuple:
             return st.tuples(*map(hostile, args)).map(list) | WRONG
-    good = valid(tp).map(_wire)
+    good = valid(tp).map(_to_wire)
     return st.one_of(good, good, good, *bad)
