@@ -8,11 +8,13 @@ long round trips.  Every value is validated when the object is built.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
 from .manifest import DIGEST_ALGOS
+from .security import Security
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 
@@ -23,6 +25,16 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,18 @@ class PeerConfig:
     connect_timeout: float = 5.0
     """Seconds to wait for a data-plane connection."""
 
+    # -- security -----------------------------------------------------------------
+    security: Security | None = field(default=None, compare=False, hash=False)
+    """This peer's identity, the cluster key and the keyring (``tensorhub keygen``,
+    ``security.load``).  With it only members join, gossip and publish, and every claim
+    is signed by its origin (an Ed25519 signature per change: ~50 us to check).
+    ``None`` runs *insecure*: any process that reaches the ports can join, read and
+    publish -- allowed only on loopback addresses unless ``allow_insecure`` is set."""
+
+    allow_insecure: bool = False
+    """Run without ``security`` on non-loopback addresses (a trusted, isolated network:
+    benchmarks in network namespaces).  Said loudly in ``statistics()`` and the log."""
+
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """Free-form options for experiments; never read by the core."""
 
@@ -168,6 +192,20 @@ class PeerConfig:
             raise ConfigError("transports must name 'tcp' and optionally 'shm'")
         if self.digest_algo not in DIGEST_ALGOS:
             raise ConfigError(f"digest_algo must be one of {', '.join(DIGEST_ALGOS)}")
+        if self.security is not None and not isinstance(self.security, Security):
+            raise ConfigError("security must be a tensorhub.security.Security (or None)")
+        if self.security is None and not self.allow_insecure:
+            hosts = [parse_hostport(self.listen)[0]]
+            if self.data_listen is not None:
+                hosts.append(parse_hostport(self.data_listen)[0])
+            wide = [h for h in hosts if not is_loopback(h)]
+            if wide:
+                raise ConfigError(
+                    f"peer {self.name!r} listens on {wide[0]} without keys: anyone who can "
+                    "reach it could join, read and publish.  Make keys with `tensorhub "
+                    "keygen DIR --peer NAME ...` and pass them (`--keys DIR`, or "
+                    "PeerConfig(security=tensorhub.security.load(DIR, NAME))), or opt out "
+                    "by name with allow_insecure=True (`--insecure`)")
 
     def replace(self, **changes: Any) -> PeerConfig:
         return dataclasses.replace(self, **changes)
