@@ -3,14 +3,20 @@
 One nursery holds every task: the ZeroMQ socket's owner, the control dispatcher (decode,
 feed :class:`ControlPlane`, send what it returns), the timer task that ticks it at its
 deadlines, and the TCP data server.  Time comes from trio's clock only.
+
+Security (``PeerConfig.security``): the ZAP handler and the handshake monitor
+(:mod:`.zap`) run beside the control socket, which serves with CURVE; a message whose
+sender name differs from the member ZAP authenticated its connection as is refused.
+Without security the peer says so in the log and in :meth:`Peer.statistics`.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,15 +41,17 @@ from ..model import (
     check_version,
 )
 from ..protocol import codec
-from ..protocol.control import ControlPlane
-from ..protocol.coordination import CoordinatorAnswer
+from ..protocol.control import ControlPlane, RefsDelta, RefsDigest
+from ..protocol.coordination import CoordinatorAnswer, CoordRequest
 from ..protocol.groups import GroupEnvelope
+from ..protocol.membership import MESSAGES as MEMBERSHIP_MESSAGES
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
+from ..security import Identity
 from ..transport.base import Connection, NotServing
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection, TcpServer
@@ -58,9 +66,25 @@ from .fetcher import (
 from .reshard import reshard, same_layout_holder
 from .retention import Retention
 from .store import LocalVersion, Store
-from .zmq_trio import ZmqRouter
+from .zap import HandshakeMonitor, ZapHandler
+from .zmq_trio import CurveKeys, ZmqRouter
 
 register_all()
+log = logging.getLogger("tensorhub.peer")
+INSECURE = "insecure: no keys; any local process can join, read and publish"
+
+
+def _claimed_name(msg: object) -> str | None:
+    """The member name a control message says it comes from (None: it names none)."""
+    if isinstance(msg, MEMBERSHIP_MESSAGES):
+        return msg.sender_name
+    if isinstance(msg, RefsDigest | RefsDelta | CoordRequest):
+        return msg.name
+    if isinstance(msg, GroupEnvelope):
+        return msg.sender
+    if isinstance(msg, KeepQuery):
+        return msg.asker
+    return None
 
 
 @dataclass(frozen=True)
@@ -85,6 +109,12 @@ class PeerStats:
     """Whether the same-host transport is usable here, and if not why."""
     shm_fallbacks: dict[str, str]
     """Same-host peers read over TCP instead, and why."""
+    security: str = INSECURE
+    """``"keys: ..."`` (members, key rotation state) or why this peer is insecure."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """What security refused, by kind: control connections (``handshake``: not a
+    member, or no CURVE), messages whose sender name is not the authenticated member's,
+    and claims whose signature did not verify."""
     reports: tuple[dict[str, Any], ...] = field(default=())
 
 
@@ -102,8 +132,24 @@ class Peer:
         self.config = config
         host, port = parse_hostport(config.listen)
         port = port or _free_port(host)
-        self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
-                                 config.gossip_queue)
+        sec = config.security
+        self._zap: ZapHandler | None = None
+        self._monitor: HandshakeMonitor | None = None
+        curve = None
+        if sec is not None:
+            self._zap = ZapHandler(ctx, sec.keyring)  # bound before anyone can connect
+            curve = CurveKeys(*sec.cluster.z85(), *sec.identity.curve_keys())
+        self._identity = None if sec is None else sec.identity
+        self._sender_mismatch = 0
+        try:
+            self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
+                                     config.gossip_queue, curve)
+            if sec is not None:
+                self._monitor = HandshakeMonitor(self._router.socket)
+        except BaseException:
+            if self._zap is not None:
+                self._zap.close()
+            raise
         self.store = Store(chunk_wait=config.stall_timeout)
         self._server = TcpServer(self.store, self._count_sent, self._count_bad)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
@@ -111,7 +157,7 @@ class Peer:
         try:
             data_port = self._server.bind(data_host, data_port)
         except BaseException:
-            self._router.close()
+            self._close_sockets()
             raise
         self.info = PeerInfo(config.name, self._router.endpoint, f"{data_host}:{data_port}",
                              tuple(config.labels))
@@ -138,11 +184,26 @@ class Peer:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    def _close_sockets(self) -> None:
+        """Close the zmq sockets whose owner tasks never ran (startup failed)."""
+        if self._monitor is not None:
+            self._monitor.close()
+        self._router.close()
+        if self._zap is not None:
+            self._zap.close()
+
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         await nursery.start(self._server.serve)
         self.control = ControlPlane(self.info, self.config, random.Random(),
                                     trio.current_time(), time.time_ns() // 1000)
+        if self._zap is not None and self._monitor is not None:
+            await nursery.start(self._zap.run)
+            await nursery.start(self._monitor.run)
+        else:
+            log.warning("peer %s: %s (control %s, data %s); make keys with `tensorhub "
+                        "keygen` to run a closed mesh", self.info.name, INSECURE,
+                        self.info.control, self.info.data)
         await nursery.start(self._router.run)
         nursery.start_soon(self._dispatch)
         nursery.start_soon(self._ticker)
@@ -172,11 +233,16 @@ class Peer:
         self._wake_ticker.set()
 
     async def _dispatch(self) -> None:
-        async for _sender, data in self._router.inbound:
+        async for _sender, data, member in self._router.inbound:
             try:
                 msg = codec.decode(data, self.config.max_message_bytes)
             except RemoteProtocolError as exc:
                 self._count_bad(f"control message from {_sender}: {exc}")
+                continue
+            if member is not None and _claimed_name(msg) not in (None, member):
+                self._sender_mismatch += 1
+                self._count_bad(f"{type(msg).__name__} from member {member} claims to come "
+                                f"from {_claimed_name(msg)!r}")
                 continue
             if isinstance(msg, KeepQuery | KeepAnswer):
                 self.retention.on_message(_sender, msg)
@@ -238,6 +304,11 @@ class Peer:
             raise LocalProtocolError(f"layout must be a Sharding, got {type(spec).__name__}")
         key = VersionKey(check_model_name(model), check_version(version),
                          spec.rank if spec.size > 1 else 0, spec.layout_id)
+        trust = self.control.trust
+        if trust is not None and not trust.keyring.may_publish(key.model, self.info.name):
+            raise LocalProtocolError(f"{self.info.name} is not a publisher of model "
+                                     f"{key.model!r} in the keyring (tensorhub keygen "
+                                     "--publisher MODEL=NAME)")
         if not tensors and spec.size == 1:
             raise LocalProtocolError("publish needs at least one tensor")
         if self.store.get(key) is not None:
@@ -253,6 +324,8 @@ class Peer:
                 raise ConsistencyError(
                     f"{key} is already published by {peer.name} with different content")
         local = LocalVersion(manifest, [a for _, a in arrays], self.info.name, verified=True)
+        signed = self.control.sign_announcement(local.holding())
+        local.announced = (signed.publisher_gen, signed.publisher_sig)
         self.store.add(local)
         self._send(self.control.put_holding(local.holding()))
         return manifest
@@ -386,6 +459,7 @@ class Peer:
             arrays = prepare_destination(manifest, into)
         local = LocalVersion(manifest, arrays, publisher, verified=False, flat=flat,
                              derived=derived)
+        local.announced = self.control.announcement(key, manifest.manifest_id())
         self.store.add(local)
         last = [trio.current_time()]
 
@@ -537,6 +611,57 @@ class Peer:
             last = answer or last
         raise TransportError(f"no coordinator answered for {key}: {last}")
 
+    # -- security --------------------------------------------------------------------------
+
+    def update_keyring(self, members: Mapping[str, Iterable[bytes]],
+                       publishers: Mapping[str, Iterable[str]] | None = None) -> None:
+        """Swap in a new member list (and publishers; None keeps them): key rotation
+        without a restart.  Handshakes and signatures by removed keys stop counting at
+        once; connections already made stay up."""
+        trust = self.control.trust
+        if trust is None:
+            raise LocalProtocolError("this peer runs without keys (PeerConfig.security)")
+        trust.keyring.replace(members, publishers)
+        self.control.keyring_changed()
+        self._after_change()
+
+    def rotate_identity(self, identity: Identity) -> None:
+        """Sign and connect with ``identity`` from now on.  Its key must already be in
+        the keyring for this peer's name (add it everywhere first, then switch, then
+        remove the old one).  Our membership claim, our reference entry and the
+        announcements we published are re-signed at once."""
+        trust = self.control.trust
+        if trust is None:
+            raise LocalProtocolError("this peer runs without keys (PeerConfig.security)")
+        if identity.public not in trust.keyring.keys_of(self.info.name):
+            raise LocalProtocolError(f"the new key of {self.info.name} is not in the keyring "
+                                     "yet: add it (update_keyring) before switching to it")
+        trust.rotate(identity)
+        self._identity = identity
+        self._router.set_client_keys(*identity.curve_keys())
+        for local in self.store.versions.values():
+            if local.publisher == self.info.name and not local.derived:
+                signed = self.control.sign_announcement(local.holding())
+                local.announced = (signed.publisher_gen, signed.publisher_sig)
+        self._send(self.control.renew(trio.current_time()))
+
+    def _security_text(self) -> str:
+        trust = self.control.trust
+        if trust is None:
+            return INSECURE
+        return (f"keys: {len(trust.keyring.members())} members, keyring generation "
+                f"{trust.keyring.generation}; control socket CURVE with a member allow-list")
+
+    def _refused(self) -> dict[str, int]:
+        trust = self.control.trust
+        out = dict(trust.refused) if trust is not None else {}
+        if self._zap is not None and self._monitor is not None:
+            out["handshake"] = self._monitor.failed  # no CURVE, wrong cluster key, ...
+            out["not a member"] = self._zap.refused  # ... or a key not in the keyring
+        if self._sender_mismatch:
+            out["sender name"] = self._sender_mismatch
+        return out
+
     # -- introspection -------------------------------------------------------------------
 
     def members(self) -> dict[str, tuple[PeerInfo, str]]:
@@ -558,6 +683,7 @@ class Peer:
             control_received=rs.received, control_sent=rs.sent,
             shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
             shm_fallbacks=dict(self._shm_refused),
+            security=self._security_text(), refused=self._refused(),
             reports=tuple(self._reports),
         )
 
@@ -578,6 +704,6 @@ async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
                         await peer._leave()
                     nursery.cancel_scope.cancel()
         finally:
-            peer._router.close()  # closed already unless startup failed before it ran
+            peer._close_sockets()  # closed already unless startup failed before they ran
     finally:
         ctx.term()

@@ -20,8 +20,10 @@ welcome again, and a peer that refutes re-stamps its own entry so the others pul
 
 Secure mode (``PeerConfig.security``): one :class:`~.trust.Trust` signs and checks for
 membership and the table; only version announcements signed by a publisher of the model
-count for sealing, and fetches are routed only to holdings of those announcements.  ``changes`` counts table changes, so the shell can
-wake waiters (``wait_for_version``, fetches waiting for a holder).
+count for sealing, and fetches are routed only to holdings of those announcements.
+
+``changes`` counts table changes, so the shell can wake waiters (``wait_for_version``,
+fetches waiting for a holder).
 """
 
 from __future__ import annotations
@@ -133,6 +135,12 @@ class ControlPlane:
         self.refs.bump_local(tuple(self._resigned(h) for h in self.refs.local.holdings))
         self._table_changed([self.refs.local])
         return out + self._push_local()
+
+    def keyring_changed(self) -> None:
+        """The keyring was replaced: re-examine every announcement (cached verdicts are
+        dropped with the keyring generation)."""
+        self._fresh.clear()
+        self.changes += 1
 
     def sign_announcement(self, holding: Holding) -> Holding:
         """Our publish of ``holding``: stamped with our generation, signed in secure mode."""

@@ -1,0 +1,183 @@
+"""Secure meshes of real peers over loopback ZeroMQ: who may join, speak and publish."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import trio
+import zmq
+
+import tensorhub
+from tensorhub import LocalProtocolError, PeerConfig
+from tensorhub.errors import ConfigError
+from tensorhub.model import VersionKey
+from tensorhub.protocol import codec
+from tensorhub.protocol.control import RefsDelta
+from tensorhub.protocol.membership import ALIVE, PushPull, Update
+from tensorhub.protocol.messages import register_all
+from tensorhub.protocol.refs import OriginEntry, Stamp
+from tensorhub.security import ClusterKey, Identity, Keyring, Security
+
+register_all()
+
+
+class Keys:
+    """An in-memory ``tensorhub keygen``: one cluster key, one identity per name."""
+
+    def __init__(self, names: list[str], publishers: dict[str, list[str]]) -> None:
+        self.cluster = ClusterKey.generate()
+        self.ids = {n: Identity.generate() for n in names}
+        self.publishers = publishers
+
+    def security(self, name: str, **options: int) -> Security:
+        # every peer its own Keyring object, as every process reads its own file
+        ring = Keyring({n: [i.public] for n, i in self.ids.items()}, self.publishers)
+        return Security(self.ids[name], self.cluster, ring, **options)
+
+
+@asynccontextmanager
+async def secure_mesh(keys: Keys, names: list[str], **cfg: object
+                      ) -> AsyncIterator[list[tensorhub.Peer]]:
+    async with AsyncExitStack() as stack:
+        peers: list[tensorhub.Peer] = []
+        seed: tuple[str, ...] = ()
+        for name in names:
+            peers.append(await stack.enter_async_context(tensorhub.open_peer(PeerConfig.local(
+                name, join=seed, chunk_size=1 << 20, security=keys.security(name), **cfg))))
+            seed = (peers[0].info.control.removeprefix("tcp://"),)
+        with trio.fail_after(15):
+            while any(len(p.control.membership.live_members()) < len(names) for p in peers):
+                await trio.sleep(0.02)
+        yield peers
+
+
+def weights(version: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(version)
+    return {"w": rng.standard_normal((512, 512)).astype(np.float32)}
+
+
+async def wait_until(cond: object, timeout: float = 10) -> None:
+    with trio.fail_after(timeout):
+        while not cond():  # type: ignore[operator]
+            await trio.sleep(0.02)
+
+
+def test_insecure_needs_loopback_or_an_explicit_opt_out() -> None:
+    PeerConfig.local("a")  # loopback: allowed, and said loudly at start
+    with pytest.raises(ConfigError, match="tensorhub keygen"):
+        PeerConfig("a", listen="0.0.0.0:0")
+    with pytest.raises(ConfigError, match="without keys"):
+        PeerConfig("a", data_listen="10.1.2.3:0")
+    PeerConfig("a", listen="0.0.0.0:0", allow_insecure=True)
+    keys = Keys(["a"], {})
+    PeerConfig("a", listen="0.0.0.0:0", security=keys.security("a"))
+
+
+async def test_insecure_mode_is_said_in_statistics() -> None:
+    async with tensorhub.open_peer(PeerConfig.local("solo")) as peer:
+        assert peer.statistics().security.startswith("insecure")
+
+
+async def test_members_gossip_publish_and_fetch_with_keys() -> None:
+    keys = Keys(["p0", "p1", "p2"], {"m": ["p0"]})
+    async with secure_mesh(keys, ["p0", "p1", "p2"]) as (pub, a, b):
+        w = weights(1)
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            assert await b.wait_for_version("m") == 1
+            assert await a.wait_for_version("m") == 1
+        got = await a.fetch("m", "latest")
+        np.testing.assert_array_equal(got.tensors["w"], w["w"])
+        key = VersionKey("m", 1)
+        # the copy carries the publisher's signature, so b counts a as a holder too
+        await wait_until(lambda: {p.name for p, h in b.control.holders(key) if h.complete}
+                         == {"p0", "p1"})
+        st = b.statistics()
+        assert st.security.startswith("keys:") and st.refused.get("membership claim", 0) == 0
+        with pytest.raises(LocalProtocolError, match="not a publisher"):
+            await a.publish("m", 2, w)
+
+
+_PROBE_PORTS = itertools.count(40000 + os.getpid() % 10000)
+
+
+def _ask_members(ctx: zmq.Context[zmq.Socket[bytes]], control: str,
+                 curve: tuple[bytes, bytes] | None, server: bytes, name: str) -> bool:
+    """A PushPull asking the peer at ``control`` for its members (blocking; run in a
+    thread): True iff anything came back."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    ident = f"tcp://127.0.0.1:{next(_PROBE_PORTS)}"  # a routing id never used before
+    sock.setsockopt(zmq.ROUTING_ID, ident.encode())
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[0])
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+    sock.connect(control)
+    sock.send(codec.encode(PushPull(ident, name, b"", (), True)))
+    got = sock.poll(1500)
+    sock.close(0)
+    return bool(got)
+
+
+async def test_non_members_get_nothing_through_and_are_counted() -> None:
+    keys = Keys(["p0", "p1"], {"m": ["p0"]})
+    async with secure_mesh(keys, ["p0", "p1"]) as (p0, _p1):
+        server_public = keys.cluster.z85()[0]
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+
+        async def ask(curve: tuple[bytes, bytes] | None, name: str = "intruder") -> bool:
+            return await trio.to_thread.run_sync(
+                _ask_members, ctx, p0.info.control, curve, server_public, name)
+
+        try:
+            # libzmq admits any CURVE client key unless a ZAP handler refuses it
+            assert not await ask(Identity.generate().curve_keys())
+            assert not await ask(None)  # no CURVE at all
+            # a member's key under another name is refused by the dispatcher ...
+            assert not await ask(keys.ids["p1"].curve_keys())
+            # ... and under its own name answered (so the probe is sound)
+            assert await ask(keys.ids["p1"].curve_keys(), "p1")
+        finally:
+            ctx.destroy(0)
+        await wait_until(lambda: p0.statistics().refused.get("not a member", 0) >= 1
+                         and p0.statistics().refused.get("handshake", 0) >= 2
+                         and p0.statistics().refused.get("sender name", 0) >= 1)
+        assert "intruder" not in p0.members()
+
+
+async def test_a_member_cannot_forge_another_origins_words() -> None:
+    keys = Keys(["p0", "p1", "p2"], {"m": ["p0"]})
+    async with secure_mesh(keys, ["p0", "p1", "p2"]) as (p0, p1, p2):
+        await p0.publish("m", 1, weights(1))
+        await wait_until(lambda: p2.control.latest("m") == 1)
+        # p1 (a member, signing with its own key) speaks for p0: leaves for it, writes
+        # its reference entry, and announces m@999 as if p0 had published it
+        me = p1.control
+        forged_left = Update(3, "p0", 2**62, "p0", None, me.trust.sign(b"x"))
+        stamp = p0.control.refs.local.stamp
+        held = p0.control.refs.local.holdings[0]
+        fake = replace(held, version=999)
+        forged_entry = OriginEntry(Stamp("p0", stamp.generation + 1, 0), (fake,))
+        forged_entry = replace(forged_entry, sig=me.trust.sign(forged_entry.signed_bytes()))
+        own = OriginEntry(Stamp("p1", me.refs.local.stamp.generation + 1, 0), (fake,))
+        own = replace(own, sig=me.trust.sign(own.signed_bytes()))  # p1's own, but m@999
+        # is signed by nobody who may publish m
+        for msg in (PushPull(p1.info.control, "p1", b"", (forged_left,), False),
+                    RefsDelta(p1.info.control, "p1", (forged_entry, own))):
+            p1._router.send_nowait(p2.info.control, codec.encode(msg))
+        await wait_until(lambda: p2.statistics().refused.get("reference entry", 0) >= 1
+                         and p2.statistics().refused.get("membership claim", 0) >= 1)
+        assert p2.members()["p0"][1] == ALIVE
+        assert p2.control.refs.local.stamp.origin == "p2"
+        held_by_p0 = [h for e in p2.control.refs.origins() if e.origin == "p0"
+                      for h in e.holdings]
+        assert [h.version for h in held_by_p0] == [1]
+        assert p2.control.latest("m") == 1  # m@999 from p1 is not a version
+        assert not p2.control.holders(VersionKey("m", 999))
