@@ -19,7 +19,7 @@ from tensorhub.errors import ConfigError
 from tensorhub.model import VersionKey
 from tensorhub.protocol import codec
 from tensorhub.protocol.control import RefsDelta
-from tensorhub.protocol.membership import ALIVE, PushPull, Update
+from tensorhub.protocol.membership import ALIVE, Gossip, PushPull, Update
 from tensorhub.protocol.messages import register_all
 from tensorhub.protocol.refs import OriginEntry, Stamp
 from tensorhub.security import ClusterKey, Identity, Keyring, Security
@@ -48,8 +48,9 @@ async def secure_mesh(keys: Keys, names: list[str], **cfg: object
         peers: list[tensorhub.Peer] = []
         seed: tuple[str, ...] = ()
         for name in names:
+            options: dict[str, object] = {"chunk_size": 1 << 20, **cfg}
             peers.append(await stack.enter_async_context(tensorhub.open_peer(PeerConfig.local(
-                name, join=seed, chunk_size=1 << 20, security=keys.security(name), **cfg))))
+                name, join=seed, security=keys.security(name), **options))))
             seed = (peers[0].info.control.removeprefix("tcp://"),)
         with trio.fail_after(15):
             while any(len(p.control.membership.live_members()) < len(names) for p in peers):
@@ -62,10 +63,10 @@ def weights(version: int) -> dict[str, np.ndarray]:
     return {"w": rng.standard_normal((512, 512)).astype(np.float32)}
 
 
-async def wait_until(cond: object, timeout: float = 10) -> None:
+async def wait_until(cond: object, timeout: float = 20, every: float = 0.02) -> None:
     with trio.fail_after(timeout):
         while not cond():  # type: ignore[operator]
-            await trio.sleep(0.02)
+            await trio.sleep(every)
 
 
 def test_insecure_needs_loopback_or_an_explicit_opt_out() -> None:
@@ -181,3 +182,83 @@ async def test_a_member_cannot_forge_another_origins_words() -> None:
         assert [h.version for h in held_by_p0] == [1]
         assert p2.control.latest("m") == 1  # m@999 from p1 is not a version
         assert not p2.control.holders(VersionKey("m", 999))
+
+
+async def test_a_peer_that_refutes_its_death_is_a_holder_again() -> None:
+    # No keys, no attacker: p0 is declared dead for a moment (a pause, a GC stall) by
+    # p1 and p2, which forget its references; it refutes, and must be listed again.
+    async with AsyncExitStack() as stack:
+        peers: list[tensorhub.Peer] = []
+        for i in range(3):
+            join = (peers[0].info.control.removeprefix("tcp://"),) if peers else ()
+            peers.append(await stack.enter_async_context(tensorhub.open_peer(
+                PeerConfig.local(f"p{i}", join=join, chunk_size=1 << 20))))
+        p0, p1, p2 = peers
+        await wait_until(lambda: all(len(p.control.membership.live_members()) == 3
+                                     for p in peers))
+        await p0.publish("m", 1, weights(1))
+        key = VersionKey("m", 1)
+        await wait_until(lambda: all([q.name for q, _ in p.control.holders(key)] == ["p0"]
+                                     for p in (p1, p2)))
+        inc = p0.control.membership.incarnation
+        for p in (p1, p2):
+            death = Update(2, "p0", inc, p.info.name, None)
+            p._send(p.control.receive(trio.current_time(), Gossip(
+                p.info.control, p.info.name, (death,))))
+            assert p.members()["p0"][1] == "dead" and not p.control.holders(key)
+        await wait_until(lambda: p0.control.membership.incarnation > inc)  # refuted
+        await wait_until(lambda: all([q.name for q, _ in p.control.holders(key)] == ["p0"]
+                                     for p in (p1, p2)))
+        assert p1.control.latest("m") == 1
+
+
+async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
+    keys = Keys(["p0", "p1", "p2"], {"m": ["p0"]})
+    async with secure_mesh(keys, ["p0", "p1", "p2"], fetch_window=1,
+                           chunk_size=128 << 10) as peers:
+        p0, p1, p2 = peers
+        rng = np.random.default_rng(3)
+        w = {"w": rng.integers(0, 255, 64 << 20, dtype=np.uint8)}
+        await p0.publish("m", 1, w)
+        await wait_until(lambda: p1.control.latest("m") == 1)
+        key = VersionKey("m", 1)
+        got: dict[str, np.ndarray] = {}
+
+        async def fetch() -> None:
+            got.update((await p1.fetch("m", 1)).tensors)
+
+        def partial() -> bool:
+            local = p1.store.get(key)
+            return local is not None and 0 < local.num_verified < local.manifest.num_chunks
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch)
+            await wait_until(partial, every=0.001)
+            old, new = keys.ids["p0"], Identity.generate()
+            ring = {n: [i.public] for n, i in keys.ids.items()}
+            for p in peers:  # 1. add the new key everywhere
+                p.update_keyring({**ring, "p0": [old.public, new.public]})
+            inc = p0.control.membership.incarnation
+            p0.rotate_identity(new)  # 2. switch: p0 re-signs its claim and its entry
+            stamp = p0.control.refs.local.stamp
+            await wait_until(lambda: all(
+                p.members()["p0"][1] == ALIVE and p.control.membership.members()["p0"]
+                .incarnation > inc and any(e.stamp == stamp for e in p.control.refs.origins())
+                for p in (p1, p2)))
+            for p in peers:  # 3. remove the old key
+                p.update_keyring({**ring, "p0": [new.public]})
+            in_flight_at_removal = partial()
+        np.testing.assert_array_equal(got["w"], w["w"])  # the fetch completed, verified
+        assert in_flight_at_removal  # (by a wide margin: ~30 of 512 chunks here)
+        # gossip goes on under the new key: a new version spreads
+        await p0.publish("m", 2, weights(2))
+        await wait_until(lambda: p2.control.latest("m") == 2 and p1.control.latest("m") == 2)
+        # a frame signed with the old key is refused
+        refused = p2.statistics().refused.get("reference entry", 0)
+        st = p0.control.refs.local.stamp
+        stale = OriginEntry(Stamp("p0", st.generation, st.seq + 100), ())
+        stale = replace(stale, sig=old.sign(stale.signed_bytes()))
+        p1._router.send_nowait(p2.info.control, codec.encode(
+            RefsDelta(p1.info.control, "p1", (stale,))))
+        await wait_until(lambda: p2.statistics().refused.get("reference entry", 0) > refused)
+        assert p2.control.holders(VersionKey("m", 2))
