@@ -167,9 +167,11 @@ async def test_a_member_cannot_forge_another_origins_words() -> None:
         fake = replace(held, version=999)
         forged_entry = OriginEntry(Stamp("p0", stamp.generation + 1, 0), (fake,))
         forged_entry = replace(forged_entry, sig=me.trust.sign(forged_entry.signed_bytes()))
-        own = OriginEntry(Stamp("p1", me.refs.local.stamp.generation + 1, 0), (fake,))
-        own = replace(own, sig=me.trust.sign(own.signed_bytes()))  # p1's own, but m@999
-        # is signed by nobody who may publish m
+        # p1's own entry announces m@999: a copy of p0's signature (which does not cover
+        # 999), and its own signed publish (p1 may not publish m)
+        mine = me.sign_announcement(replace(fake, manifest_id=b"r" * 16))
+        own = OriginEntry(Stamp("p1", me.refs.local.stamp.generation + 1, 0), (fake, mine))
+        own = replace(own, sig=me.trust.sign(own.signed_bytes()))
         for msg in (PushPull(p1.info.control, "p1", b"", (forged_left,), False),
                     RefsDelta(p1.info.control, "p1", (forged_entry, own))):
             p1._router.send_nowait(p2.info.control, codec.encode(msg))
@@ -180,8 +182,11 @@ async def test_a_member_cannot_forge_another_origins_words() -> None:
         held_by_p0 = [h for e in p2.control.refs.origins() if e.origin == "p0"
                       for h in e.holdings]
         assert [h.version for h in held_by_p0] == [1]
+        await wait_until(lambda: any(h.version == 999 for e in p2.control.refs.origins()
+                                     if e.origin == "p1" for h in e.holdings))
         assert p2.control.latest("m") == 1  # m@999 from p1 is not a version
         assert not p2.control.holders(VersionKey("m", 999))
+        assert not p2.unsealed("m")
 
 
 async def test_a_peer_that_refutes_its_death_is_a_holder_again() -> None:
