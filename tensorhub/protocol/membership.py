@@ -50,7 +50,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import cast
 
@@ -170,6 +170,11 @@ class PushPull:
 MESSAGES = (Ping, IndirectPing, Ack, Nack, Gossip, PushPull)  # append only
 Message = Ping | IndirectPing | Ack | Nack | Gossip | PushPull
 _HANDLED = frozenset(MESSAGES)
+
+
+def _with_info(u: Update, info: PeerInfo | None) -> Update:
+    """``u`` carrying ``info`` (its signature stays valid: see :meth:`Update.signed_bytes`)."""
+    return Update(u.kind, u.name, u.incarnation, u.origin, info, u.sig)
 
 
 # -- outputs -------------------------------------------------------------------------
@@ -459,7 +464,7 @@ class Membership:
             # Share the record we were sent (peers' views hold one object) and its
             # signature, which does not depend on info except for alive claims, and
             # those carry the info they are stored with.
-            record = heard if heard.info is info else replace(heard, info=info)
+            record = heard if heard.info is info else _with_info(heard, info)
         else:  # ours, or a remote "dead" taken as a suspicion: secure mode makes it ours
             record = self._signed(Update(kind, name, inc, self._name if self._trust
                                          else origin, info))
@@ -477,7 +482,7 @@ class Membership:
             self._push_timer(now + self._cfg.dead_reap_after, _T_REAP, name)
         if kind != _A:  # suspicions and deaths travel without the member's info
             record = heard if heard is not None and heard.kind == kind and heard.info is None \
-                else replace(record, info=None)
+                else _with_info(record, None)
         self._queue.put(name, record)
         event = ("joined" if old_kind >= _D else ALIVE) if kind == _A else STATUSES[kind]
         self._emit(MemberEvent(event, name, inc))
@@ -487,14 +492,15 @@ class Membership:
         s = self._suspicions.get(name)
         if s is not None and s.confirm(accuser):
             self._push_timer(s.deadline(), _T_SUSPECT, name)
-            claim = Update(_S, name, s.incarnation, accuser, None)
-            self._queue.put(name, self._signed(claim) if sig is None else replace(claim, sig=sig))
+            claim = Update(_S, name, s.incarnation, accuser, None, b"" if sig is None else sig)
+            self._queue.put(name, self._signed(claim) if sig is None else claim)
 
     def _signed(self, u: Update) -> Update:
         """``u`` (our own claim) with our signature in secure mode."""
         if self._trust is None:
             return u
-        return replace(u, sig=self._trust.sign(u.signed_bytes()))
+        return Update(u.kind, u.name, u.incarnation, u.origin, u.info,
+                      self._trust.sign(u.signed_bytes()))
 
     def _about_me(self, now: float, u: Update, out: list[Outbound]) -> None:
         if self._left or u.incarnation < self._inc:
@@ -551,7 +557,7 @@ class Membership:
         self._change(now, name, _D, s.incarnation, self._name, info)
         # If it is only slow, it refutes when it hears this.
         out.append(Outbound(info.control, Gossip(
-            self._addr, self._name, (replace(self._view.records[name], info=None),))))
+            self._addr, self._name, (_with_info(self._view.records[name], None),))))
 
     def _reap(self, now: float, name: str) -> None:
         if self._view.reap(name, now, self._cfg.dead_reap_after) and name in self._view.failed:
@@ -603,7 +609,7 @@ class Membership:
         self._counts["suspicions"] += 1
         self._change(now, p.target, _S, st.incarnation, self._name, st.info)
         out.append(Outbound(st.info.control, Gossip(self._addr, self._name, (
-            replace(self._view.records[p.target], info=None),))))
+            _with_info(self._view.records[p.target], None),))))
 
     def _on_ack(self, msg: Ack, out: list[Outbound]) -> None:
         relay = self._prober.relays.pop(msg.seq, None)
