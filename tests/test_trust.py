@@ -67,8 +67,10 @@ def test_nobody_leaves_refutes_or_moves_for_another() -> None:
     hear(a, claim("c", L, "b", 2**63))  # c says b left, for good: refused
     hear(a, replace(claim("c", L, "b", 9), origin="b"))  # signed by c, claimed as b's
     assert state(a, "b") == (ALIVE, 5)
-    hear(a, claim("c", S, "b", 5))  # an accusation of b's current incarnation: fine
-    assert state(a, "b") == (SUSPECT, 5)
+    # an accusation of b's current incarnation: fine, but the info riding on it (not
+    # covered by the accuser's signature) does not move b
+    hear(a, replace(claim("c", S, "b", 5), info=info("b", 7666)))
+    assert state(a, "b") == (SUSPECT, 5) and a.members()["b"].info == info("b")
     hear(a, claim("c", A, "b", 6, info("b")))  # c refutes for b: refused
     assert state(a, "b") == (SUSPECT, 5)
     hear(a, claim("b", A, "b", 6, info("b")))  # b refutes itself

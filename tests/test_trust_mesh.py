@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -80,9 +81,13 @@ def test_insecure_needs_loopback_or_an_explicit_opt_out() -> None:
     PeerConfig("a", listen="0.0.0.0:0", security=keys.security("a"))
 
 
-async def test_insecure_mode_is_said_in_statistics() -> None:
-    async with tensorhub.open_peer(PeerConfig.local("solo")) as peer:
-        assert peer.statistics().security.startswith("insecure")
+async def test_insecure_mode_is_said_in_statistics_and_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="tensorhub.peer"):
+        async with tensorhub.open_peer(PeerConfig.local("solo")) as peer:
+            assert peer.statistics().security.startswith("insecure")
+    assert any("solo" in r.getMessage() and "insecure" in r.getMessage()
+               for r in caplog.records)
 
 
 async def test_members_gossip_publish_and_fetch_with_keys() -> None:
