@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import trio
 import zmq
+import zmq.utils.z85
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerConfig
 from tensorhub.errors import ConfigError
 from tensorhub.model import VersionKey
+from tensorhub.peer.zap import ZapHandler
 from tensorhub.protocol import codec
 from tensorhub.protocol.control import RefsDelta
 from tensorhub.protocol.membership import ALIVE, Gossip, PushPull, Update
@@ -272,3 +274,25 @@ async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
             RefsDelta(p1.info.control, "p1", (stale,))))
         await wait_until(lambda: p2.statistics().refused.get("reference entry", 0) > refused)
         assert p2.control.holders(VersionKey("m", 2))
+
+
+def test_zap_answers_every_request_and_admits_members_only() -> None:
+    keys = Keys(["p0"], {})
+    ring = keys.security("p0").keyring
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        zap = ZapHandler(ctx, ring)
+        member_key = zmq.utils.z85.decode(keys.ids["p0"].curve_keys()[0])
+        stranger = zmq.utils.z85.decode(Identity.generate().curve_keys()[0])
+        head = [b"1.0", b"7", b"tensorhub", b"127.0.0.1", b""]
+        assert zap.answer([*head, b"CURVE", member_key])[2:5] == [b"200", b"OK", b"p0"]
+        assert zap.answer([*head, b"CURVE", stranger])[2] == b"400"
+        assert zap.answer([*head, b"NULL"])[2] == b"400"
+        assert zap.answer([b"junk"]) == [b"1.0", b"", b"400", b"not a member of this cluster",
+                                         b"", b""]
+        ring.replace({})  # rotation: consulted at every handshake
+        assert zap.answer([*head, b"CURVE", member_key])[2] == b"400"
+        assert (zap.admitted, zap.refused) == (1, 4)
+        zap.close()
+    finally:
+        ctx.term()

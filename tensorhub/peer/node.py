@@ -645,6 +645,12 @@ class Peer:
                 local.announced = (signed.publisher_gen, signed.publisher_sig)
         self._send(self.control.renew(trio.current_time()))
 
+    @property
+    def identity(self) -> Identity | None:
+        """This peer's current identity (it changes with :meth:`rotate_identity`;
+        ``config.security.identity`` is the one it started with); None if insecure."""
+        return self._identity
+
     def _security_text(self) -> str:
         trust = self.control.trust
         if trust is None:

@@ -456,8 +456,9 @@ class Membership:
                     self._confirm(name, u.origin, u.sig)
             return
         # Secure mode: only a member's own (signed) alive claim may change its info.
-        keep = u.info is None or u.info == st.info or (self._trust is not None and u.kind != _A)
-        info = st.info if keep else u.info
+        info = u.info
+        if info is None or info == st.info or (self._trust is not None and u.kind != _A):
+            info = st.info
         self._change(now, name, kind, u.incarnation, u.origin, info, u)
 
     def _change(self, now: float, name: str, kind: int, inc: int, origin: str,
