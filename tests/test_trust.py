@@ -143,6 +143,9 @@ def test_version_window_sticky_seal_and_earliest_publish() -> None:
     assert view.update("m", _claims((15, b"X15", 0), (15, b"M15", 1))) == ()
     assert view.sealed("m") == (15,)
     assert view.counted("m") == frozenset({(15, 0, b"", b"M15")})
+    # ... even once only the other manifest is announced (the real holders left)
+    assert view.update("m", _claims((15, b"X15", 0))) == ()
+    assert not view.sealed("m") and not view.counted("m")
     # before a seal, two signed publishes of one number: the earliest counts everywhere
     for order in (1, -1):
         v2 = VersionView(window=10)

@@ -262,6 +262,8 @@ async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
             in_flight_at_removal = partial()
         np.testing.assert_array_equal(got["w"], w["w"])  # the fetch completed, verified
         assert in_flight_at_removal  # (by a wide margin: ~30 of 512 chunks here)
+        # p1's copy adopted p0's new signature, so it still counts towards the seal
+        await wait_until(lambda: {c.origin for c in p2.control.claims("m")} == {"p0", "p1"})
         # gossip goes on under the new key: a new version spreads
         await p0.publish("m", 2, weights(2))
         await wait_until(lambda: p2.control.latest("m") == 2 and p1.control.latest("m") == 2)

@@ -113,6 +113,7 @@ class ControlPlane:
             merged = [e for e in msg.entries if self._accept(e.origin) and self.refs.merge(e)]
             if merged:
                 self._table_changed(merged)
+                return self._readopt()
             return []
         if isinstance(msg, CoordRequest):
             return self._on_coord_request(msg)
@@ -147,6 +148,32 @@ class ControlPlane:
         return self._resigned(replace(holding, publisher=self.me.name,
                                       publisher_gen=self.generation))
 
+    def _current_announcement(self, h: Holding) -> Holding:
+        """Our copy ``h`` of another publisher's announcement, with the publisher's
+        current signature: after it rotated its key, the one it re-signed with (found in
+        its own entry), so that the copy still counts once the old key is removed."""
+        if (self.trust is None or h.derived or h.publisher == self.me.name
+                or self._signed_by_publisher(h)):
+            return h
+        entry = self.refs.entry(h.publisher)
+        for p in entry.holdings if entry is not None else ():
+            if replace(p, bitmap=h.bitmap, publisher_sig=h.publisher_sig) == h \
+                    and self._signed_by_publisher(p):
+                return replace(h, publisher_sig=p.publisher_sig)
+        return h
+
+    def _readopt(self) -> list[Outbound]:
+        """Re-sign-adopt our copies (see :meth:`_current_announcement`); push if any."""
+        if self.trust is None:
+            return []
+        mine = self.refs.local.holdings
+        fresh = tuple(self._current_announcement(h) for h in mine)
+        if fresh == mine:
+            return []
+        self.refs.bump_local(fresh)
+        self._table_changed([self.refs.local])
+        return self._push_local()
+
     def _resigned(self, h: Holding) -> Holding:
         if self.trust is None or h.publisher != self.me.name or h.derived:
             return h
@@ -167,7 +194,7 @@ class ControlPlane:
     # -- local holdings -----------------------------------------------------------
 
     def put_holding(self, holding: Holding) -> list[Outbound]:
-        self.refs.put_local(holding)
+        self.refs.put_local(self._current_announcement(holding))
         self._table_changed([self.refs.local])
         return self._push_local()
 

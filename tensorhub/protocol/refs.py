@@ -247,6 +247,9 @@ class RefTable:
 
     # -- queries -----------------------------------------------------------------
 
+    def entry(self, origin: str) -> OriginEntry | None:
+        return self._entries.get(origin)
+
     def origins(self) -> Iterator[OriginEntry]:
         return iter(self._entries.values())
 

@@ -210,6 +210,12 @@ class VersionView:
         state = self._models.setdefault(model, _ModelState())
         claims = list(claims)
         if self._window is not None:
+            # A seal is kept while anyone announces its version, even with another
+            # manifest (then forgotten: a version nobody holds any more is decided
+            # afresh, by the earliest publish, if it comes back).
+            mentioned = {c.version for c in claims}
+            state.sealed_manifests = {at: m for at, m in state.sealed_manifests.items()
+                                      if at[0] in mentioned}
             claims = _winning(claims, state, self._window)
             state.counted = frozenset((c.version, c.shard, c.layout_id, c.manifest_id)
                                       for c in claims)
