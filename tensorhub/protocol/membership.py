@@ -29,15 +29,12 @@ are forgotten after ``dead_reap_after``; the addresses of failed members are kep
 RECONNECT_TIMEOUT and, as Serf does, we now and then exchange state with one, which
 heals partitions.
 
-Signed claims (with ``PeerConfig.security``; see trust.py).  Alive and left claims are
-about oneself and signed by that member; suspect and dead claims are signed by their
-accuser (``origin``) and count only at an incarnation no higher than the highest one
-we have seen signed by the member itself, so nobody can accuse a future incarnation,
-evict a member for good or refute for another.  Only alive claims carry info that
-counts (the signature covers it); an alive claim that takes the control or data address
-of another live member is refused.  A claim is checked only when it would change the
-view.  A secure member starts at the incarnation it is given (the shell passes its boot
-stamp), so a restarted member outranks every claim about its previous life.
+Signed claims (with ``PeerConfig.security``; see trust.py).  Every claim is signed by
+its origin; claims.py says which count (nobody speaks, refutes or accuses in advance
+for another, nor takes its address), and is asked only when a claim would change the
+view.  Only alive claims carry info that counts (the signature covers it).  A secure
+member starts at the incarnation it is given (the shell passes its boot stamp), so a
+restarted member outranks every claim about its previous life.
 
 Inputs carry ``now``; outputs are :class:`Outbound` messages, plus :class:`MemberEvent`
 records the caller drains.  No clock, no socket, randomness only from the rng given.
@@ -58,6 +55,7 @@ from ..config import PeerConfig
 from ..errors import LocalProtocolError
 from ..model import PeerInfo
 from .broadcast import BroadcastQueue
+from .claims import ClaimCheck
 from .codec import fields_bytes
 from .probe import Probe, Prober
 from .suspicion import Health, Suspicion
@@ -225,8 +223,7 @@ class Membership:
         self._addr = me.control
         self._inc = incarnation
         self._trust = trust
-        self._self_inc: dict[str, int] = {}
-        """Secure mode: the highest incarnation seen signed by each member itself."""
+        self._check = ClaimCheck(trust, me.name) if trust is not None else None
         self._left = False
         self._seeds: tuple[str, ...] = ()
         self._view = View(me.name, RECONNECT_MAX)
@@ -407,36 +404,14 @@ class Membership:
                 new = u.incarnation * 4 + kind
                 if new < key or (new == key and kind != _S):
                     continue
-            if self._trust is not None and u.name != self._name and not self._admit(u):
+            if self._check is not None and u.name != self._name \
+                    and not self._check.about_other(u, self._live_infos()):
                 continue
             self._apply(now, u, kind, out)
 
-    def _admit(self, u: Update) -> bool:
-        """Secure mode: is this claim about another member signed by whoever may make it?"""
-        trust = self._trust
-        assert trust is not None
-        if u.kind == _A or u.kind == _L:
-            ok = (u.origin == u.name and trust.check(u.name, u.signed_bytes(), u.sig)
-                  and not (u.kind == _A and self._address_taken(u)))
-            if ok and u.incarnation > self._self_inc.get(u.name, -1):
-                self._self_inc[u.name] = u.incarnation
-        else:
-            ok = (u.origin != u.name and u.incarnation <= self._self_inc.get(u.name, -1)
-                  and trust.check(u.origin, u.signed_bytes(), u.sig))
-        if not ok:
-            trust.refuse("membership claim")
-        return ok
-
-    def _address_taken(self, u: Update) -> bool:
-        """Does alive claim ``u`` take an address another live member (or we) holds?"""
-        assert u.info is not None
-        control, data = u.info.control, u.info.data
+    def _live_infos(self) -> Iterable[PeerInfo]:
         states = self._view.states
-        for name in (*self._view.live, self._name):
-            info = states[name].info
-            if name != u.name and (info.control == control or info.data == data):
-                return True
-        return False
+        return (states[n].info for n in (*self._view.live, self._name))
 
     def _apply(self, now: float, u: Update, kind: int, out: list[Outbound]) -> None:
         name = u.name
@@ -510,7 +485,7 @@ class Membership:
             return
         if u.incarnation == self._inc and u.kind == _A and u.info == self.me:
             return
-        if self._trust is not None and not self._admit_about_me(u):
+        if self._check is not None and not self._check.about_me(u, self._inc):
             return
         if u.kind != _A:
             self._health.apply(1)
@@ -520,20 +495,6 @@ class Membership:
         self._refuted = True
         out.extend(Outbound(self._view.control(n), Gossip(self._addr, self._name, (record,)))
                    for n in self._view.pick(self._rng, self._cfg.gossip_fanout, None))
-
-    def _admit_about_me(self, u: Update) -> bool:
-        """Secure mode: a claim about us that would make us refute must be ours (an
-        earlier life's) or an accusation of our current incarnation by a member."""
-        assert self._trust is not None
-        if u.kind == _A or u.kind == _L:
-            ok = u.origin == self._name and self._trust.check(
-                self._name, u.signed_bytes(), u.sig)
-        else:
-            ok = u.incarnation <= self._inc and u.origin != self._name and self._trust.check(
-                u.origin, u.signed_bytes(), u.sig)
-        if not ok:
-            self._trust.refuse("membership claim")
-        return ok
 
     def renew(self, now: float) -> list[Outbound]:
         """Announce ourselves alive at a new incarnation (signed with the current key:
