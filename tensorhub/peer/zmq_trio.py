@@ -217,6 +217,7 @@ class ZmqRouter:
             self._drop_out += 1
             self._first_try.pop(dest, None)
             self._known.discard(dest)
+            self._connected.discard(dest)
             return
         self._retry.append((now + _RETRY_EVERY, dest, data))
 
