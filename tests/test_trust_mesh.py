@@ -298,3 +298,19 @@ def test_zap_answers_every_request_and_admits_members_only() -> None:
         zap.close()
     finally:
         ctx.term()
+
+
+async def test_an_outsider_peer_cannot_join() -> None:
+    keys = Keys(["p0", "p1"], {"m": ["p0"]})
+    outsider = Identity.generate()
+    # the outsider knows the cluster key and lists itself, but the members do not
+    ring = Keyring({**{n: [i.public] for n, i in keys.ids.items()}, "x": [outsider.public]})
+    async with secure_mesh(keys, ["p0", "p1"]) as (p0, p1):
+        await p0.publish("m", 1, weights(1))
+        seed = (p0.info.control.removeprefix("tcp://"),)
+        cfg = PeerConfig.local("x", join=seed, security=Security(outsider, keys.cluster, ring))
+        async with tensorhub.open_peer(cfg) as x:
+            await wait_until(lambda: p0.statistics().refused.get("not a member", 0) >= 1)
+            await trio.sleep(1.0)  # a few probe and gossip rounds: nothing gets through
+            assert set(x.members()) == {"x"} and x.control.latest("m") is None
+            assert "x" not in p0.members() and "x" not in p1.members()
