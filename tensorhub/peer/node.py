@@ -62,6 +62,10 @@ from .zmq_trio import ZmqRouter
 
 register_all()
 
+INLINE_DECODE_BYTES = 64 << 10
+"""Manifests up to this size are decoded on the event loop: about 2,000 tensors, well
+under a millisecond, less than handing the work to a thread and back."""
+
 
 @dataclass(frozen=True)
 class PeerStats:
@@ -246,7 +250,7 @@ class Peer:
         placed = [spec.place(name, a.shape) for name, a in arrays]
         manifest = await trio.to_thread.run_sync(
             build_manifest, key, arrays, self.config.chunk_size, self.config.digest_algo,
-            spec.size, placed)
+            spec.size, placed, self.config.manifest_limits)
         mid = manifest.manifest_id()
         for peer, holding in self.control.holders(key):
             if holding.manifest_id != mid:
@@ -480,7 +484,7 @@ class Peer:
                         data = await conn.read_manifest(key)
                     finally:
                         await conn.aclose()
-                    manifest = Manifest.decode(data, expected_id=holding.manifest_id)
+                    manifest = await self._decode_manifest(data, holding.manifest_id)
                     if manifest.key != key:
                         raise RemoteProtocolError(f"{peer.name} sent a non-matching manifest")
                     return manifest, holding.publisher
@@ -493,6 +497,14 @@ class Peer:
                                          f"the manifest ({detail or 'none known'})")
             with trio.move_on_at(deadline):
                 await self._changed.wait()
+
+    async def _decode_manifest(self, data: bytes, manifest_id: bytes) -> Manifest:
+        """Check and parse a manifest; one over :data:`INLINE_DECODE_BYTES` in a worker
+        thread (at the caps, decoding takes a second: the event loop must not wait)."""
+        limits = self.config.manifest_limits
+        if len(data) <= INLINE_DECODE_BYTES:
+            return Manifest.decode(data, manifest_id, limits)
+        return await trio.to_thread.run_sync(Manifest.decode, data, manifest_id, limits)
 
     async def _ask_plan(self, key: VersionKey, manifest: Manifest
                         ) -> tuple[list[tuple[PeerInfo, int, int]], str]:
