@@ -449,7 +449,8 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
 
     Anything a reader would refuse (see :mod:`tensorhub.limits`) raises
     :class:`LocalProtocolError` naming the tensor and the bound, before any hashing."""
-    specs, offset, codes = [], 0, {}
+    specs, offset = [], 0
+    codes: dict[np.dtype[Any], str] = {}
     for i, (name, arr) in enumerate(arrays):
         check_tensor_name(name)
         code = codes.get(arr.dtype)

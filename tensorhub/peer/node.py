@@ -26,7 +26,7 @@ from ..errors import (
     TransportError,
     VersionUnavailable,
 )
-from ..manifest import Manifest, build_manifest
+from ..manifest import TRUSTED_ONLY, Manifest, build_manifest
 from ..model import (
     PeerInfo,
     VersionKey,
@@ -35,6 +35,7 @@ from ..model import (
     check_version,
 )
 from ..protocol import codec
+from ..protocol.bans import BanNotice, BanTable
 from ..protocol.control import ControlPlane
 from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.groups import GroupEnvelope
@@ -89,6 +90,14 @@ class PeerStats:
     """Whether the same-host transport is usable here, and if not why."""
     shm_fallbacks: dict[str, str]
     """Same-host peers read over TCP instead, and why."""
+    digest: str = ""
+    """The chunk digest this peer publishes with, and whether it holds against lying
+    holders (``xxh3-128``: trusted fleet only)."""
+    bans: dict[str, str] = field(default_factory=dict)
+    """Holders this peer does not read from now (their bytes failed a digest): the
+    reason and the seconds left."""
+    ban_notices: dict[str, int] = field(default_factory=dict)
+    """Ban notices other peers sent, per reporter: hints, counted, never obeyed."""
     reports: tuple[dict[str, Any], ...] = field(default=())
 
 
@@ -130,6 +139,7 @@ class Peer:
         self._by_source: dict[str, int] = {}
         self._by_transport: dict[str, int] = {}
         self._integrity: dict[str, int] = {}
+        self.bans = BanTable(config.ban_seconds)
         self._reports: list[dict[str, Any]] = []
         self.bad_inputs: list[str] = []
         self._shm = shm_available() if "shm" in config.transports else (False, "not enabled")
@@ -182,6 +192,9 @@ class Peer:
             except RemoteProtocolError as exc:
                 self._count_bad(f"control message from {_sender}: {exc}")
                 continue
+            if isinstance(msg, BanNotice):
+                self.bans.hint(msg)
+                continue
             if isinstance(msg, KeepQuery | KeepAnswer):
                 self.retention.on_message(_sender, msg)
                 continue
@@ -216,6 +229,20 @@ class Peer:
             now = trio.current_time()
             if now >= self.control.next_deadline():
                 self._send(self.control.tick(now))
+
+    def banned(self, holder: str) -> str | None:
+        """Why this peer does not read from ``holder`` now, or None."""
+        return self.bans.reason(trio.current_time(), holder)
+
+    def ban(self, holder: str, key: VersionKey, reason: str) -> None:
+        """``holder`` served bytes of ``key`` that failed their digest: read nothing from
+        it for ``ban_seconds``, and tell the other live members (a hint for them)."""
+        if not self.bans.ban(trio.current_time(), holder, reason):
+            return
+        notice = BanNotice(self.info.name, holder, str(key), reason[:200])
+        for member in self.control.membership.live_members():
+            if member.name not in (holder, self.info.name):
+                self.send_to(member.name, notice)
 
     def _count_sent(self, reader: str, nbytes: int) -> None:
         self._served += nbytes
@@ -346,7 +373,7 @@ class Peer:
         if held is not None and held.complete and not held.hidden and into is None:
             names = held.manifest.table.names
             return Fetched(resolved, dict(zip(names, held.arrays, strict=True)),
-                           FetchReport(model, resolved, verified=True))
+                           FetchReport(model, resolved, verified=True, served_arrays=True))
         if held is not None or key in self._resharding:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
         allowed = frozenset(sources) if sources is not None else None
@@ -409,7 +436,8 @@ class Peer:
         job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
                     upstream=allowed or frozenset(), plan=plan, connect=self._connect,
                     window=self._window(manifest),
-                    stall_timeout=self.config.stall_timeout, on_progress=progress)
+                    stall_timeout=self.config.stall_timeout, on_progress=progress,
+                    banned=self.banned, on_bad_bytes=self.ban)
         job.report.plan = plan_note
         self._fetches.add(job)
         try:
@@ -462,18 +490,28 @@ class Peer:
     async def _fetch_manifest(self, key: VersionKey, allowed: frozenset[str] | None
                               ) -> tuple[Manifest, str]:
         def candidates() -> list[tuple[PeerInfo, Holding]]:
-            return [(p, h) for p, h in self.control.holders(key) if p.name != self.info.name
-                    and (allowed is None or p.name in allowed)]
+            found = []
+            for p, h in self.control.holders(key):
+                if p.name == self.info.name or (allowed is not None and p.name not in allowed):
+                    continue
+                why = self.banned(p.name)
+                if why is None:
+                    found.append((p, h))
+                else:
+                    banned[p.name] = f"banned: {why}"
+            return found
 
         # The view may lag: a holder that just unpublished, a named source that has not
         # started.  Retry each holder when its reference changes, until stall_timeout.
         deadline = trio.current_time() + self.config.stall_timeout
         tried: dict[str, Holding] = {}
         errors: dict[str, str] = {}
+        banned: dict[str, str] = {}
         while True:
             holders = candidates()
             if not holders and allowed is None and not errors:
-                raise VersionUnavailable(key.model, key.version, "no live holder is known")
+                raise VersionUnavailable(key.model, key.version, "no live holder is known"
+                                         if not banned else f"every holder is banned: {banned}")
             fresh = [(p, h) for p, h in holders if tried.get(p.name) is not h]
             fresh.sort(key=lambda ph: (ph[1].publisher == ph[0].name, ph[0].name))
             for peer, holding in fresh:
@@ -492,7 +530,7 @@ class Peer:
                     errors[peer.name] = str(exc)
             if trio.current_time() >= deadline:
                 which = f" among {sorted(allowed)}" if allowed is not None else ""
-                detail = "; ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
+                detail = "; ".join(f"{k}: {v}" for k, v in sorted({**banned, **errors}.items()))
                 raise VersionUnavailable(key.model, key.version, f"no holder{which} served "
                                          f"the manifest ({detail or 'none known'})")
             with trio.move_on_at(deadline):
@@ -570,6 +608,12 @@ class Peer:
             control_received=rs.received, control_sent=rs.sent,
             shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
             shm_fallbacks=dict(self._shm_refused),
+            digest=self.config.digest_algo + (
+                " (trusted fleet only: a holder can forge chunks that pass)"
+                if self.config.digest_algo in TRUSTED_ONLY else " (cryptographic)"),
+            bans={n: f"{why} ({left:.0f} s left)"
+                  for n, (left, why) in self.bans.active(trio.current_time()).items()},
+            ban_notices=dict(self.bans.notices),
             reports=tuple(self._reports),
         )
 

@@ -106,7 +106,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         job = Fetch(me=peer.info.name, local=part, view=peer._view(allowed),
                     upstream=allowed or frozenset(), connect=peer._connect,
                     window=peer._window(m), stall_timeout=peer.config.stall_timeout,
-                    on_progress=lambda: None, only=plan.chunks[s])
+                    on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
+                    only=plan.chunks[s])
         peer._fetches.add(job)
         try:
             reports.append(await job.run())
