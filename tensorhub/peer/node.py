@@ -48,14 +48,9 @@ from ..protocol.versions import Seal
 from ..transport.base import Connection, NotServing
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection, TcpServer
-from .fetcher import (
-    Fetch,
-    Fetched,
-    FetchReport,
-    HolderView,
-    allocate_flat,
-    prepare_destination,
-)
+from .destination import allocate_flat, prepare_destination
+from .fetcher import Fetch, Fetched, FetchReport, HolderView
+from .operations import Operations, operation
 from .reshard import reshard, same_layout_holder
 from .retention import Retention
 from .store import LocalVersion, Store
@@ -134,6 +129,8 @@ class Peer:
         self._wake_ticker = trio.Event()
         self._fetches: set[Fetch] = set()
         self._closed = False
+        self.operations = Operations(config.name)
+        """The API calls in flight: closing the peer ends them with PeerClosed."""
         self._served = self._chunks_served = self._fetched = self._nfetches = 0
         self._malformed = 0
         self._by_source: dict[str, int] = {}
@@ -164,6 +161,7 @@ class Peer:
         self._send(self.control.join(trio.current_time(), seeds))
 
     async def _leave(self) -> None:
+        await self.operations.close(self.config.stall_timeout)
         self._closed = True
         self._send(self.control.leave(trio.current_time()))
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
@@ -255,6 +253,7 @@ class Peer:
 
     # -- API ----------------------------------------------------------------------------
 
+    @operation
     async def publish(self, model: str, version: int, tensors: Mapping[str, Any], *,
                       layout: Sharding | None = None) -> Manifest:
         """Register references to ``tensors`` (copies nothing) as ``model@version``.
@@ -299,6 +298,7 @@ class Peer:
         await trio.lowlevel.checkpoint()
         return self.control.latest(check_model_name(model))
 
+    @operation
     async def wait_for_version(self, model: str, newer_than: int | None = None) -> int:
         """Wait until a version of ``model`` newer than ``newer_than`` exists; return it."""
         check_model_name(model)
@@ -308,6 +308,7 @@ class Peer:
                 return v
             await self._changed.wait()
 
+    @operation
     async def unpublish(self, model: str, version: int, *,
                         layout: Sharding | None = None) -> None:
         """Stop serving ``model@version`` from the caller's arrays now; return once reads
@@ -340,6 +341,7 @@ class Peer:
         self.retention.pins.discard((check_model_name(model), check_version(version)))
         self.retention.release_unretained()
 
+    @operation
     async def fetch(self, model: str, version: int | str = "latest",
                     into: Mapping[str, Any] | None = None, *,
                     sources: Sequence[str] | None = None,
@@ -568,6 +570,7 @@ class Peer:
         return self.control.coordinator(VersionKey(check_model_name(model),
                                                    check_version(version)))
 
+    @operation
     async def ask_coordinator(self, model: str, version: int, *, size: int = 0,
                               chunks: int = 0) -> CoordinatorAnswer:
         """Register as a fetcher with the coordinator of ``model@version``, routed through

@@ -17,7 +17,8 @@ from ..protocol.layout import execute
 from ..protocol.resharding import plan_reshard
 from ..protocol.sharding import Sharding
 from ..protocol.versions import Seal
-from .fetcher import Fetch, Fetched, FetchReport, allocate_flat, first_error, prepare_destination
+from .destination import allocate_flat, prepare_destination
+from .fetcher import Fetch, Fetched, FetchReport, first_error
 from .store import LocalVersion
 
 if TYPE_CHECKING:
