@@ -53,9 +53,6 @@ MAX_LAYOUT_ID = 32
 MAX_CHUNK_SIZE = 1 << 31
 """Bytes of one chunk (a reader buffers and verifies a chunk as a unit)."""
 
-MIN_DIGEST, MAX_DIGEST = 16, 64
-"""Bytes of one chunk digest."""
-
 MAX_MANIFEST_BYTES = 64 << 20
 """Encoded bytes of one manifest: what the data plane accepts as a manifest reply.
 262,144 tensors with 30-character names encode to about 12 MiB."""

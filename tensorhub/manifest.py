@@ -26,7 +26,6 @@ from .limits import (
     BAD_NAME_CHARS,
     DEFAULT_LIMITS,
     MAX_CHUNK_SIZE,
-    MAX_DIGEST,
     MAX_DIM,
     MAX_DTYPE_STR,
     MAX_DTYPES,
@@ -35,7 +34,6 @@ from .limits import (
     MAX_NDIM,
     MAX_TENSOR_BYTES,
     MAX_TENSOR_NAME,
-    MIN_DIGEST,
     ManifestLimits,
     check_counts,
     check_dtype,
@@ -50,6 +48,9 @@ DIGEST_ALGOS = ("blake3", "sha256", "xxh3-128")
 cryptographic: no holder can make other bytes that pass.  ``xxh3-128`` catches
 corruption (bit flips, truncation, a buggy or stale holder) at memory speed but can be
 forged in milliseconds: only for a trusted fleet, where every holder is honest."""
+
+DIGEST_SIZES = {"blake3": 32, "sha256": 32, "xxh3-128": 16}
+"""Bytes of one chunk digest, per algorithm."""
 
 TRUSTED_ONLY = frozenset({"xxh3-128"})
 """Digests that only hold where every holder is trusted (see :data:`DIGEST_ALGOS`)."""
@@ -187,7 +188,7 @@ class Manifest:
             },
             "chunk_size": self.chunk_size,
             "digest_algo": self.digest_algo,
-            "chunk_digests": list(self.chunk_digests),
+            "chunk_digests": b"".join(self.chunk_digests),
             "shard": [self.shard, self.world, self.layout],
         }
 
@@ -225,9 +226,10 @@ class Manifest:
         reference table carries is refused before it is parsed.
 
         ``limits`` cap what is allocated: longer input, or an array longer than
-        ``max(max_tensors, max_chunks)``, is refused by the parser before it builds
-        anything.  A manifest near the caps takes a worker thread seconds to decode:
-        call this off the event loop (:meth:`Peer.fetch` does, for all but small ones)."""
+        ``max_tensors`` (the tensor names are the only long array; chunk digests travel
+        as one byte string), is refused by the parser before it builds anything.  A
+        manifest near the caps takes a worker thread half a second to decode: call this
+        off the event loop (:meth:`Peer.fetch` does, for all but small ones)."""
         if len(data) > limits.max_manifest_bytes:
             raise RemoteProtocolError(f"manifest of {len(data)} bytes is over the limit "
                                       f"of {limits.max_manifest_bytes}")
@@ -236,7 +238,7 @@ class Manifest:
         try:
             obj = msgpack.unpackb(
                 data, raw=False, strict_map_key=True, max_map_len=16,
-                max_array_len=max(limits.max_tensors, limits.max_chunks, MAX_DTYPES),
+                max_array_len=max(limits.max_tensors, MAX_DTYPES),
                 max_str_len=4 * MAX_TENSOR_NAME, max_bin_len=limits.max_manifest_bytes,
                 max_ext_len=0)
         except Exception as exc:  # msgpack raises a zoo of types on bad input
@@ -288,15 +290,13 @@ def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
     if algo not in DIGEST_ALGOS:
         raise bad("digest_algo")
     tensors, offset = _tensors_from_wire(obj["tensors"], limits)
-    digests = obj["chunk_digests"]
+    blob = obj["chunk_digests"]
     expected = -(-offset // chunk_size) if offset else 0
-    if not isinstance(digests, list) or len(digests) != expected \
-            or expected > limits.max_chunks:
-        raise bad("chunk digest count")
-    if not all(type(d) is bytes and MIN_DIGEST <= len(d) <= MAX_DIGEST for d in digests):
-        raise bad("chunk digest")
-    return Manifest(model, version, tensors, chunk_size, algo, tuple(digests),
-                    shard, world, layout)
+    size = DIGEST_SIZES[algo]
+    if type(blob) is not bytes or len(blob) != expected * size or expected > limits.max_chunks:
+        raise bad("chunk digests")
+    digests = tuple(blob[i:i + size] for i in range(0, len(blob), size))
+    return Manifest(model, version, tensors, chunk_size, algo, digests, shard, world, layout)
 
 
 _TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}

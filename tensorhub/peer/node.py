@@ -500,7 +500,7 @@ class Peer:
                 if why is None:
                     found.append((p, h))
                 else:
-                    banned[p.name] = f"banned: {why}"
+                    banned[p.name] = f"banned here ({why})"
             return found
 
         # The view may lag: a holder that just unpublished, a named source that has not
@@ -513,7 +513,8 @@ class Peer:
             holders = candidates()
             if not holders and allowed is None and not errors:
                 raise VersionUnavailable(key.model, key.version, "no live holder is known"
-                                         if not banned else f"every holder is banned: {banned}")
+                                         if not banned else "no holder that is not banned: "
+                                         + "; ".join(f"{k}: {v}" for k, v in banned.items()))
             fresh = [(p, h) for p, h in holders if tried.get(p.name) is not h]
             fresh.sort(key=lambda ph: (ph[1].publisher == ph[0].name, ph[0].name))
             for peer, holding in fresh:
