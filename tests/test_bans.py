@@ -12,7 +12,7 @@ import tensorhub
 from tensorhub import IntegrityError, PeerConfig, VersionKey
 from tensorhub.manifest import DIGEST_SIZES, build_manifest, digest_of
 from tensorhub.peer.fetcher import Fetch
-from tensorhub.protocol.bans import BanNotice, BanTable
+from tensorhub.protocol.bans import Ban, BanNotice, BanTable
 
 
 async def test_the_default_digest_is_cryptographic_and_one_flipped_bit_fails() -> None:
@@ -47,11 +47,11 @@ def test_bans_expire_and_notices_are_only_counted() -> None:
     table = BanTable(seconds=10.0)
     assert table.ban(100.0, "liar", "chunk 3 failed")
     assert not table.ban(101.0, "liar", "again")  # already banned: no second notice
-    assert table.reason(110.9, "liar") == "again"
+    assert table.get(110.9, "liar") == Ban(111.0, "again")
     assert table.active(105.0) == {"liar": (6.0, "again")}
-    assert table.reason(111.0, "liar") is None and table.active(111.0) == {}
+    assert table.get(111.0, "liar") is None and table.active(111.0) == {}
     table.hint(BanNotice("p2", "honest", "m@1", "trust me"))
-    assert table.notices == {"p2": 1} and table.reason(111.0, "honest") is None
+    assert table.notices == {"p2": 1} and table.get(111.0, "honest") is None
 
 
 async def test_a_holder_that_served_bad_bytes_is_not_contacted_again() -> None:

@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..manifest import digest_of
 from ..model import PeerInfo, VersionKey
+from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
 from ..protocol.refs import Holding
 from ..transport.base import Connection, NotServing
@@ -43,8 +44,8 @@ other, and each level of a tree lags its parent by one chunk-time.  Measured in 
 
 HolderView = Callable[[VersionKey], list[tuple[PeerInfo, Holding]]]
 Connector = Callable[[PeerInfo], Awaitable[Connection]]
-BanCheck = Callable[[str], str | None]
-"""Holder name -> why the peer bans it now, or None."""
+BanCheck = Callable[[str], Ban | None]
+"""Holder name -> the peer's ban on it now (until when, and why), or None."""
 BadBytes = Callable[[str, VersionKey, str], None]
 """Told ``(holder, version, reason)`` when a holder's chunk failed its digest."""
 
@@ -199,9 +200,10 @@ class Fetch:
     def _usable(self, name: str) -> bool:
         if name == self.me or self.benched.get(name, 0.0) > trio.current_time():
             return False
-        why = self.banned(name)
-        if why is not None:
-            self.report.banned_sources[name] = why
+        ban = self.banned(name)
+        if ban is not None:  # benched too: a waiting worker wakes when the ban ends
+            self.report.banned_sources[name] = ban.reason
+            self.benched[name] = ban.until
             return False
         return True
 

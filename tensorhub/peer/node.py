@@ -35,7 +35,7 @@ from ..model import (
     check_version,
 )
 from ..protocol import codec
-from ..protocol.bans import BanNotice, BanTable
+from ..protocol.bans import Ban, BanNotice, BanTable
 from ..protocol.control import ControlPlane
 from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.groups import GroupEnvelope
@@ -228,9 +228,9 @@ class Peer:
             if now >= self.control.next_deadline():
                 self._send(self.control.tick(now))
 
-    def banned(self, holder: str) -> str | None:
-        """Why this peer does not read from ``holder`` now, or None."""
-        return self.bans.reason(trio.current_time(), holder)
+    def banned(self, holder: str) -> Ban | None:
+        """This peer's ban on reading from ``holder`` now (until when, why), or None."""
+        return self.bans.get(trio.current_time(), holder)
 
     def ban(self, holder: str, key: VersionKey, reason: str) -> None:
         """``holder`` served bytes of ``key`` that failed their digest: read nothing from
@@ -496,11 +496,11 @@ class Peer:
             for p, h in self.control.holders(key):
                 if p.name == self.info.name or (allowed is not None and p.name not in allowed):
                     continue
-                why = self.banned(p.name)
-                if why is None:
+                ban = self.banned(p.name)
+                if ban is None:
                     found.append((p, h))
                 else:
-                    banned[p.name] = f"banned here ({why})"
+                    banned[p.name] = f"banned here ({ban.reason})"
             return found
 
         # The view may lag: a holder that just unpublished, a named source that has not

@@ -60,19 +60,17 @@ class BanTable:
     def ban(self, now: float, holder: str, reason: str) -> bool:
         """Ban ``holder`` from now for ``seconds``; True if it was not banned already
         (the caller then tells the mesh)."""
-        fresh = self.reason(now, holder) is None
+        fresh = self.get(now, holder) is None
         self._bans[holder] = Ban(now + self.seconds, reason[:MAX_REASON])
         return fresh
 
-    def reason(self, now: float, holder: str) -> str | None:
-        """Why ``holder`` is banned at ``now``, or None if it is not."""
+    def get(self, now: float, holder: str) -> Ban | None:
+        """The ban on ``holder`` in force at ``now``, or None."""
         ban = self._bans.get(holder)
-        if ban is None:
-            return None
-        if ban.until <= now:
+        if ban is not None and ban.until <= now:
             del self._bans[holder]
             return None
-        return ban.reason
+        return ban
 
     def active(self, now: float) -> dict[str, tuple[float, str]]:
         """Holder -> (seconds left, reason) of every ban in force at ``now``."""
