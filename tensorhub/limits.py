@@ -88,10 +88,8 @@ DEFAULT_LIMITS = ManifestLimits()
 
 def check_tensor_name(name: Any) -> str:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_TENSOR_NAME:
-        shown = name if not isinstance(name, str) else f"{name[:40]!r}..." \
-            if len(name) > 40 else repr(name)
-        raise LocalProtocolError(
-            f"tensor name {shown} must be a str of 1 to {MAX_TENSOR_NAME} characters")
+        raise LocalProtocolError(f"tensor name {repr(name)[:40]} must be a str of 1 to "
+                                 f"{MAX_TENSOR_NAME} characters")
     bad = BAD_NAME_CHARS.search(name)
     if bad is not None:
         raise LocalProtocolError(

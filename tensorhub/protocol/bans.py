@@ -10,8 +10,8 @@ the reference table says it holds.  Bans expire by time alone; a new failure aft
 expiry bans again.
 
 The peer also tells the other members (:class:`BanNotice`).  A notice is a *hint*: the
-receiver only counts it per reporter and keeps the latest few for ``statistics()``; it
-never bans anyone on another peer's word (a lying peer could otherwise ban honest
+receiver only counts it per reporter, for ``statistics()``; it never bans anyone on
+another peer's word (a lying peer could otherwise ban honest
 holders mesh-wide).  Time is passed in; nothing here reads a clock.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 MAX_REASON = 200
 """Characters of a ban reason kept or sent."""
 
-KEPT_NOTICES = 32
-"""Latest notices kept for ``statistics()``."""
+MAX_REPORTERS = 4096
+"""Reporters counted; notices from further (made-up) names are not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +54,6 @@ class BanTable:
         self._bans: dict[str, Ban] = {}
         self.notices: dict[str, int] = {}
         """Notices received, per reporting peer (as the notice names it)."""
-        self.recent: list[BanNotice] = []
-        """The latest :data:`KEPT_NOTICES` notices received."""
 
     def ban(self, now: float, holder: str, reason: str) -> bool:
         """Ban ``holder`` from now for ``seconds``; True if it was not banned already
@@ -80,7 +78,5 @@ class BanTable:
 
     def hint(self, notice: BanNotice) -> None:
         """Count a notice from another peer; it bans nobody here."""
-        if notice.sender not in self.notices and len(self.notices) >= 4096:
-            return  # a flood of made-up reporter names is not worth memory
-        self.notices[notice.sender] = self.notices.get(notice.sender, 0) + 1
-        self.recent = [*self.recent[-(KEPT_NOTICES - 1):], notice]
+        if notice.sender in self.notices or len(self.notices) < MAX_REPORTERS:
+            self.notices[notice.sender] = self.notices.get(notice.sender, 0) + 1
