@@ -35,7 +35,7 @@ from ..model import (
     check_version,
 )
 from ..protocol import codec
-from ..protocol.bans import Ban, BanNotice, BanTable
+from ..protocol.bans import MAX_REASON, Ban, BanNotice, BanTable
 from ..protocol.control import ControlPlane
 from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.groups import GroupEnvelope
@@ -237,7 +237,7 @@ class Peer:
         it for ``ban_seconds``, and tell the other live members (a hint for them)."""
         if not self.bans.ban(trio.current_time(), holder, reason):
             return
-        notice = BanNotice(self.info.name, holder, str(key), reason[:200])
+        notice = BanNotice(self.info.name, holder, str(key), reason[:MAX_REASON])
         for member in self.control.membership.live_members():
             if member.name not in (holder, self.info.name):
                 self.send_to(member.name, notice)
