@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .limits import MAX_MANIFEST_BYTES, ManifestLimits
 from .manifest import DIGEST_ALGOS
 
 DEFAULT_CHUNK_SIZE = 4 << 20
@@ -85,10 +86,30 @@ class PeerConfig:
     transfer tree lags its parent by one chunk-time; per-chunk costs grow below ~4 MiB.
     Measured (8 emulated hosts, 400 Mbit, 256 MiB): 2/4/8 MiB -> 1.28/1.16/1.30x bound."""
 
-    digest_algo: str = "xxh3-128"
-    """Per-chunk digest (see ``manifest.DIGEST_ALGOS``).  Measured here, one core, 1 GiB:
-    xxh3-128 ~14 GB/s, blake3 ~6, sha256 ~1.4; xxh3 and blake3 release the GIL.  The
-    default catches corruption; choose ``blake3`` where holders are not trusted."""
+    digest_algo: str = "blake3"
+    """Per-chunk digest of what this peer publishes (see ``manifest.DIGEST_ALGOS``).
+    ``blake3`` is cryptographic: a holder cannot serve other bytes that pass, so readers
+    may take chunks from any holder.  Measured here, 1 GiB in 4 MiB chunks: blake3 6 GB/s
+    per core (publish hashes with every core: 11 GB/s on 2), xxh3-128 16, sha256 1.4; all
+    run off the event loop.  ``xxh3-128`` is for a trusted fleet only (every holder
+    honest): its digests can be forged in milliseconds; ``statistics()`` says so."""
+
+    ban_seconds: float = 300.0
+    """A holder that served a chunk failing its digest is not read from again, by any
+    fetch of this peer, for this long (and other peers are told, as a hint).  Longer
+    protects better against a lying holder; shorter forgives a flaky one sooner."""
+
+    max_tensors: int = 1 << 18
+    """Most tensors a manifest may list (262,144), checked by publish and by readers
+    before they allocate (the reason for the default: ``limits.ManifestLimits``).  A
+    publisher checks its own value: keep it equal across the mesh."""
+
+    max_chunks: int = 1 << 22
+    """Most chunks a manifest may list (16 TiB in 4 MiB chunks)."""
+
+    max_manifest_bytes: int = MAX_MANIFEST_BYTES
+    """Largest encoded manifest published or accepted (at most 64 MiB, what the data
+    plane carries)."""
 
     fetch_window: int = 4
     """Chunk requests in flight per fetch (one connection each)."""
@@ -168,6 +189,14 @@ class PeerConfig:
             raise ConfigError("transports must name 'tcp' and optionally 'shm'")
         if self.digest_algo not in DIGEST_ALGOS:
             raise ConfigError(f"digest_algo must be one of {', '.join(DIGEST_ALGOS)}")
+        if not 0 < self.ban_seconds <= 1e6:
+            raise ConfigError("ban_seconds must be in (0, 1e6]")
+        ManifestLimits(self.max_tensors, self.max_chunks, self.max_manifest_bytes)  # checks
+
+    @property
+    def manifest_limits(self) -> ManifestLimits:
+        """The caps on manifests, published or received."""
+        return ManifestLimits(self.max_tensors, self.max_chunks, self.max_manifest_bytes)
 
     def replace(self, **changes: Any) -> PeerConfig:
         return dataclasses.replace(self, **changes)

@@ -42,7 +42,7 @@ from tensorhub import shared_empty
 from tensorhub.errors import IntegrityError, RemoteProtocolError, TransportError
 from tensorhub.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
-from tensorhub.peer.fetcher import allocate_flat
+from tensorhub.peer.destination import allocate_flat
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from ..errors import RemoteProtocolError, TransportError
+from ..limits import MAX_MANIFEST_BYTES
 from ..model import VersionKey
 from ..protocol import codec
 from ..protocol.dataplane import (
@@ -75,7 +76,7 @@ async def _send_all(sock: trio.socket.SocketType, view: memoryview) -> None:
 # ~8% on ``tensorhub bench transfer --only tcp``.
 
 _THREAD_TIMEOUT = 120.0  # a safety net; stalls are detected by the caller's deadline
-_MAX_MANIFEST = 64 << 20
+_MAX_MANIFEST = MAX_MANIFEST_BYTES  # the limits table's bound
 
 
 def _dup(sock: trio.socket.SocketType) -> socket.socket:
