@@ -61,8 +61,9 @@ from tensorhub.protocol.dataplane import (
 from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
 from tensorhub.transport.memory import MemoryServer
+from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
-from tensorhub.transport.tcp import TcpConnection, TcpServer, _recv_frame, _send_frame
+from tensorhub.transport.tcp import TcpConnection, _recv_frame, _send_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 SHM, WHY_NOT = shm_available()
@@ -175,7 +176,7 @@ sys.path.insert(0, "tests")
 import transport_conformance
 from tensorhub import shared_empty
 from tensorhub.peer.store import Store
-from tensorhub.transport.tcp import TcpServer
+from tensorhub.transport.server import TcpServer
 if sys.argv[4] == "shared":
     transport_conformance.EMPTY = shared_empty
 store = Store()

@@ -44,9 +44,11 @@ from ..protocol.refs import Holding
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
+from ..transport.admission import ServerLimits, ServerStats
 from ..transport.base import Connection, NotServing
+from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
-from ..transport.tcp import TcpConnection, TcpServer
+from ..transport.tcp import TcpConnection
 from .fetcher import (
     Fetch,
     Fetched,
@@ -86,6 +88,8 @@ class PeerStats:
     shm_fallbacks: dict[str, str]
     """Same-host peers read over TCP instead, and why."""
     reports: tuple[dict[str, Any], ...] = field(default=())
+    data_server: ServerStats | None = None
+    """What the data server admitted, refused and revoked (and whether it authenticates)."""
 
 
 def _free_port(host: str) -> int:
@@ -105,7 +109,10 @@ class Peer:
         self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
                                  config.gossip_queue)
         self.store = Store(chunk_wait=config.stall_timeout)
-        self._server = TcpServer(self.store, self._count_sent, self._count_bad)
+        self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
+            config.data_max_connections, config.data_max_connections_per_address,
+            config.data_idle_timeout, config.data_frame_timeout,
+            config.data_requests_per_second, config.lease_timeout))
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
         try:
@@ -558,7 +565,7 @@ class Peer:
             control_received=rs.received, control_sent=rs.sent,
             shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
             shm_fallbacks=dict(self._shm_refused),
-            reports=tuple(self._reports),
+            reports=tuple(self._reports), data_server=self._server.statistics(),
         )
 
 

@@ -1,0 +1,260 @@
+"""The holder's data server: serves a :class:`Provider` to readers over TCP.
+
+One task per connection answers one request at a time (see
+:mod:`tensorhub.protocol.dataplane` for the framing); chunk payload leaves from the
+holder's own array memory in one vectored write from a worker thread.  Every reader is
+bounded by :class:`~.admission.ServerLimits`: connections in total and per address, the
+time a frame may take and a connection may idle, the request rate; accept() under
+descriptor pressure backs off instead of failing the peer.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ..errors import RemoteProtocolError, TransportError
+from ..model import VersionKey
+from ..protocol import codec
+from ..protocol.dataplane import (
+    BAD_REQUEST,
+    FRAME_HEADER,
+    MAX_FRAME,
+    OK,
+    ChunkRequest,
+    ManifestRequest,
+    Reply,
+    ShmChunkRequest,
+    ShmHello,
+    ShmVersionRequest,
+)
+from .admission import (
+    ACCEPT_BACKOFF_MAX,
+    ACCEPT_PRESSURE,
+    ACCEPT_TRANSIENT,
+    Admission,
+    RequestRate,
+    ServerLimits,
+    ServerStats,
+)
+from .base import NotServing, Provider
+from .shm_serve import serve_shm
+from .tcp import (
+    _body_size,
+    _frame,
+    _recv_body,
+    _recv_exact,
+    _send_all,
+    _send_frame,
+    _send_segments_blocking,
+    _tune,
+)
+
+_BACKLOG = 128
+
+
+class TcpServer:
+    """Serves a :class:`Provider` to readers.  ``on_sent(peer_addr, nbytes)`` counts
+    what was served, ``on_bad(what)`` each connection closed for bad input."""
+
+    def __init__(self, provider: Provider, on_sent: Callable[[str, int], None],
+                 on_bad: Callable[[str], None], limits: ServerLimits | None = None) -> None:
+        self.provider = provider
+        self.on_sent = on_sent
+        self.on_bad = on_bad
+        self.limits = limits or ServerLimits()
+        self.port = 0
+        self._admission = Admission(self.limits)
+        self._listener: trio.socket.SocketType | None = None
+
+    def bind(self, host: str, port: int) -> int:
+        """Bind the listening socket now, so a used port fails before anything starts."""
+        plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        plain.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            plain.bind((host, port))
+        except OSError as exc:
+            plain.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise TransportError(f"data address {host}:{port} is already in use") from None
+            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from None
+        plain.listen(_BACKLOG)
+        self._listener = trio.socket.from_stdlib_socket(plain)
+        self.port = plain.getsockname()[1]
+        return self.port
+
+    def statistics(self) -> ServerStats:
+        return self._admission.statistics("insecure: any client may read")
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listener = self._listener
+        if listener is None:
+            raise RuntimeError("TcpServer.serve() before bind()")
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            with listener:
+                await self._accept_forever(listener, nursery)
+
+    async def _accept_forever(self, listener: trio.socket.SocketType,
+                              nursery: trio.Nursery) -> None:
+        """Accept until cancelled.  Out of descriptors (or kernel memory), back off --
+        the pending connection waits in the backlog -- and keep serving the open ones;
+        over a cap, close the new connection at once (counted)."""
+        backoff = 0.0
+        admission = self._admission
+        while True:
+            try:
+                sock, addr = await listener.accept()
+            except OSError as exc:
+                if exc.errno in ACCEPT_PRESSURE:
+                    backoff = min(max(2 * backoff, 0.005), ACCEPT_BACKOFF_MAX)
+                    admission.accept_failed(exc, backoff)
+                    await trio.sleep(backoff)
+                    continue
+                if exc.errno in ACCEPT_TRANSIENT:
+                    continue
+                raise
+            backoff = 0.0
+            admission.accepted()
+            address = str(addr[0])
+            if not admission.admit(address):
+                sock.close()
+                continue
+            nursery.start_soon(self._serve_conn, sock, address, f"{addr[0]}:{addr[1]}")
+
+    async def _serve_conn(self, sock: trio.socket.SocketType, address: str,
+                          peer: str) -> None:
+        conn = _ServerConn(self, sock, peer)
+        try:
+            with sock:
+                _tune(sock)
+                await conn.serve()
+        finally:
+            conn.close()
+            self._admission.release(address)
+
+
+class _ServerConn:
+    """One reader's connection, as its server task sees it."""
+
+    def __init__(self, server: TcpServer, sock: trio.socket.SocketType, peer: str) -> None:
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.counts = server._admission.counts
+        self.limits = server.limits
+        self._plain: socket.socket | None = None
+
+    def close(self) -> None:
+        if self._plain is not None:
+            self._plain.close()
+
+    def plain(self) -> socket.socket | None:
+        """The thread-side twin of the connection (same socket, duplicated descriptor),
+        or None when the process is out of descriptors.  Its timeout bounds one send: a
+        reader that stops taking a chunk for ``lease_timeout`` loses the connection and
+        the holder its lease."""
+        if self._plain is None:
+            try:
+                fd = socket.dup(self.sock.fileno())
+            except OSError as exc:
+                if exc.errno in ACCEPT_PRESSURE:
+                    return None
+                raise
+            self._plain = socket.socket(fileno=fd)
+            self._plain.settimeout(self.limits.lease_timeout)
+        return self._plain
+
+    async def serve(self) -> None:
+        rate = RequestRate(self.limits.requests_per_second, trio.current_time())
+        try:
+            while True:
+                req = await self.next_request()
+                if req is None:
+                    return
+                wait = rate.delay(trio.current_time())
+                if wait:
+                    self.counts["throttled"] += 1
+                    await trio.sleep(wait)
+                await self.answer(req)
+        except RemoteProtocolError as exc:
+            self.counts["bad_frames"] += 1
+            self.server.on_bad(f"{self.peer}: {exc}")
+        except (TransportError, OSError):
+            return  # the reader went away or reset the connection; nothing to clean up
+
+    async def next_request(self) -> Any:
+        """The next request, or None when the reader closed the connection, left it
+        idle for ``idle_timeout`` or took over ``frame_timeout`` to send a frame."""
+        head = bytearray(FRAME_HEADER)
+        got = -1
+        with trio.move_on_after(self.limits.idle_timeout):
+            got = await self.sock.recv_into(head, FRAME_HEADER)
+        if got <= 0:
+            self.counts["idle_closed"] += got < 0
+            return None
+        with trio.move_on_after(self.limits.frame_timeout):
+            await _recv_exact(self.sock, memoryview(head)[got:])
+            body = await _recv_body(self.sock, _body_size(head))
+            return codec.decode(body, MAX_FRAME)
+        self.counts["frame_timeouts"] += 1
+        return None
+
+    async def answer(self, req: Any) -> None:
+        provider, sock = self.server.provider, self.sock
+        if isinstance(req, ManifestRequest):
+            try:
+                key = VersionKey(req.model, req.version, req.shard, req.layout)
+                data = provider.manifest_bytes(key)
+            except NotServing as ns:
+                await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
+                return
+            await _send_frame(sock, Reply(req.req_id, OK, len(data)))
+            await _send_all(sock, memoryview(data))
+        elif isinstance(req, ChunkRequest):
+            await self.send_chunk(req)
+        elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
+            await serve_shm(sock, self.peer, provider, req, self.server.on_sent)
+        else:
+            await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
+            raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
+
+    async def send_chunk(self, req: ChunkRequest) -> None:
+        provider = self.server.provider
+        key = VersionKey(req.model, req.version, req.shard, req.layout)
+        try:
+            await provider.wait_chunk(key, req.chunk)
+            lease = provider.lease(key, req.chunk)
+            segments = lease.__enter__()
+        except NotServing as ns:
+            await _send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
+            return
+        try:
+            total = sum(map(len, segments))
+            if provider.corrupt_hook(self.peer) and total:
+                first = next(s for s in segments if len(s))
+                flipped = bytes([first[0] ^ 0xFF])
+                segments = [memoryview(flipped), first[1:],
+                            *segments[segments.index(first) + 1:]]
+            views = [memoryview(_frame(Reply(req.req_id, OK, total))), *segments]
+            twin = self.plain()
+            try:
+                if twin is None:  # out of descriptors: slower, from the event loop
+                    with trio.fail_after(self.limits.lease_timeout):
+                        for view in views:
+                            await _send_all(self.sock, view)
+                else:  # header and payload in one vectored write from a worker thread
+                    await trio.to_thread.run_sync(_send_segments_blocking, twin, views,
+                                                  abandon_on_cancel=True)
+            except (TimeoutError, trio.TooSlowError):
+                self.counts["leases_revoked"] += 1
+                raise TransportError(f"{self.peer} took no chunk for "
+                                     f"{self.limits.lease_timeout}s") from None
+            self.server.on_sent(self.peer, total)
+        finally:
+            lease.__exit__(None, None, None)
