@@ -42,7 +42,7 @@ from .admission import (
     ServerStats,
 )
 from .base import NotServing, Provider
-from .shm_serve import serve_shm
+from .shm_serve import LeaseTerms, serve_shm
 from .tcp import (
     _body_size,
     _frame,
@@ -69,6 +69,7 @@ class TcpServer:
         self.limits = limits or ServerLimits()
         self.port = 0
         self._admission = Admission(self.limits)
+        self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._revoked)
         self._listener: trio.socket.SocketType | None = None
 
     def bind(self, host: str, port: int) -> int:
@@ -86,6 +87,9 @@ class TcpServer:
         self._listener = trio.socket.from_stdlib_socket(plain)
         self.port = plain.getsockname()[1]
         return self.port
+
+    def _revoked(self, peer: str) -> None:
+        self._admission.counts["leases_revoked"] += 1
 
     def statistics(self) -> ServerStats:
         return self._admission.statistics("insecure: any client may read")
@@ -219,7 +223,7 @@ class _ServerConn:
         elif isinstance(req, ChunkRequest):
             await self.send_chunk(req)
         elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
-            await serve_shm(sock, self.peer, provider, req, self.server.on_sent)
+            await serve_shm(sock, self.peer, provider, req, self.server._terms)
         else:
             await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
             raise RemoteProtocolError(f"unexpected message {type(req).__name__}")

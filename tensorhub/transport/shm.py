@@ -38,6 +38,22 @@ changed under it.  A memory file is used only if it is the very file granted (it
 matches: descriptor numbers get reused), sealed against shrinking (so a mapping cannot
 fault past its end) and long enough for the piece granted.
 
+Revocation.  A reader that does not end a chunk lease (``ShmDone``) within the holder's
+``lease_timeout``, or a version lease within it of a ``ShmRevoke``, is cut off: the holder
+shuts the connection down, and only then lets go of the memory, so ``unpublish`` returns
+within about ``lease_timeout`` even when a reader hangs.  The holder may then overwrite
+or free that memory while a copy is still running; that copy is harmless and never
+used.  With ``process_vm_readv`` the kernel reads the holder's pages on the reader's
+behalf, so a freed page makes the call fail (``EFAULT``) instead of faulting the reader;
+with a mapped memory file the reader copies from its own mapping, which the holder's
+letting go does not unmap (the file is sealed against shrinking), so the pages stay
+readable.  Either way the bytes may have changed, and the reader's check after every copy
+sees the connection ended (``POLLRDHUP``) -- the holder ended it before letting go, the
+copy ended after the memory changed, so the check comes after the end -- and fails the
+read; a ``ShmRevoke`` alone, the connection still up, means the copy was covered.  A
+reader therefore never returns bytes from memory it no longer leases; it reports a
+transport error and the fetcher takes the chunk from another holder.
+
 This module is the reader side.  The holder side is :mod:`.shm_serve`; the kernel copy
 :mod:`.crossmem`, the memory files :mod:`.shmem`, the copy threads :mod:`.copypool`.
 """
@@ -79,6 +95,7 @@ from .tcp import TcpConnection, _recv_frame, _send_frame
 
 __all__ = ["ShmConnection", "shm_available"]
 
+_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 RELEASE_CHUNKS = 131072  # chunk indices per ShmRelease frame: 512 KiB
 
 
@@ -190,19 +207,22 @@ class ShmConnection(TcpConnection):
         self._check_holder()
 
     def _holder_state(self) -> tuple[bool, bool]:
-        """(the holder exited, its socket has something to say or hung up)."""
+        """(the holder exited or ended the connection, its socket has something to say).
+        A connection the holder ended is a lease it let go of (revoked, or closed)."""
         if self._poll is None:
             self._poll = select.poll()
             self._poll.register(self._pidfd, select.POLLIN)
             self._poll.register(self._sock.fileno(), select.POLLIN | select.POLLRDHUP)
         ready = dict(self._poll.poll(0))
-        return self._pidfd in ready, self._sock.fileno() in ready
+        ended = ready.get(self._sock.fileno(), 0) & _HUNG_UP
+        return self._pidfd in ready or bool(ended), self._sock.fileno() in ready
 
     def _check_holder(self) -> None:
         """Fail unless the holder is alive and the connection open (after every copy)."""
         dead, spoke = self._holder_state()
         if dead:
-            raise TransportError(f"{self.peer} (pid {self._pid}) exited during the copy")
+            raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
+                                 "connection during the copy")
         if spoke:
             raise TransportError(f"{self.peer} closed the connection (or spoke out of turn) "
                                  "during the copy")
@@ -364,7 +384,8 @@ class ShmConnection(TcpConnection):
         released if any check failed."""
         dead, spoke = self._holder_state()
         if dead:
-            raise TransportError(f"{self.peer} (pid {self._pid}) exited")
+            raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
+                                 "connection")
         if spoke:
             await self._heard(lease)  # an unpublish (or a hang-up) since the last read
         if lease.revoked:
@@ -385,7 +406,8 @@ class ShmConnection(TcpConnection):
         bad = await copypool.pool.run(_land_batch, self._files, jobs)
         dead, spoke = self._holder_state()
         if dead:
-            raise TransportError(f"{self.peer} (pid {self._pid}) exited during the copy")
+            raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
+                                 "connection during the copy")
         if spoke:
             await self._heard(lease)  # a revoke still covers these copies: they were leased
         lease.copied.extend(chunks)

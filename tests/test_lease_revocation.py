@@ -1,0 +1,186 @@
+"""A reader that holds a holder's memory and stops answering loses its lease.
+
+``unpublish`` (``Store.hide`` + ``Store.wait_drained``) must return within about
+``lease_timeout`` whatever a reader does, and a reader whose lease was revoked must
+never return bytes copied after it (see the revocation notes in
+:mod:`tensorhub.transport.shm`).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import transport_conformance
+import trio
+import trio.testing
+from transport_conformance import Published, publish
+
+from tensorhub import shared_empty
+from tensorhub.errors import TransportError
+from tensorhub.model import VersionKey
+from tensorhub.peer.store import Store
+from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant, ShmRevoke
+from tensorhub.transport import shm
+from tensorhub.transport.admission import ServerLimits
+from tensorhub.transport.base import NotServing
+from tensorhub.transport.server import TcpServer
+from tensorhub.transport.shm import ShmConnection, shm_available
+from tensorhub.transport.tcp import _recv_frame, _send_frame
+
+SHM, WHY_NOT = shm_available()
+needs_shm = pytest.mark.skipif(not SHM, reason=WHY_NOT)
+SEED = random.randrange(2**32)
+print(f"tests/test_lease_revocation.py: seed {SEED}")
+LEASE = 0.3
+
+
+@dataclass
+class Holder:
+    store: Store
+    server: TcpServer
+    address: str
+
+    async def unpublish(self, key: VersionKey) -> None:
+        self.store.hide(key)
+        with trio.fail_after(30):  # about LEASE; never forever
+            await self.store.wait_drained(key)
+
+
+@asynccontextmanager
+async def holder() -> AsyncIterator[Holder]:
+    store = Store()
+    server = TcpServer(store, lambda peer, n: None, lambda what: None,
+                       ServerLimits(lease_timeout=LEASE))
+    address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        yield Holder(store, server, address)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def shared_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
+
+
+async def read(conn: Any, pub: Published, c: int) -> None:
+    buf = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+    await conn.read_chunk(pub.local.manifest.key, c, [memoryview(buf)])
+    assert np.array_equal(buf, pub.chunk(c))
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_hung_version_lease_is_revoked_and_unpublish_returns() -> None:
+    async with holder() as h:
+        pub = publish(h.store, random.Random(SEED), [200_000], 65_536)
+        conn = await ShmConnection.connect(h.address, "holder", 5)
+        await read(conn, pub, 0)
+        assert conn.version_leases == 1 and pub.local.inflight == 1
+        await h.unpublish(pub.local.manifest.key)  # the reader never answers the revoke
+        assert h.server.statistics().leases_revoked == 1
+        assert h.store.get(pub.local.manifest.key) is None
+        with pytest.raises(TransportError, match="ended the connection"):
+            await read(conn, pub, 1)
+        await conn.aclose()
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_copy_that_outlives_its_lease_is_never_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder revokes while a copy is running (and may then overwrite the memory):
+    the copy completes from the reader's own mapping, and the read fails."""
+    async with holder() as h:
+        pub = publish(h.store, random.Random(SEED), [200_000], 65_536)
+        key = pub.local.manifest.key
+        conn = await ShmConnection.connect(h.address, "holder", 5)
+        await read(conn, pub, 0)
+        token = trio.lowlevel.current_trio_token()
+        land = shm._land_batch
+
+        def revoked_during_the_copy(files: Any, jobs: Any) -> Any:
+            trio.from_thread.run(h.unpublish, key, trio_token=token)
+            for array in pub.local.arrays:  # the holder reuses its memory at once
+                array.flags.writeable = True
+                array[...] = 0
+            return land(files, jobs)
+
+        monkeypatch.setattr(shm, "_land_batch", revoked_during_the_copy)
+        buf = np.full(len(pub.chunk(1)), 7, dtype=np.uint8)
+        with pytest.raises(TransportError, match="during the copy"):
+            await conn.read_chunk(key, 1, [memoryview(buf)])
+        assert h.server.statistics().leases_revoked == 1
+        await conn.aclose()
+
+
+async def connect_raw(address: str, rcvbuf: int = 0) -> trio.socket.SocketType:
+    host, _, port = address.rpartition(":")
+    sock = trio.socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    await sock.connect((host, int(port)))
+    return sock
+
+
+@needs_shm
+async def test_a_chunk_lease_without_shm_done_is_revoked() -> None:
+    async with holder() as h:
+        pub = publish(h.store, random.Random(SEED), [100_000], 65_536)  # plain arrays
+        key = pub.local.manifest.key
+        with await connect_raw(h.address) as sock:
+            await _send_frame(sock, ShmChunkRequest(1, key.model, key.version, 0))
+            grant = await _recv_frame(sock)
+            assert isinstance(grant, ShmGrant) and grant.req_id == 1
+            await trio.testing.wait_all_tasks_blocked()
+            assert pub.local.inflight == 1
+            await h.unpublish(key)  # no ShmDone ever comes
+            assert await _recv_frame(sock) == ShmRevoke(1)
+            assert await sock.recv(1) == b""
+        assert h.server.statistics().leases_revoked == 1
+
+
+async def test_a_tcp_reader_that_stops_taking_a_chunk_loses_it() -> None:
+    async with holder() as h:
+        pub = publish(h.store, random.Random(SEED), [48 << 20], 48 << 20)
+        key = pub.local.manifest.key
+        with await connect_raw(h.address, rcvbuf=4096) as sock:
+            await _send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
+            await sock.recv(1)  # the reply has started; the reader takes no more
+            await h.unpublish(key)
+        assert h.server.statistics().leases_revoked == 1
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_revoke_answered_in_time_covers_the_copy_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpublish during a copy, the reader answers within the lease timeout: its copy
+    counts, the next read is refused cleanly (NOT_HELD), nothing is revoked."""
+    async with holder() as h:
+        pub = publish(h.store, random.Random(SEED), [200_000], 65_536)
+        key = pub.local.manifest.key
+        conn = await ShmConnection.connect(h.address, "holder", 5)
+        await read(conn, pub, 0)
+        token = trio.lowlevel.current_trio_token()
+        land = shm._land_batch
+
+        def unpublished_during_the_copy(files: Any, jobs: Any) -> Any:
+            trio.from_thread.run_sync(h.store.hide, key, trio_token=token)
+            return land(files, jobs)
+
+        monkeypatch.setattr(shm, "_land_batch", unpublished_during_the_copy)
+        await read(conn, pub, 1)
+        with pytest.raises(NotServing):
+            await read(conn, pub, 2)
+        with trio.fail_after(30):
+            await h.store.wait_drained(key)
+        assert h.server.statistics().leases_revoked == 0
+        await conn.aclose()
