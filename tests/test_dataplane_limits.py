@@ -7,6 +7,7 @@ measured); the caps and timers are checked on a server in this process.
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import struct
@@ -26,9 +27,19 @@ from transport_conformance import Published, publish
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
 from tensorhub.peer.store import Store
-from tensorhub.protocol.dataplane import MAX_FRAME, OK, ManifestRequest, Reply
+from tensorhub.protocol.dataplane import (
+    BAD_REQUEST,
+    MAX_FRAME,
+    OK,
+    ManifestRequest,
+    Reply,
+    ShmChunkRequest,
+    ShmHello,
+    ShmVersionRequest,
+)
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.server import TcpServer
+from tensorhub.transport.shm import ShmConnection
 from tensorhub.transport.tcp import TcpConnection, _frame, _recv_exact, _recv_frame
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +55,7 @@ from tensorhub.errors import ConfigError
 from tensorhub.peer.store import Store
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.server import TcpServer
+from tensorhub.transport.shm import ShmConnection
 seed, size, chunk, nofile, limits = sys.argv[1:6]
 store = Store()
 transport_conformance.publish(store, random.Random(seed), [int(size)], int(chunk))
@@ -258,3 +270,50 @@ def test_limits_are_validated() -> None:
         PeerConfig.local("p", data_max_connections=0)
     with pytest.raises(ConfigError):
         PeerConfig.local("p", data_frame_timeout=0)
+
+
+# -- same-host requests: only on the local socket, only from the same user -------------
+
+
+async def test_same_host_requests_over_tcp_are_refused() -> None:
+    async with served() as (server, addr, pub):
+        key = pub.local.manifest.key
+        with await connect(addr) as sock:
+            for req in (ShmHello(1), ShmChunkRequest(2, key.model, key.version, 0),
+                        ShmVersionRequest(3, key.model, key.version, 0)):
+                await sock.send(_frame(req))
+                reply = await _recv_frame(sock)
+                assert reply == Reply(req.req_id, BAD_REQUEST, 0, reply.detail)
+                assert "local socket" in reply.detail
+            await sock.send(_frame(ManifestRequest(4, key.model, key.version)))
+            reply = await _recv_frame(sock)  # the connection stays usable for TCP requests
+            assert isinstance(reply, Reply) and reply.status == OK
+        assert server.statistics().shm_over_tcp == 3
+        assert pub.local.inflight == 0
+
+
+OTHER_USER = """
+import os, socket, sys
+from tensorhub.transport.local import local_name
+os.setgid(65534)
+os.setuid(65534)  # before connecting: the kernel records who connects
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(local_name(sys.argv[1]))
+try:
+    sock.sendall(bytes.fromhex(sys.argv[2]))
+    print(sock.recv(1 << 16).hex(), flush=True)
+except (ConnectionResetError, BrokenPipeError):
+    print("reset", flush=True)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
+async def test_the_local_socket_refuses_another_user() -> None:
+    async with served() as (server, addr, _pub):
+        proc = await trio.run_process(
+            [sys.executable, "-c", OTHER_USER, addr, _frame(ShmHello(1)).hex()],
+            cwd=ROOT, capture_stdout=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.stdout.decode().strip() in ("", "reset")  # closed before any answer
+        assert server.statistics().refused_credentials == 1
+        conn = await ShmConnection.connect(addr, "holder", 5)  # our own user is served
+        await conn.aclose()

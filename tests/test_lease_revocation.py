@@ -30,6 +30,7 @@ from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant
 from tensorhub.transport import shm
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing
+from tensorhub.transport.local import local_name
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection, shm_available
 from tensorhub.transport.tcp import _recv_frame, _send_frame
@@ -135,7 +136,8 @@ async def test_a_chunk_lease_without_shm_done_is_revoked() -> None:
     async with holder() as h:
         pub = publish(h.store, random.Random(SEED), [100_000], 65_536)  # plain arrays
         key = pub.local.manifest.key
-        with await connect_raw(h.address) as sock:
+        with trio.socket.socket(trio.socket.AF_UNIX) as sock:
+            await sock.connect(local_name(h.address))
             await _send_frame(sock, ShmChunkRequest(1, key.model, key.version, 0))
             grant = await _recv_frame(sock)
             assert isinstance(grant, ShmGrant) and grant.req_id == 1

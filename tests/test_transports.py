@@ -30,10 +30,8 @@ from transport_conformance import (
     Holder,
     OpenHolder,
     Published,
-    hung_up,
     landing,
     publish,
-    raw_connection,
     read_into,
     rng_for,
 )
@@ -60,6 +58,7 @@ from tensorhub.protocol.dataplane import (
 )
 from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
+from tensorhub.transport.local import local_name
 from tensorhub.transport.memory import MemoryServer
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
@@ -254,8 +253,7 @@ async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
         assert holder.address is not None
         pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
         for follow_up in (None, ChunkRequest(2, "m", 1, 0)):
-            async with raw_connection(holder.address) as raw:
-                sock = raw.socket
+            async with local_connection(holder.address) as sock:
                 await _send_frame(sock, ShmChunkRequest(1, "m", 1, 0))
                 grant = await _recv_frame(sock)
                 assert isinstance(grant, ShmGrant) and grant.length == 65_536
@@ -263,7 +261,9 @@ async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
                 assert pub.local.inflight == 1  # held until ShmDone...
                 if follow_up is not None:
                     await _send_frame(sock, follow_up)
-                    await hung_up(raw)
+                    with trio.fail_after(5):
+                        while await sock.recv(1 << 16):
+                            pass
             with trio.fail_after(5):  # ...or until the reader leaves or breaks the protocol
                 await pub.local.drained.wait()
         assert len(holder.bad) == 1 and "ShmDone" in holder.bad[0]
@@ -572,13 +572,18 @@ async def test_holder_process_killed_during_a_version_lease(holder_process: Any)
 
 @asynccontextmanager
 async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
-    """A server that answers each request frame with the frames ``answer`` returns."""
+    """A server that answers each request frame with the frames ``answer`` returns, on a
+    TCP port and on the same-host socket of that address (one connection in all)."""
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     listener.listen(1)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    local = trio.socket.socket(trio.socket.AF_UNIX)
+    await local.bind(local_name(address))
+    local.listen(1)
 
-    async def serve() -> None:
-        sock, _ = await listener.accept()
+    async def serve(on: trio.socket.SocketType) -> None:
+        sock, _ = await on.accept()
         with sock:
             try:
                 while True:
@@ -588,10 +593,21 @@ async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
                 return
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve)
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
+        nursery.start_soon(serve, listener)
+        nursery.start_soon(serve, local)
+        yield address
         nursery.cancel_scope.cancel()
     listener.close()
+    local.close()
+
+
+@asynccontextmanager
+async def local_connection(address: str) -> AsyncIterator[trio.socket.SocketType]:
+    """A raw connection to the same-host socket of the holder at ``address``."""
+    sock = trio.socket.socket(trio.socket.AF_UNIX)
+    with sock:
+        await sock.connect(local_name(address))
+        yield sock
 
 
 def welcome(req: Any, **changes: Any) -> ShmWelcome:

@@ -1,4 +1,6 @@
-"""The holder's data server: serves a :class:`Provider` to readers over TCP.
+"""The holder's data server: serves a :class:`Provider` to readers over TCP, and to
+same-host readers over a Unix socket (:mod:`.local`), the only one where same-host
+requests are answered.
 
 One task per connection answers one request at a time (see
 :mod:`tensorhub.protocol.dataplane` for the framing); chunk payload leaves from the
@@ -42,6 +44,7 @@ from .admission import (
     ServerStats,
 )
 from .base import NotServing, Provider
+from .local import credentials, local_name, same_user
 from .shm_serve import LeaseTerms, serve_shm
 from .tcp import (
     _body_size,
@@ -71,6 +74,8 @@ class TcpServer:
         self._admission = Admission(self.limits)
         self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._revoked)
         self._listener: trio.socket.SocketType | None = None
+        self._local: trio.socket.SocketType | None = None
+        """The same-host socket (:mod:`.local`): the only one answering Shm* requests."""
 
     def bind(self, host: str, port: int) -> int:
         """Bind the listening socket now, so a used port fails before anything starts."""
@@ -86,6 +91,16 @@ class TcpServer:
         plain.listen(_BACKLOG)
         self._listener = trio.socket.from_stdlib_socket(plain)
         self.port = plain.getsockname()[1]
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            local.bind(local_name(f"{host}:{self.port}"))
+        except OSError as exc:
+            local.close()
+            self._listener.close()
+            raise TransportError(f"cannot listen for same-host readers of {host}:"
+                                 f"{self.port}: {exc}") from None
+        local.listen(_BACKLOG)
+        self._local = trio.socket.from_stdlib_socket(local)
         return self.port
 
     def _revoked(self, peer: str) -> None:
@@ -96,19 +111,21 @@ class TcpServer:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        listener = self._listener
-        if listener is None:
+        listener, local = self._listener, self._local
+        if listener is None or local is None:
             raise RuntimeError("TcpServer.serve() before bind()")
         async with trio.open_nursery() as nursery:
-            task_status.started()
-            with listener:
-                await self._accept_forever(listener, nursery)
+            with listener, local:
+                nursery.start_soon(self._accept_forever, local, nursery, True)
+                task_status.started()
+                await self._accept_forever(listener, nursery, False)
 
     async def _accept_forever(self, listener: trio.socket.SocketType,
-                              nursery: trio.Nursery) -> None:
+                              nursery: trio.Nursery, local: bool) -> None:
         """Accept until cancelled.  Out of descriptors (or kernel memory), back off --
         the pending connection waits in the backlog -- and keep serving the open ones;
-        over a cap, close the new connection at once (counted)."""
+        over a cap, or (same-host socket) from another user, close the new connection at
+        once (counted)."""
         backoff = 0.0
         admission = self._admission
         while True:
@@ -125,18 +142,27 @@ class TcpServer:
                 raise
             backoff = 0.0
             admission.accepted()
-            address = str(addr[0])
+            if local:
+                pid, uid, _ = credentials(sock)
+                if not same_user(uid):
+                    admission.counts["refused_credentials"] += 1
+                    sock.close()
+                    continue
+                address, peer = f"uid {uid}", f"local pid {pid}"
+            else:
+                address, peer = str(addr[0]), f"{addr[0]}:{addr[1]}"
             if not admission.admit(address):
                 sock.close()
                 continue
-            nursery.start_soon(self._serve_conn, sock, address, f"{addr[0]}:{addr[1]}")
+            nursery.start_soon(self._serve_conn, sock, address, peer, local)
 
     async def _serve_conn(self, sock: trio.socket.SocketType, address: str,
-                          peer: str) -> None:
-        conn = _ServerConn(self, sock, peer)
+                          peer: str, local: bool) -> None:
+        conn = _ServerConn(self, sock, peer, local)
         try:
             with sock:
-                _tune(sock)
+                if not local:
+                    _tune(sock)
                 await conn.serve()
         finally:
             conn.close()
@@ -146,10 +172,13 @@ class TcpServer:
 class _ServerConn:
     """One reader's connection, as its server task sees it."""
 
-    def __init__(self, server: TcpServer, sock: trio.socket.SocketType, peer: str) -> None:
+    def __init__(self, server: TcpServer, sock: trio.socket.SocketType, peer: str,
+                 local: bool) -> None:
         self.server = server
         self.sock = sock
         self.peer = peer
+        self.local = local
+        """A same-host connection (Unix socket, the same user): Shm* requests allowed."""
         self.counts = server._admission.counts
         self.limits = server.limits
         self._plain: socket.socket | None = None
@@ -223,6 +252,11 @@ class _ServerConn:
         elif isinstance(req, ChunkRequest):
             await self.send_chunk(req)
         elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
+            if not self.local:  # a remote client never gets a lease on our memory
+                self.counts["shm_over_tcp"] += 1
+                await _send_frame(sock, Reply(req.req_id, BAD_REQUEST, 0, "same-host "
+                                              "requests are answered on the local socket only"))
+                return
             await serve_shm(sock, self.peer, provider, req, self.server._terms)
         else:
             await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))

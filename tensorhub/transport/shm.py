@@ -1,7 +1,8 @@
 """Same-host data plane: one copy, straight from the holder's arrays into the reader's.
 
-A reader on the holder's host uses the ordinary TCP data connection
-(:mod:`tensorhub.transport.tcp`) for control only.  For each chunk it sends a
+A reader on the holder's host talks to it over a Unix socket (:mod:`.local`: the
+kernel tells the holder who connected), with the framing of the TCP data connection
+(:mod:`tensorhub.transport.tcp`), for control only.  For each chunk it sends a
 ``ShmChunkRequest``; the holder leases the chunk and says where its bytes lie.  If they
 lie in shared memory files (arrays from :func:`tensorhub.transport.shmem.shared_empty`,
 and every fetched version) the grant names the files (``ShmFileGrant``) and the reader
@@ -90,6 +91,7 @@ from ..protocol.dataplane import (
 from . import copypool
 from .base import NotServing, Verifier, read_each
 from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
+from .local import credentials, local_name, same_user
 from .shmem import MappedFiles, Pieces
 from .tcp import TcpConnection, _recv_frame, _send_frame
 
@@ -131,10 +133,10 @@ def _land_batch(files: MappedFiles, jobs: Sequence[tuple[Pieces, Sequence[memory
 
 
 class ShmConnection(TcpConnection):
-    """A reader's same-host connection: TCP for control; payload copied from the holder's
-    memory files or with ``process_vm_readv``.
+    """A reader's same-host connection: a Unix socket for control; payload copied from the
+    holder's memory files or with ``process_vm_readv``.
 
-    Manifests travel over TCP as usual.  :meth:`connect` fails with a
+    Manifests travel over the same socket, framed as over TCP.  :meth:`connect` fails with a
     :class:`TransportError` naming the reason when the holder's memory cannot be read.
     """
 
@@ -162,8 +164,17 @@ class ShmConnection(TcpConnection):
 
     @classmethod
     async def connect(cls, address: str, peer: str, timeout: float) -> ShmConnection:
-        conn = await super().connect(address, peer, timeout)
-        assert isinstance(conn, ShmConnection)
+        """Connect to the same-host socket of the holder whose data address is
+        ``address`` (see :mod:`.local`) and check that we can read its memory."""
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        try:
+            with trio.fail_after(timeout):
+                await sock.connect(local_name(address))
+        except (OSError, trio.TooSlowError) as exc:
+            sock.close()
+            raise TransportError(f"{peer} has no same-host socket here ({exc}): it runs on "
+                                 "another host or in another network namespace") from None
+        conn = cls(sock, peer)
         try:
             with trio.fail_after(timeout):
                 await conn._hello()
@@ -194,6 +205,10 @@ class ShmConnection(TcpConnection):
         except OSError as exc:
             raise TransportError(f"{elsewhere}: {exc.strerror}; it runs on another host "
                                  "or in another pid namespace") from None
+        pid, uid, _ = credentials(self._sock)
+        if not same_user(uid) or pid != welcome.pid:
+            raise TransportError(f"{elsewhere}: the kernel says pid {pid} of user {uid} "
+                                 "holds the socket")
         self._pid = self._files.pid = welcome.pid
         echo = bytearray(len(welcome.token))
         token_at = np.array([[welcome.token_at, len(echo)]], dtype=np.uint64)
