@@ -38,9 +38,10 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
 )
 from tensorhub.transport.admission import ServerLimits
+from tensorhub.transport.frames import _frame, _recv_exact, _recv_frame
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection
-from tensorhub.transport.tcp import TcpConnection, _frame, _recv_exact, _recv_frame
+from tensorhub.transport.tcp import TcpConnection
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = random.randrange(2**32)

@@ -30,10 +30,10 @@ from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant
 from tensorhub.transport import shm
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing
+from tensorhub.transport.frames import _recv_frame, _send_frame
 from tensorhub.transport.local import local_name
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection, shm_available
-from tensorhub.transport.tcp import _recv_frame, _send_frame
 
 SHM, WHY_NOT = shm_available()
 needs_shm = pytest.mark.skipif(not SHM, reason=WHY_NOT)

@@ -56,13 +56,16 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
+from tensorhub.security import Identity, Keyring
 from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
+from tensorhub.transport.frames import _recv_frame, _send_frame
+from tensorhub.transport.handshake import DataAuth
 from tensorhub.transport.local import local_name
 from tensorhub.transport.memory import MemoryServer
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
-from tensorhub.transport.tcp import TcpConnection, _recv_frame, _send_frame
+from tensorhub.transport.tcp import TcpConnection
 
 ROOT = Path(__file__).resolve().parents[1]
 SHM, WHY_NOT = shm_available()
@@ -89,11 +92,22 @@ async def memory_holder() -> AsyncIterator[Holder]:
     yield Holder(store, lambda: server.connect("holder"), kill, None, sent)
 
 
+MEMBERS = {"holder": Identity.generate(), "reader": Identity.generate()}
+KEYRING = Keyring({name: [ident.public] for name, ident in MEMBERS.items()})
+
+
+def member(name: str) -> DataAuth:
+    return DataAuth(name, MEMBERS[name], KEYRING)
+
+
 @asynccontextmanager
-async def tcp_holder(connection: type[TcpConnection]) -> AsyncIterator[Holder]:
-    """A TcpServer in this process; ``connection`` is TcpConnection or ShmConnection."""
+async def tcp_holder(connection: type[TcpConnection], auth: bool = False
+                     ) -> AsyncIterator[Holder]:
+    """A TcpServer in this process; ``connection`` is TcpConnection or ShmConnection;
+    with ``auth`` every connection opens with the members' handshake."""
     store, sent, bad = Store(), list[int](), list[str]()
-    server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append)
+    server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append,
+                       auth=member("holder") if auth else None)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
     scope, stopped = trio.CancelScope(), trio.Event()
 
@@ -108,8 +122,9 @@ async def tcp_holder(connection: type[TcpConnection]) -> AsyncIterator[Holder]:
 
     async with trio.open_nursery() as nursery:
         await nursery.start(run)
-        yield Holder(store, lambda: connection.connect(address, "holder", 5), kill, address,
-                     sent, bad)
+        reader = member("reader") if auth else None
+        yield Holder(store, lambda: connection.connect(address, "holder", 5, reader), kill,
+                     address if not auth else None, sent, bad)
         scope.cancel()
 
 
@@ -118,6 +133,8 @@ HOLDERS: dict[str, Callable[[], Any]] = {
     "tcp": partial(tcp_holder, TcpConnection),
     "shm": partial(tcp_holder, ShmConnection),
     "shm-memfd": partial(tcp_holder, ShmConnection),  # holder arrays from shared_empty
+    "tcp+keys": partial(tcp_holder, TcpConnection, auth=True),
+    "shm+keys": partial(tcp_holder, ShmConnection, auth=True),
 }
 
 
@@ -125,7 +142,7 @@ HOLDERS: dict[str, Callable[[], Any]] = {
 def open_holder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> OpenHolder:
     if request.param.startswith("shm") and not SHM:
         pytest.skip(WHY_NOT)
-    if request.param == "shm-memfd":
+    if request.param.startswith("shm-memfd"):
         monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
     opener: OpenHolder = HOLDERS[request.param]
     return opener

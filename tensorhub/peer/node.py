@@ -46,6 +46,7 @@ from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
 from ..transport.admission import ServerLimits, ServerStats
 from ..transport.base import Connection, NotServing
+from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
@@ -109,10 +110,13 @@ class Peer:
         self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
                                  config.gossip_queue)
         self.store = Store(chunk_wait=config.stall_timeout)
+        security = getattr(config, "security", None)  # PeerConfig.security: keys, or None
+        self._data_auth = None if security is None else \
+            DataAuth(config.name, security.identity, security.keyring)
         self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
             config.data_max_connections, config.data_max_connections_per_address,
             config.data_idle_timeout, config.data_frame_timeout,
-            config.data_requests_per_second, config.lease_timeout))
+            config.data_requests_per_second, config.lease_timeout), self._data_auth)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
         try:
@@ -457,10 +461,11 @@ class Peer:
         if ("shm" in self.config.transports and self._shm[0] and host is not None
                 and peer.label("host") == host and peer.name not in self._shm_refused):
             try:
-                return await ShmConnection.connect(peer.data, peer.name, timeout)
+                return await ShmConnection.connect(peer.data, peer.name, timeout,
+                                                   self._data_auth)
             except TransportError as exc:
                 self._shm_refused[peer.name] = str(exc)
-        return await TcpConnection.connect(peer.data, peer.name, timeout)
+        return await TcpConnection.connect(peer.data, peer.name, timeout, self._data_auth)
 
     async def _fetch_manifest(self, key: VersionKey, allowed: frozenset[str] | None
                               ) -> tuple[Manifest, str]:

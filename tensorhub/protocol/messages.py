@@ -16,6 +16,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (60, groups.MESSAGES),       # 60..69: model-parallel group switches
     (70, retention.MESSAGES),    # 70..79: retention hand-over
     (80, dataplane.MESSAGES_2),  # 80..89: data plane, continued (same-host version leases)
+    (100, dataplane.MESSAGES_3), # 100..109: data plane, continued (authentication)
 )
 
 

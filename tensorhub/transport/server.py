@@ -44,18 +44,11 @@ from .admission import (
     ServerStats,
 )
 from .base import NotServing, Provider
+from .frames import _body_size, _frame, _recv_body, _recv_exact, _send_all, _send_frame
+from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
 from .shm_serve import LeaseTerms, serve_shm
-from .tcp import (
-    _body_size,
-    _frame,
-    _recv_body,
-    _recv_exact,
-    _send_all,
-    _send_frame,
-    _send_segments_blocking,
-    _tune,
-)
+from .tcp import _send_segments_blocking, _tune
 
 _BACKLOG = 128
 
@@ -65,8 +58,11 @@ class TcpServer:
     what was served, ``on_bad(what)`` each connection closed for bad input."""
 
     def __init__(self, provider: Provider, on_sent: Callable[[str, int], None],
-                 on_bad: Callable[[str], None], limits: ServerLimits | None = None) -> None:
+                 on_bad: Callable[[str], None], limits: ServerLimits | None = None,
+                 auth: DataAuth | None = None) -> None:
         self.provider = provider
+        self.auth = auth
+        """Set: every connection must prove a member identity first (:mod:`.handshake`)."""
         self.on_sent = on_sent
         self.on_bad = on_bad
         self.limits = limits or ServerLimits()
@@ -107,7 +103,9 @@ class TcpServer:
         self._admission.counts["leases_revoked"] += 1
 
     def statistics(self) -> ServerStats:
-        return self._admission.statistics("insecure: any client may read")
+        auth = "insecure: any client may read" if self.auth is None else \
+            f"members: {len(self.auth.keyring.members())} in the keyring"
+        return self._admission.statistics(auth)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -206,6 +204,8 @@ class _ServerConn:
     async def serve(self) -> None:
         rate = RequestRate(self.limits.requests_per_second, trio.current_time())
         try:
+            if self.server.auth is not None and not await self.authenticate(self.server.auth):
+                return
             while True:
                 req = await self.next_request()
                 if req is None:
@@ -220,6 +220,19 @@ class _ServerConn:
             self.server.on_bad(f"{self.peer}: {exc}")
         except (TransportError, OSError):
             return  # the reader went away or reset the connection; nothing to clean up
+
+    async def authenticate(self, auth: DataAuth) -> bool:
+        """The reader proves a member identity (within ``frame_timeout``) before any
+        request is read; a refusal or a stall ends the connection (counted)."""
+        with trio.move_on_after(self.limits.frame_timeout):
+            try:
+                self.peer = f"{await check_reader(self.sock, auth)} at {self.peer}"
+            except TransportError:
+                self.counts["refused_auth"] += 1
+                return False
+            return True
+        self.counts["refused_auth"] += 1
+        return False
 
     async def next_request(self) -> Any:
         """The next request, or None when the reader closed the connection, left it

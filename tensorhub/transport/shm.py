@@ -91,9 +91,11 @@ from ..protocol.dataplane import (
 from . import copypool
 from .base import NotServing, Verifier, read_each
 from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
+from .frames import _recv_frame, _send_frame
+from .handshake import DataAuth
 from .local import credentials, local_name, same_user
 from .shmem import MappedFiles, Pieces
-from .tcp import TcpConnection, _recv_frame, _send_frame
+from .tcp import TcpConnection, _dial
 
 __all__ = ["ShmConnection", "shm_available"]
 
@@ -163,17 +165,15 @@ class ShmConnection(TcpConnection):
         """Chunks granted one by one on this connection (statistics, tests)."""
 
     @classmethod
-    async def connect(cls, address: str, peer: str, timeout: float) -> ShmConnection:
+    async def connect(cls, address: str, peer: str, timeout: float,
+                      auth: DataAuth | None = None) -> ShmConnection:
         """Connect to the same-host socket of the holder whose data address is
-        ``address`` (see :mod:`.local`) and check that we can read its memory."""
+        ``address`` (see :mod:`.local`), authenticate as over TCP, and check that we can
+        read its memory."""
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        try:
-            with trio.fail_after(timeout):
-                await sock.connect(local_name(address))
-        except (OSError, trio.TooSlowError) as exc:
-            sock.close()
-            raise TransportError(f"{peer} has no same-host socket here ({exc}): it runs on "
-                                 "another host or in another network namespace") from None
+        await _dial(sock, local_name(address), peer, timeout, auth,
+                    f"no same-host connection to {peer} (on another host or in another "
+                    "network namespace?)")
         conn = cls(sock, peer)
         try:
             with trio.fail_after(timeout):

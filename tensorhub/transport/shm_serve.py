@@ -34,8 +34,8 @@ from ..protocol.dataplane import (
 )
 from .base import NotServing, Provider
 from .crossmem import iovecs_of
+from .frames import _recv_frame, _send_frame
 from .shmem import Pieces, address_of, pieces_of
-from .tcp import _recv_frame, _send_frame
 
 GRANT_IOVECS = 32768  # iovecs per ShmGrant frame: 512 KiB, well under MAX_FRAME
 GRANT_PIECES = 16384  # pieces per ShmFileGrant frame: 512 KiB

@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import os
 import socket
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,24 +37,11 @@ from ..protocol.dataplane import (
     Reply,
 )
 from .base import NotServing, Verifier, read_each
+from .frames import _body_size, _recv_exact, _recv_frame, _send_frame
+from .handshake import DataAuth, prove_to_holder
 
-_LEN = struct.Struct(">I")
 _SOCKBUF = 4 << 20
 
-
-async def _recv_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = await sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise TransportError("connection closed mid-frame")
-        got += k
-
-
-async def _send_all(sock: trio.socket.SocketType, view: memoryview) -> None:
-    sent, n = 0, len(view)
-    while sent < n:
-        sent += await sock.send(view[sent:])
 
 
 # -- the payload path: plain sockets in threads ------------------------------------------
@@ -137,44 +123,6 @@ def _bytes_of(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _body_size(head: bytearray) -> int:
-    (size,) = _LEN.unpack(head)
-    if size > MAX_FRAME:
-        raise RemoteProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
-    return int(size)
-
-
-async def _recv_body(sock: trio.socket.SocketType, size: int) -> bytes:
-    """A frame body of ``size`` bytes, grown as its bytes arrive: a peer that declares a
-    frame and never sends it holds no memory for it."""
-    body = bytearray()
-    while len(body) < size:
-        piece = await sock.recv(min(size - len(body), _BODY_PIECE))
-        if not piece:
-            raise TransportError("connection closed mid-frame")
-        body += piece
-    return bytes(body)
-
-
-_BODY_PIECE = 64 << 10
-
-
-async def _recv_frame(sock: trio.socket.SocketType) -> Any:
-    head = bytearray(FRAME_HEADER)
-    await _recv_exact(sock, memoryview(head))
-    body = await _recv_body(sock, _body_size(head))
-    return codec.decode(body, MAX_FRAME)
-
-
-def _frame(msg: Any) -> bytes:
-    data = codec.encode(msg, MAX_FRAME)
-    return _LEN.pack(len(data)) + data
-
-
-async def _send_frame(sock: trio.socket.SocketType, msg: Any) -> None:
-    await _send_all(sock, memoryview(_frame(msg)))
-
-
 def _recv_frame_blocking(sock: socket.socket, on_idle: Callable[[], None]) -> Any:
     """The next frame, however long until its first byte: each time the socket's timeout
     passes with nothing, ``on_idle()`` decides whether to wait on (or raises)."""
@@ -237,16 +185,15 @@ class TcpConnection:
         self._ended: BaseException | None = None  # why the reader thread stopped
 
     @classmethod
-    async def connect(cls, address: str, peer: str, timeout: float) -> TcpConnection:
+    async def connect(cls, address: str, peer: str, timeout: float,
+                      auth: DataAuth | None = None) -> TcpConnection:
+        """Connect to ``peer``'s data server at ``address``; with ``auth``, each side
+        proves its identity to the other first (:mod:`.handshake`)."""
         host, _, port = address.rpartition(":")
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         _tune(sock)
-        try:
-            with trio.fail_after(timeout):
-                await sock.connect((host, int(port)))
-        except (OSError, trio.TooSlowError) as exc:
-            sock.close()
-            raise TransportError(f"cannot connect to {peer} at {address}: {exc}") from None
+        await _dial(sock, (host, int(port)), peer, timeout, auth,
+                    f"cannot connect to {peer} at {address}")
         return cls(sock, peer)
 
     async def read_manifest(self, key: VersionKey) -> bytes:
@@ -379,6 +326,22 @@ class TcpConnection:
 
     async def aclose(self) -> None:
         self._shutdown()
+
+
+async def _dial(sock: trio.socket.SocketType, where: Any, peer: str, timeout: float,
+                auth: DataAuth | None, failed: str) -> None:
+    """Connect ``sock`` to ``where`` and, with ``auth``, run the handshake with ``peer``,
+    all within ``timeout``; the socket is closed if anything fails."""
+    try:
+        with trio.fail_after(timeout):
+            await sock.connect(where)
+            if auth is not None:
+                await prove_to_holder(sock, auth, peer)
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, OSError | trio.TooSlowError):
+            raise TransportError(f"{failed}: {str(exc) or 'timed out'}") from None
+        raise
 
 
 def _check_manifest_length(peer: str, reply: Reply) -> None:
