@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -77,14 +77,34 @@ async def read(conn: Any, pub: Published, c: int) -> None:
     assert np.array_equal(buf, pub.chunk(c))
 
 
+async def leased_reader(h: Holder) -> tuple[Published, ShmConnection]:
+    """A reader that has read chunk 0 of a new version under a version lease."""
+    pub = publish(h.store, random.Random(SEED), [200_000], 65_536)
+    conn = await ShmConnection.connect(h.address, "holder", 5)
+    await read(conn, pub, 0)
+    assert conn.version_leases == 1 and pub.local.inflight == 1
+    return pub, conn
+
+
+def before_the_copy(monkeypatch: pytest.MonkeyPatch,
+                    action: Callable[[], Awaitable[object]]) -> None:
+    """Run ``action`` on the event loop once the reader's next copy has been handed to
+    its worker thread; the copy starts when it returns."""
+    token = trio.lowlevel.current_trio_token()
+    land = shm._land_batch
+
+    def land_later(files: Any, jobs: Any) -> Any:
+        trio.from_thread.run(action, trio_token=token)
+        return land(files, jobs)
+
+    monkeypatch.setattr(shm, "_land_batch", land_later)
+
+
 @needs_shm
 @pytest.mark.usefixtures("shared_arrays")
 async def test_a_hung_version_lease_is_revoked_and_unpublish_returns() -> None:
     async with holder() as h:
-        pub = publish(h.store, random.Random(SEED), [200_000], 65_536)
-        conn = await ShmConnection.connect(h.address, "holder", 5)
-        await read(conn, pub, 0)
-        assert conn.version_leases == 1 and pub.local.inflight == 1
+        pub, conn = await leased_reader(h)
         await h.unpublish(pub.local.manifest.key)  # the reader never answers the revoke
         assert h.server.statistics().leases_revoked == 1
         assert h.store.get(pub.local.manifest.key) is None
@@ -100,21 +120,16 @@ async def test_a_copy_that_outlives_its_lease_is_never_used(
     """The holder revokes while a copy is running (and may then overwrite the memory):
     the copy completes from the reader's own mapping, and the read fails."""
     async with holder() as h:
-        pub = publish(h.store, random.Random(SEED), [200_000], 65_536)
+        pub, conn = await leased_reader(h)
         key = pub.local.manifest.key
-        conn = await ShmConnection.connect(h.address, "holder", 5)
-        await read(conn, pub, 0)
-        token = trio.lowlevel.current_trio_token()
-        land = shm._land_batch
 
-        def revoked_during_the_copy(files: Any, jobs: Any) -> Any:
-            trio.from_thread.run(h.unpublish, key, trio_token=token)
+        async def unpublish_and_reuse() -> None:
+            await h.unpublish(key)  # the reader does not answer: it is copying
             for array in pub.local.arrays:  # the holder reuses its memory at once
                 array.flags.writeable = True
                 array[...] = 0
-            return land(files, jobs)
 
-        monkeypatch.setattr(shm, "_land_batch", revoked_during_the_copy)
+        before_the_copy(monkeypatch, unpublish_and_reuse)
         buf = np.full(len(pub.chunk(1)), 7, dtype=np.uint8)
         with pytest.raises(TransportError, match="during the copy"):
             await conn.read_chunk(key, 1, [memoryview(buf)])
@@ -167,18 +182,14 @@ async def test_a_revoke_answered_in_time_covers_the_copy_in_flight(
     """Unpublish during a copy, the reader answers within the lease timeout: its copy
     counts, the next read is refused cleanly (NOT_HELD), nothing is revoked."""
     async with holder() as h:
-        pub = publish(h.store, random.Random(SEED), [200_000], 65_536)
+        pub, conn = await leased_reader(h)
         key = pub.local.manifest.key
-        conn = await ShmConnection.connect(h.address, "holder", 5)
-        await read(conn, pub, 0)
-        token = trio.lowlevel.current_trio_token()
-        land = shm._land_batch
 
-        def unpublished_during_the_copy(files: Any, jobs: Any) -> Any:
-            trio.from_thread.run_sync(h.store.hide, key, trio_token=token)
-            return land(files, jobs)
+        async def hide() -> None:
+            h.store.hide(key)
+            await trio.testing.wait_all_tasks_blocked()  # the revoke is on its way
 
-        monkeypatch.setattr(shm, "_land_batch", unpublished_during_the_copy)
+        before_the_copy(monkeypatch, hide)
         await read(conn, pub, 1)
         with pytest.raises(NotServing):
             await read(conn, pub, 2)

@@ -9,7 +9,8 @@ proves itself only after the reader has, so an outsider learns nothing, not even
 member it reached.
 
 A handshake costs two round trips and two Ed25519 signatures and verifications per
-connection (~0.2 ms here); readers keep a connection for a whole fetch.
+connection (measured: 0.44 ms a connect with it, 0.10 without, on loopback); a reader
+keeps its connection for a whole fetch (a 256 MiB fetch takes ~110 ms).
 """
 
 from __future__ import annotations
