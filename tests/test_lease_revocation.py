@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from tensorhub.errors import TransportError
 from tensorhub.model import VersionKey
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant, ShmRevoke
+from tensorhub.transport import server as server_module
 from tensorhub.transport import shm
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing
@@ -47,6 +48,8 @@ class Holder:
     store: Store
     server: TcpServer
     address: str
+    stop: Callable[[], None]
+    stopped: trio.Event
 
     async def unpublish(self, key: VersionKey) -> None:
         self.store.hide(key)
@@ -60,9 +63,16 @@ async def holder() -> AsyncIterator[Holder]:
     server = TcpServer(store, lambda peer, n: None, lambda what: None,
                        ServerLimits(lease_timeout=LEASE))
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
+    scope, stopped = trio.CancelScope(), trio.Event()
+
+    async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await server.serve(task_status=task_status)
+        stopped.set()
+
     async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        yield Holder(store, server, address)
+        await nursery.start(serve)
+        yield Holder(store, server, address, scope.cancel, stopped)
         nursery.cancel_scope.cancel()
 
 
@@ -197,3 +207,39 @@ async def test_a_revoke_answered_in_time_covers_the_copy_in_flight(
             await h.store.wait_drained(key)
         assert h.server.statistics().leases_revoked == 0
         await conn.aclose()
+
+
+async def test_a_send_cut_short_by_shutdown_ends_before_its_lease(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder stops while a chunk send to a stalled reader is in its worker thread:
+    the send is cut short, and the lease ends only after the thread has let go of the
+    memory (never while it may still read it)."""
+    events: list[str] = []
+    send = server_module._send_segments_blocking
+
+    def recorded_send(*args: Any) -> None:
+        try:
+            send(*args)
+        finally:
+            events.append("send ended")
+
+    monkeypatch.setattr(server_module, "_send_segments_blocking", recorded_send)
+    async with holder() as h:
+        pub = publish(h.store, random.Random(SEED), [48 << 20], 48 << 20)
+        key = pub.local.manifest.key
+        lease = h.store.lease
+
+        @contextmanager
+        def recorded_lease(*args: Any) -> Iterator[Any]:
+            with lease(*args) as segments:
+                yield segments
+            events.append("lease ended")
+
+        monkeypatch.setattr(h.store, "lease", recorded_lease)
+        with await connect_raw(h.address, rcvbuf=4096) as sock:
+            await _send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
+            await sock.recv(1)  # the send has started; the reader takes no more
+            h.stop()
+            with trio.fail_after(10):  # cut short: well before lease_timeout's socket limit
+                await h.stopped.wait()
+    assert events == ["send ended", "lease ended"]

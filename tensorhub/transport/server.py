@@ -15,8 +15,11 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Callable
+from contextlib import suppress
+from functools import partial
 from typing import Any
 
+import outcome
 import trio
 
 from ..errors import RemoteProtocolError, TransportError
@@ -300,8 +303,7 @@ class _ServerConn:
                         for view in views:
                             await _send_all(self.sock, view)
                 else:  # header and payload in one vectored write from a worker thread
-                    await trio.to_thread.run_sync(_send_segments_blocking, twin, views,
-                                                  abandon_on_cancel=True)
+                    await _send_from_thread(twin, views)
             except (TimeoutError, trio.TooSlowError):
                 self.counts["leases_revoked"] += 1
                 raise TransportError(f"{self.peer} took no chunk for "
@@ -309,3 +311,29 @@ class _ServerConn:
             self.server.on_sent(self.peer, total)
         finally:
             lease.__exit__(None, None, None)
+
+
+async def _send_from_thread(twin: socket.socket, views: list[memoryview]) -> None:
+    """Send ``views`` on ``twin`` in a worker thread and wait for it, even when cancelled:
+    the thread reads leased memory, so the lease must outlive it.  A cancelled send is
+    cut short by shutting the connection down (the thread's send then fails at once)."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+    result: list[outcome.Outcome[None]] = []
+
+    def deliver(out: outcome.Outcome[None]) -> None:
+        result.append(out)
+        with suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    trio.lowlevel.start_thread_soon(partial(_send_segments_blocking, twin, views), deliver,
+                                    name="tensorhub chunk send")
+    try:
+        await done.wait()
+    except trio.Cancelled:
+        with suppress(OSError):
+            twin.shutdown(socket.SHUT_RDWR)
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        raise
+    result[0].unwrap()
