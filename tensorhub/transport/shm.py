@@ -27,7 +27,9 @@ refused (``NOT_HELD``).  Any other holder (still receiving, plain arrays, the co
 hook armed) answers the request as a ``ShmChunkRequest``, and the connection asks chunk
 by chunk from then on.
 
-Three checks make this safe.  At connect the holder sends its pid and a random token that
+Four checks make this safe.  The holder answers only its own user (or root), as the
+kernel reports the socket's other end (``SO_PEERCRED``); the reader checks the same of
+the holder.  At connect the holder sends its pid and a random token that
 lies in its memory (``ShmWelcome``); reading the token back proves that the reader shares
 the holder's host and pid namespace and is allowed to read its memory (the kernel's
 ptrace rules: same user, ``kernel.yama.ptrace_scope`` 0, no seccomp filter).  The holder
@@ -39,21 +41,8 @@ changed under it.  A memory file is used only if it is the very file granted (it
 matches: descriptor numbers get reused), sealed against shrinking (so a mapping cannot
 fault past its end) and long enough for the piece granted.
 
-Revocation.  A reader that does not end a chunk lease (``ShmDone``) within the holder's
-``lease_timeout``, or a version lease within it of a ``ShmRevoke``, is cut off: the holder
-shuts the connection down, and only then lets go of the memory, so ``unpublish`` returns
-within about ``lease_timeout`` even when a reader hangs.  The holder may then overwrite
-or free that memory while a copy is still running; that copy is harmless and never
-used.  With ``process_vm_readv`` the kernel reads the holder's pages on the reader's
-behalf, so a freed page makes the call fail (``EFAULT``) instead of faulting the reader;
-with a mapped memory file the reader copies from its own mapping, which the holder's
-letting go does not unmap (the file is sealed against shrinking), so the pages stay
-readable.  Either way the bytes may have changed, and the reader's check after every copy
-sees the connection ended (``POLLRDHUP``) -- the holder ended it before letting go, the
-copy ended after the memory changed, so the check comes after the end -- and fails the
-read; a ``ShmRevoke`` alone, the connection still up, means the copy was covered.  A
-reader therefore never returns bytes from memory it no longer leases; it reports a
-transport error and the fetcher takes the chunk from another holder.
+A reader that stops answering loses its lease (revocation, in :mod:`.shm_serve`); the
+check after each copy makes sure it never uses a copy that outlived its lease.
 
 This module is the reader side.  The holder side is :mod:`.shm_serve`; the kernel copy
 :mod:`.crossmem`, the memory files :mod:`.shmem`, the copy threads :mod:`.copypool`.

@@ -1,6 +1,24 @@
 """Same-host transport, holder side: answering ``ShmHello``, ``ShmChunkRequest`` and
-``ShmVersionRequest`` (handed over by :class:`~tensorhub.transport.tcp.TcpServer`); see
-:mod:`tensorhub.transport.shm` for the protocol and the reader side."""
+``ShmVersionRequest`` (handed over by :class:`~tensorhub.transport.server.TcpServer`
+from its same-host socket only); see :mod:`tensorhub.transport.shm` for the protocol and
+the reader side.
+
+Revocation.  A reader that does not end a chunk lease (``ShmDone``) within the holder's
+``lease_timeout``, or a version lease within it of a ``ShmRevoke``, is cut off: the holder
+shuts the connection down, and only then lets go of the memory, so ``unpublish`` returns
+within about ``lease_timeout`` even when a reader hangs.  The holder may then overwrite
+or free that memory while a copy is still running; that copy is harmless and never
+used.  With ``process_vm_readv`` the kernel reads the holder's pages on the reader's
+behalf, so a freed page makes the call fail (``EFAULT``) instead of faulting the reader;
+with a mapped memory file the reader copies from its own mapping, which the holder's
+letting go does not unmap (the file is sealed against shrinking), so the pages stay
+readable.  Either way the bytes may have changed, and the reader's check after every copy
+sees the connection ended (``POLLRDHUP``) -- the holder ended it before letting go, the
+copy ended after the memory changed, so the check comes after the end -- and fails the
+read; a ``ShmRevoke`` alone, the connection still up, means the copy was covered.  A
+reader therefore never returns bytes from memory it no longer leases; it reports a
+transport error and the fetcher takes the chunk from another holder.
+"""
 
 from __future__ import annotations
 
