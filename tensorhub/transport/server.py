@@ -144,7 +144,11 @@ class TcpServer:
             backoff = 0.0
             admission.accepted()
             if local:
-                pid, uid, _ = credentials(sock)
+                try:
+                    pid, uid, _ = credentials(sock)
+                except OSError:
+                    sock.close()  # gone already
+                    continue
                 if not same_user(uid):
                     admission.counts["refused_credentials"] += 1
                     sock.close()
@@ -162,8 +166,6 @@ class TcpServer:
         conn = _ServerConn(self, sock, peer, local)
         try:
             with sock:
-                if not local:
-                    _tune(sock)
                 await conn.serve()
         finally:
             conn.close()
@@ -207,6 +209,8 @@ class _ServerConn:
     async def serve(self) -> None:
         rate = RequestRate(self.limits.requests_per_second, trio.current_time())
         try:
+            if not self.local:
+                _tune(self.sock)
             if self.server.auth is not None and not await self.authenticate(self.server.auth):
                 return
             while True:
@@ -218,11 +222,15 @@ class _ServerConn:
                     self.counts["throttled"] += 1
                     await trio.sleep(wait)
                 await self.answer(req)
-        except RemoteProtocolError as exc:
-            self.counts["bad_frames"] += 1
-            self.server.on_bad(f"{self.peer}: {exc}")
         except (TransportError, OSError):
             return  # the reader went away or reset the connection; nothing to clean up
+        except Exception as exc:  # RemoteProtocolError, or a request nothing checked
+            # One reader's bad input ends its connection, never the server: counted and
+            # reported, with the type when it is not a protocol error.
+            self.counts["bad_frames"] += 1
+            what = str(exc) if isinstance(exc, RemoteProtocolError) else \
+                f"{type(exc).__name__} answering a request: {exc}"
+            self.server.on_bad(f"{self.peer}: {what}")
 
     async def authenticate(self, auth: DataAuth) -> bool:
         """The reader proves a member identity (within ``frame_timeout``) before any
