@@ -26,6 +26,7 @@ from transport_conformance import Published, publish
 
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
+from tensorhub.peer.node import open_peer
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
@@ -53,6 +54,7 @@ sys.path.insert(0, "tests")
 import transport_conformance
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
+from tensorhub.peer.node import open_peer
 from tensorhub.peer.store import Store
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.server import TcpServer
@@ -318,3 +320,15 @@ async def test_the_local_socket_refuses_another_user() -> None:
         assert server.statistics().refused_credentials == 1
         conn = await ShmConnection.connect(addr, "holder", 5)  # our own user is served
         await conn.aclose()
+
+
+async def test_a_peer_applies_its_config_and_reports_its_data_server() -> None:
+    config = PeerConfig.local("p", data_max_connections=4,
+                              data_max_connections_per_address=1)
+    async with open_peer(config) as peer:
+        first, second = await connect(peer.info.data), await connect(peer.info.data)
+        with first, second:
+            await hung_up(second)
+        stats = peer.statistics().data_server
+        assert stats is not None and stats.refused_over_address == 1
+        assert stats.auth.startswith("insecure")
