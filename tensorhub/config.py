@@ -144,6 +144,40 @@ class PeerConfig:
     connect_timeout: float = 5.0
     """Seconds to wait for a data-plane connection."""
 
+    data_max_connections: int = 256
+    """Data connections a holder keeps open at once; more are closed at once (counted in
+    ``statistics().data_server``).  Each costs two descriptors: keep it well under the
+    process's descriptor limit (1,024 by default).  A fetch opens one per holder it
+    reads from (``fetch_window`` at most); raise it for hundreds of concurrent readers."""
+
+    data_max_connections_per_address: int = 64
+    """Data connections from one IP address (or one local user) at once: one host
+    cannot take every slot.  Every process of a host shares its address -- raise it
+    for hosts running many readers (8 GPUs x ``fetch_window`` = 32 by default)."""
+
+    data_idle_timeout: float = 60.0
+    """A data connection that sends no request for this long is closed.  Readers
+    reconnect on demand, so lower only costs a reconnect; higher lets idle clients hold
+    slots longer."""
+
+    data_frame_timeout: float = 10.0
+    """A request frame must arrive whole within this long once its first byte has, else
+    the connection is closed: a client that declares a frame and stalls holds a slot
+    (and what it sent) no longer than this."""
+
+    data_requests_per_second: float = 20000.0
+    """Requests one data connection may make per second (bursts of one second's worth);
+    faster ones are delayed, not refused.  4 MiB chunks at this rate are 80 GB/s, so
+    only a flood of small requests ever waits."""
+
+    lease_timeout: float = 30.0
+    """How long a reader may hold a holder's memory without answering: a same-host
+    chunk lease until its ``ShmDone``, a revoked version lease until its ``ShmRelease``,
+    one TCP chunk send.  Past it the holder revokes the lease and closes the
+    connection, so ``unpublish`` returns within about this long even when a reader
+    hangs.  Lower bounds unpublish tighter but cuts off readers that are slow (a 1 GiB
+    chunk over 1 Gbit/s takes ~9 s)."""
+
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """Free-form options for experiments; never read by the core."""
 
@@ -184,6 +218,14 @@ class PeerConfig:
             raise ConfigError("nic_bps must be > 0")
         if self.max_inflight_bytes < 4096:
             raise ConfigError("max_inflight_bytes must be >= 4096")
+        if not 1 <= self.data_max_connections_per_address <= self.data_max_connections \
+                <= 1 << 20:
+            raise ConfigError("data connection caps must satisfy 1 <= "
+                              "data_max_connections_per_address <= data_max_connections <= 2**20")
+        for name in ("data_idle_timeout", "data_frame_timeout", "data_requests_per_second",
+                     "lease_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be > 0 and finite")
         if not self.transports or not set(self.transports) <= {"shm", "tcp"} \
                 or "tcp" not in self.transports:
             raise ConfigError("transports must name 'tcp' and optionally 'shm'")
@@ -207,7 +249,7 @@ class PeerConfig:
         base: dict[str, Any] = dict(
             gossip_interval=0.1, probe_interval=0.2, probe_timeout=0.1,
             push_pull_interval=2.0, dead_reap_after=10.0, stall_timeout=3.0,
-            connect_timeout=2.0,
+            connect_timeout=2.0, lease_timeout=5.0,
         )
         base.update(overrides)
         return cls(name=name, **base)

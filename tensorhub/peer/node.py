@@ -45,9 +45,12 @@ from ..protocol.refs import Holding
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
+from ..transport.admission import ServerLimits, ServerStats
 from ..transport.base import Connection, NotServing
+from ..transport.handshake import DataAuth
+from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
-from ..transport.tcp import TcpConnection, TcpServer
+from ..transport.tcp import TcpConnection
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView
 from .operations import Operations, operation
@@ -94,6 +97,8 @@ class PeerStats:
     ban_notices: dict[str, int] = field(default_factory=dict)
     """Ban notices other peers sent, per reporter: hints, counted, never obeyed."""
     reports: tuple[dict[str, Any], ...] = field(default=())
+    data_server: ServerStats | None = None
+    """What the data server admitted, refused and revoked (and whether it authenticates)."""
 
 
 def _free_port(host: str) -> int:
@@ -113,7 +118,13 @@ class Peer:
         self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
                                  config.gossip_queue)
         self.store = Store(chunk_wait=config.stall_timeout)
-        self._server = TcpServer(self.store, self._count_sent, self._count_bad)
+        security = getattr(config, "security", None)  # PeerConfig.security: keys, or None
+        self._data_auth = None if security is None else \
+            DataAuth(config.name, security.identity, security.keyring)
+        self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
+            config.data_max_connections, config.data_max_connections_per_address,
+            config.data_idle_timeout, config.data_frame_timeout,
+            config.data_requests_per_second, config.lease_timeout), self._data_auth)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
         try:
@@ -484,10 +495,11 @@ class Peer:
         if ("shm" in self.config.transports and self._shm[0] and host is not None
                 and peer.label("host") == host and peer.name not in self._shm_refused):
             try:
-                return await ShmConnection.connect(peer.data, peer.name, timeout)
+                return await ShmConnection.connect(peer.data, peer.name, timeout,
+                                                   self._data_auth)
             except TransportError as exc:
                 self._shm_refused[peer.name] = str(exc)
-        return await TcpConnection.connect(peer.data, peer.name, timeout)
+        return await TcpConnection.connect(peer.data, peer.name, timeout, self._data_auth)
 
     async def _fetch_manifest(self, key: VersionKey, allowed: frozenset[str] | None
                               ) -> tuple[Manifest, str]:
@@ -618,7 +630,7 @@ class Peer:
             bans={n: f"{why} ({left:.0f} s left)"
                   for n, (left, why) in self.bans.active(trio.current_time()).items()},
             ban_notices=dict(self.bans.notices),
-            reports=tuple(self._reports),
+            reports=tuple(self._reports), data_server=self._server.statistics(),
         )
 
 

@@ -17,6 +17,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (70, retention.MESSAGES),    # 70..79: retention hand-over
     (80, dataplane.MESSAGES_2),  # 80..89: data plane, continued (same-host version leases)
     (90, bans.MESSAGES),         # 90..99: ban notices (hints about holders of bad bytes)
+    (100, dataplane.MESSAGES_3), # 100..109: data plane, continued (authentication)
 )
 
 
