@@ -267,6 +267,9 @@ async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
         # gossip goes on under the new key: a new version spreads
         await p0.publish("m", 2, weights(2))
         await wait_until(lambda: p2.control.latest("m") == 2 and p1.control.latest("m") == 2)
+        # and the data plane proves p0's new key: a new connection reads from it
+        again = await p2.fetch("m", 2, sources=["p0"])
+        np.testing.assert_array_equal(again.tensors["w"], weights(2)["w"])
         # a frame signed with the old key is refused
         refused = p2.statistics().refused.get("reference entry", 0)
         st = p0.control.refs.local.stamp
