@@ -59,6 +59,8 @@ MAX_LABEL_KEY = 64
 MAX_LABEL_VALUE = 256
 MAX_TEXT = 4096
 """Free text (error details)."""
+MAX_SIG = 128
+"""Bytes of a signature (Ed25519's are 64)."""
 
 U8 = Annotated[int, Range(0, 2**8 - 1)]
 U16 = Annotated[int, Range(0, 2**16 - 1)]
@@ -72,6 +74,7 @@ World = Annotated[int, Range(1, MAX_WORLD)]
 PeerName = Annotated[str, MaxLen(MAX_PEER_NAME)]
 Text = Annotated[str, MaxLen(MAX_TEXT)]
 PeerNames = Annotated[tuple[PeerName, ...], MaxLen(MAX_PEERS)]
+Signature = Annotated[bytes, MaxLen(MAX_SIG)]
 
 _DNS_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 

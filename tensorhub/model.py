@@ -17,11 +17,8 @@ import numpy as np
 
 from .bounds import ControlEndpoint, DataEndpoint, Labels, MaxLen, PeerName
 from .errors import LocalProtocolError
+from .limits import MAX_LAYOUT_ID, MAX_MODEL_NAME
 
-MAX_MODEL_NAME = 200
-MAX_TENSOR_NAME = 1000
-MAX_NDIM = 16
-MAX_LAYOUT_ID = 32
 ModelName = Annotated[str, MaxLen(MAX_MODEL_NAME)]
 LayoutId = Annotated[bytes, MaxLen(MAX_LAYOUT_ID)]
 

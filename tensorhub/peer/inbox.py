@@ -25,18 +25,23 @@ costs more than its read.  Buckets are kept for the ``MAX_TRACKED`` most recent 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 MAX_TRACKED = 4096
 
 
-class FairInbox:
+class FairInbox(Generic[T]):
+    """Frames (any ``T``) by sender, served round-robin; see the module docstring."""
+
     def __init__(self, capacity: int, per_sender: int, rate: float = float("inf")) -> None:
         if not 1 <= per_sender <= capacity or not rate > 0:
             raise ValueError("need 1 <= per_sender <= capacity and rate > 0")
         self.capacity = capacity
         self.per_sender = per_sender
         self.rate = rate
-        self._queues: OrderedDict[bytes, deque[bytes]] = OrderedDict()
+        self._queues: OrderedDict[bytes, deque[T]] = OrderedDict()
         self._buckets: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         """Per sender: (tokens, when last filled), least recently heard first."""
         self._total = 0
@@ -52,7 +57,7 @@ class FairInbox:
         """Senders with frames waiting."""
         return len(self._queues)
 
-    def put(self, sender: bytes, frame: bytes, now: float = 0.0) -> bool:
+    def put(self, sender: bytes, frame: T, now: float = 0.0) -> bool:
         """Queue ``frame`` from ``sender``, arrived at ``now`` (perhaps pushing out
         another sender's oldest frame); False if ``frame`` was dropped instead."""
         if not self._take_token(sender, now):
@@ -71,7 +76,7 @@ class FairInbox:
         self._total += 1
         return True
 
-    def pop(self) -> tuple[bytes, bytes] | None:
+    def pop(self) -> tuple[bytes, T] | None:
         """The next frame in round-robin order of senders, or None if all are empty."""
         if not self._queues:
             return None

@@ -7,12 +7,13 @@ task (:meth:`ZmqRouter.run`) does every operation on the socket.  Other tasks ha
 outbound frames through a bounded deque (:meth:`send_nowait`: gossip is dropped and
 counted when the deque is full) and take inbound frames with :meth:`receive` from a
 :class:`~tensorhub.peer.inbox.FairInbox`: per-sender bounded queues served round-robin,
-so a flooding sender delays nobody else (drop-and-count too).  After every operation the
-owner re-reads ``zmq.EVENTS``, the only truth about readiness; it parks in
-``wait_readable(fd)`` only when EVENTS says there is nothing to read and nothing is
-waiting to be sent.  A sender wakes the parked owner by cancelling its wait.  However
-busy, the owner yields to the scheduler every ``_BATCH`` operations, so a flood cannot
-starve the rest of the peer (dispatcher, data plane, timers).
+each sender also held to a rate, so a flooding sender delays nobody else and costs
+little (drop-and-count too).  After every operation the owner re-reads ``zmq.EVENTS``,
+the only truth about readiness; it parks in ``wait_readable(fd)`` only when EVENTS says
+there is nothing to read and nothing is waiting to be sent.  A sender wakes the parked
+owner by cancelling its wait.  However busy, the owner yields to the scheduler every
+``_BATCH`` operations, so a flood cannot starve the rest of the peer (dispatcher, data
+plane, timers); reading no faster than that also throttles a flooder through TCP.
 
 Addressing: every peer's routing id is its own control endpoint (``tcp://host:port``),
 so the endpoint is all one needs to send to a peer.  ``ROUTER_MANDATORY`` turns a send to
@@ -21,6 +22,12 @@ endpoint and retries the frame for a short while before dropping and counting it
 *reply* (``send_nowait(..., reply=True)``) goes only over the connection the request
 came on: the owner never connects to a reply's destination, so no message can make a
 peer contact an address it names.
+
+Security: with :class:`CurveKeys` the socket binds as a CURVE server with the cluster
+key (the ZAP handler in :mod:`.zap` admits members only), then takes this member's
+client keys for every connect (ZeroMQ captures the options at each bind and connect).
+Frames that arrive over a connection a client made carry the member name ZAP gave it;
+:meth:`receive` yields it beside the frame (None on connections we made).
 """
 
 from __future__ import annotations
@@ -38,8 +45,18 @@ from .inbox import FairInbox
 
 _RETRY_FOR = 2.0
 _RETRY_EVERY = 0.02
-_BATCH = 8           # socket operations between two yields to the scheduler
+_BATCH = 8             # socket operations between two yields to the scheduler
 _KNOWN_INBOUND = 4096  # routing ids remembered from inbound frames (oldest forgotten)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """Z85 CURVE keys: the cluster's server pair and this member's client pair."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,8 @@ class RouterStats:
 
 class ZmqRouter:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
-                 max_bytes: int, queue: int, rate: float = float("inf")) -> None:
+                 max_bytes: int, queue: int, curve: CurveKeys | None = None,
+                 rate: float = float("inf")) -> None:
         self.endpoint = endpoint
         sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTING_ID, endpoint.encode())
@@ -64,6 +82,10 @@ class ZmqRouter:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, queue)
         sock.setsockopt(zmq.RCVHWM, queue)
+        if curve is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"tensorhub")
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -72,16 +94,23 @@ class ZmqRouter:
                 raise ConfigError(f"control address {endpoint} is already in use") from None
             raise ConfigError(f"cannot listen on {endpoint}: {exc}") from None
         self._sock = sock
-        self._queue = queue
-        self._out: collections.deque[tuple[str, bytes, bool]] = collections.deque()
-        self._retry: list[tuple[float, str, bytes]] = []
+        self._curve = curve
+        self._client_keys = None if curve is None else (curve.client_public,
+                                                        curve.client_secret)
         self._connected: set[str] = set()
         """Endpoints we connected to."""
         self._heard: OrderedDict[bytes, None] = OrderedDict()
         """Routing ids that connected to us (bounded): sending to them needs no connect."""
+        self._client_keys_set: tuple[bytes, bytes] | None = None
+        if curve is not None:
+            self._use_client_keys()
+        self._queue = queue
+        self._out: collections.deque[tuple[str, bytes, bool]] = collections.deque()
+        self._retry: list[tuple[float, str, bytes]] = []
         self._first_try: dict[str, float] = {}
         self._wake: trio.CancelScope | None = None
-        self._inbox = FairInbox(queue, max(4, queue // 8), rate)
+        self._inbox: FairInbox[tuple[bytes, str | None]] = FairInbox(
+            queue, max(4, queue // 8), rate)
         self._inbox_ready = trio.Event()
         self._closed = False
         self._received = self._sent = self._drop_in = self._drop_out = self._unreach = 0
@@ -89,6 +118,27 @@ class ZmqRouter:
     def close(self) -> None:
         """Close a socket whose owner task never ran (startup failed)."""
         self._sock.close(0)
+
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """For a monitor only (:class:`~.zap.HandshakeMonitor`); the owner task does
+        every other operation."""
+        return self._sock
+
+    def set_client_keys(self, public: bytes, secret: bytes) -> None:
+        """Connect with these CURVE client keys from now on (key rotation); the owner
+        re-connects what it connected with the old ones before its next send."""
+        self._client_keys = (public, secret)
+        if self._wake is not None:
+            self._wake.cancel()
+
+    def _use_client_keys(self) -> None:
+        assert self._curve is not None and self._client_keys is not None
+        self._sock.setsockopt(zmq.CURVE_SERVER, 0)
+        self._sock.setsockopt(zmq.CURVE_PUBLICKEY, self._client_keys[0])
+        self._sock.setsockopt(zmq.CURVE_SECRETKEY, self._client_keys[1])
+        self._sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
+        self._client_keys_set = self._client_keys
 
     def statistics(self) -> RouterStats:
         return RouterStats(self._received, self._sent, self._drop_in + self._inbox.dropped,
@@ -108,14 +158,16 @@ class ZmqRouter:
         if self._wake is not None:
             self._wake.cancel()
 
-    async def receive(self) -> tuple[str, bytes]:
-        """The next inbound ``(routing id, frame)``, senders served round-robin; raises
-        :class:`trio.EndOfChannel` once the socket is closed."""
+    async def receive(self) -> tuple[str, bytes, str | None]:
+        """The next inbound ``(routing id, frame, member name ZAP gave the connection
+        or None)``, senders served round-robin; raises :class:`trio.EndOfChannel` once
+        the socket is closed."""
         while True:
             await trio.lowlevel.checkpoint()
             item = self._inbox.pop()
             if item is not None:
-                return item[0].decode("utf-8", "replace"), item[1]
+                sender, (frame, member) = item
+                return sender.decode("utf-8", "replace"), frame, member
             if self._closed:
                 raise trio.EndOfChannel
             self._inbox_ready = trio.Event()
@@ -145,13 +197,20 @@ class ZmqRouter:
     def _step(self) -> bool:
         """Do one receive and one send if possible; True if anything happened."""
         did = False
+        if self._curve is not None and self._client_keys is not self._client_keys_set:
+            self._use_client_keys()
+            for dest in self._connected:  # with the new key
+                self._sock.disconnect(dest)
+                self._sock.connect(dest)
         events: int = self._sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
         if events & zmq.POLLIN:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             did = True
             if len(frames) == 2:
-                self._remember(frames[0])
-                if self._inbox.put(frames[0], frames[1], trio.current_time()):
+                routing_id = frames[0].bytes
+                self._remember(routing_id)
+                if self._inbox.put(routing_id, (frames[1].bytes, _user_id(frames[1])),
+                                   trio.current_time()):
                     self._received += 1
                     self._inbox_ready.set()
             else:
@@ -183,8 +242,7 @@ class ZmqRouter:
             heard.popitem(last=False)
 
     def _send(self, dest: str, data: bytes, reply: bool) -> None:
-        routing_id = dest.encode()
-        if not reply and dest not in self._connected and routing_id not in self._heard:
+        if not reply and dest not in self._connected and dest.encode() not in self._heard:
             self._connected.add(dest)
             try:
                 self._sock.connect(dest)
@@ -193,7 +251,7 @@ class ZmqRouter:
                 self._drop_out += 1
                 return
         try:
-            self._sock.send_multipart([routing_id, data], zmq.NOBLOCK)
+            self._sock.send_multipart([dest.encode(), data], zmq.NOBLOCK)
             self._sent += 1
             self._first_try.pop(dest, None)
         except zmq.ZMQError as exc:
@@ -218,3 +276,12 @@ class ZmqRouter:
             self._heard.pop(dest.encode(), None)
             return
         self._retry.append((now + _RETRY_EVERY, dest, data))
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP user id (a member name) of a frame from a client; None otherwise."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:  # no such property: NULL mechanism, or a connection we made
+        return None
+    return user if isinstance(user, str) and user else None

@@ -7,10 +7,11 @@ id of the connection each frame arrived on.  Messages that carry a ``sender`` ad
 are answered at that address, so the address must *be* the connection: a message whose
 ``sender`` differs from its routing id is refused, and a reply then goes back over the
 connection it came on and nowhere else (the shell never opens a connection for a
-reply).  Messages that name their sender as a member (a group envelope, a keep query)
-are answered by name through our own membership view, so the member must be reached at
-that connection.  A coordinator request forwarded by another member keeps its asker's
-address but is answered at the address our view has for the asker's name.
+reply).  Messages that name their sender as a member (a group envelope, a keep query,
+a ban notice) are answered (if at all) by name through our own membership view, so the
+member must be reached at that connection.  A coordinator request forwarded by another
+member keeps its asker's address but is answered at the address our view has for the
+asker's name.
 
 Pure: the caller passes the members it knows.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import control, coordination, membership
+from .bans import BanNotice
 from .coordination import CoordRequest
 from .groups import GroupEnvelope
 from .retention import KeepAnswer, KeepQuery
@@ -31,8 +33,8 @@ CONTROL = (*membership.MESSAGES, *control.MESSAGES, *coordination.MESSAGES)
 
 def misaddressed(msg: object, routing_id: str, members: Mapping[str, MemberState]) -> str:
     """Why ``msg`` may not be taken from the connection ``routing_id`` ('' if it may)."""
-    if isinstance(msg, GroupEnvelope | KeepQuery):
-        name = msg.sender if isinstance(msg, GroupEnvelope) else msg.asker
+    if isinstance(msg, GroupEnvelope | KeepQuery | BanNotice):
+        name = msg.asker if isinstance(msg, KeepQuery) else msg.sender
         member = members.get(name)
         if member is None or member.info.control != routing_id:
             return f"speaks for {name[:100]!r}, not a member at that address"
