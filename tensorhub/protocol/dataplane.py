@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from ..bounds import U8, U32, U63, U64, MaxLen, PeerName, Rank, Signature, Text
+from ..bounds import U8, U32, U63, U64, MaxLen, PeerName, Range, Rank, Signature, Text
 from ..model import LayoutId, ModelName
 
 OK = 0
@@ -28,6 +28,9 @@ BAD_REQUEST = 3
 """The request names a chunk outside the manifest or is otherwise invalid."""
 UNAUTHORIZED = 4
 """The reader did not prove a member identity (see :class:`AuthHello`): nothing is served."""
+
+ChunkIndex = Annotated[int, Range(-(2**31), 2**32 - 1)]
+"""A chunk index as asked: a negative one still decodes, and is answered BAD_REQUEST."""
 
 FRAME_HEADER = 4
 MAX_FRAME = 1 << 20  # requests and reply headers are small; manifests travel as payload
@@ -47,7 +50,7 @@ class ChunkRequest:
     req_id: U63
     model: ModelName
     version: U63
-    chunk: U32
+    chunk: ChunkIndex
     shard: Rank = 0
     layout: LayoutId = b""
 
@@ -87,7 +90,7 @@ class ShmChunkRequest:
     req_id: U63
     model: ModelName
     version: U63
-    chunk: U32
+    chunk: ChunkIndex
     shard: Rank = 0
     layout: LayoutId = b""
 
@@ -147,7 +150,7 @@ class ShmVersionRequest:
     req_id: U63
     model: ModelName
     version: U63
-    chunk: U32
+    chunk: ChunkIndex
     shard: Rank = 0
     layout: LayoutId = b""
 
