@@ -135,6 +135,7 @@ HOLDERS: dict[str, Callable[[], Any]] = {
     "shm-memfd": partial(tcp_holder, ShmConnection),  # holder arrays from shared_empty
     "tcp+keys": partial(tcp_holder, TcpConnection, auth=True),
     "shm+keys": partial(tcp_holder, ShmConnection, auth=True),
+    "shm-memfd+keys": partial(tcp_holder, ShmConnection, auth=True),
 }
 
 

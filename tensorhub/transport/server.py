@@ -71,7 +71,9 @@ class TcpServer:
         self.limits = limits or ServerLimits()
         self.port = 0
         self._admission = Admission(self.limits)
-        self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._revoked)
+        # Not a method of ours: a server in a reference cycle would keep its provider's
+        # arrays, and their memory files, until the cyclic collector ran.
+        self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._admission.revoked)
         self._listener: trio.socket.SocketType | None = None
         self._local: trio.socket.SocketType | None = None
         """The same-host socket (:mod:`.local`): the only one answering Shm* requests."""
@@ -101,9 +103,6 @@ class TcpServer:
         local.listen(_BACKLOG)
         self._local = trio.socket.from_stdlib_socket(local)
         return self.port
-
-    def _revoked(self, peer: str) -> None:
-        self._admission.counts["leases_revoked"] += 1
 
     def statistics(self) -> ServerStats:
         auth = "insecure: any client may read" if self.auth is None else \
