@@ -1,6 +1,7 @@
 """Same-host reads hold no descriptor once the connection that made them is closed,
 however many of the holder's memory files they mapped, and whether they finished or were
-cancelled; a holder's memory files are closed once its arrays are gone.
+cancelled; a holder's memory files are closed once its arrays are gone, and a cancelled
+fetch's once the fetch is.
 
 Counted in ``/proc/self/fd``: holder and reader run in this process (a reader may map its
 own memory files), so every descriptor either side keeps shows up here.
@@ -22,7 +23,8 @@ import trio
 import trio.testing
 from transport_conformance import publish
 
-from tensorhub import shared_empty
+import tensorhub
+from tensorhub import PeerConfig, shared_empty
 from tensorhub.peer.store import Store
 from tensorhub.transport import shmem
 from tensorhub.transport.server import TcpServer
@@ -131,3 +133,52 @@ async def test_cancelled_reads_keep_no_descriptor_after_close() -> None:
                 break
             cancelled += 1
         assert done and cancelled > 0
+
+
+@asynccontextmanager
+async def two_peers() -> AsyncIterator[tuple[tensorhub.Peer, tensorhub.Peer]]:
+    async with tensorhub.open_peer(PeerConfig.local("p0", chunk_size=64 << 10)) as first:
+        seed = first.info.control.removeprefix("tcp://")
+        async with tensorhub.open_peer(
+                PeerConfig.local("p1", join=(seed,), chunk_size=64 << 10)) as second:
+            with trio.fail_after(10):
+                while len(second.control.membership.live_members()) < 2:
+                    await trio.sleep(0.02)
+            yield first, second
+
+
+async def test_a_cancelled_fetch_leaves_neither_its_version_nor_its_memory(
+        no_cycle_collection: None) -> None:
+    """Cancelled at every point of a fetch, planning included: the version is dropped, its
+    fetch-allocated memory file closed once the connection's reader thread is out (by
+    reference counting alone), and the next fetch starts afresh."""
+    async with two_peers() as (publisher, reader):
+        rng = np.random.default_rng(SEED)
+        weights = {f"t{i}": rng.standard_normal(20_000).astype(np.float32) for i in range(4)}
+        await publisher.publish("m", 1, weights)
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", None)
+        gc.collect()
+        before = descriptors()
+        cancelled = 0
+        for steps in range(5000):
+            got = None
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    async def cancel_after(n: int = steps) -> None:
+                        for _ in range(n):
+                            await trio.lowlevel.checkpoint()
+                        scope.cancel()
+                    nursery.start_soon(cancel_after)
+                    got = await reader.fetch("m", 1)
+                    nursery.cancel_scope.cancel()
+            if got is not None:
+                break
+            cancelled += 1
+            assert not reader.store.versions, f"cancelled after {steps} checkpoints"
+            with trio.fail_after(10):  # once the connection's reader thread is out
+                while descriptors()[1] != before[1]:
+                    await trio.sleep(0.001)
+        assert got is not None and cancelled > 0
+        for name, array in weights.items():
+            np.testing.assert_array_equal(got.tensors[name], array)
