@@ -223,9 +223,11 @@ class _ServerConn:
                 await self.answer(req)
         except (TransportError, OSError):
             return  # the reader went away or reset the connection; nothing to clean up
-        except Exception as exc:  # RemoteProtocolError, or a request nothing checked
-            # One reader's bad input ends its connection, never the server: counted and
-            # reported, with the type when it is not a protocol error.
+        except Exception as exc:  # RemoteProtocolError, or a bug some request met
+            # One reader's bad input ends its connection, never the server (nor the peer
+            # whose nursery runs it): counted and reported, with the type when it is not
+            # a protocol error.  No input is known to raise anything else; one did until
+            # a version lease reported protocol errors as an exception group.
             self.counts["bad_frames"] += 1
             what = str(exc) if isinstance(exc, RemoteProtocolError) else \
                 f"{type(exc).__name__} answering a request: {exc}"
