@@ -162,12 +162,14 @@ def run_both(size: int, chunk: int, runs: int) -> dict[str, Any]:
                               shape="model", size=size, shared=True)
             procs["f_tcp"].call("prepared", cmd="prepare", model="big", shape="model",
                                 size=size)
+        security = {mode: {k: v for k, v in procs["f_tcp"].call("stats", cmd="stats").items()
+                           if k in ("security", "digest")} for mode, procs in meshes.items()}
         for i in range(runs):
             for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
                 raw[mode].append(raw_socket_seconds(size, 1)[0])
                 fetched[mode].append(_fetch_once(meshes[mode]["f_tcp"], "big"))
     return {"raw": raw["off"] + raw["on"], "raw_keyless": raw["off"], "raw_keyed": raw["on"],
-            "tcp": fetched["off"], "tcp_keyed": fetched["on"],
+            "tcp": fetched["off"], "tcp_keyed": fetched["on"], "security": security,
             "fetcher_peak_rss_mib": max(r["peak_rss_mib"] for r in fetched["off"])}
 
 
@@ -269,7 +271,7 @@ def run_cli(args: argparse.Namespace) -> int:
                               "lower"))
         measured.update(keyed_tcp_s=[x["seconds"] for x in r["tcp_keyed"]],
                         raw_before_keyless_s=r["raw_keyless"],
-                        raw_before_keyed_s=r["raw_keyed"])
+                        raw_before_keyed_s=r["raw_keyed"], fetchers=r["security"])
         baselines.update(keyless_tcp_median_s=tcp_s, keyed_tcp_median_s=keyed_s,
                          raw_socket_median_s=med(raw_s))
     if not only_tcp:

@@ -13,7 +13,8 @@ line, answering each with one JSON line on stdout:
   and reports the fetch report, monotonic start / end times and the peak RSS.
 * ``{"cmd": "wait_holders", "model", "version", "count", "timeout"}`` waits until
   ``count`` other live peers hold the version completely and names them.
-* ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
+* ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
+* ``{"cmd": "stats"}``: bytes served, members, and the peer's security and digest lines.
 
 Times are ``time.monotonic()``, one clock for every process on the machine.
 """
@@ -169,7 +170,8 @@ class Worker:
         if kind == "stats":
             st = self.peer.statistics()
             return {"event": "stats", "bytes_served": st.bytes_served,
-                    "bytes_by_transport": st.bytes_by_transport, "members": st.members}
+                    "bytes_by_transport": st.bytes_by_transport, "members": st.members,
+                    "security": st.security, "digest": st.digest}
         raise ValueError(f"unknown command {kind!r}")
 
     async def wait_holders(self, key: VersionKey, count: int, timeout: float) -> list[str]:
