@@ -41,6 +41,7 @@ def test_transfer_keys_both_measures_both_meshes_in_one_run(
     measured, baselines = doc["measured"], doc["baselines"]
     assert isinstance(measured, dict) and isinstance(baselines, dict)
     assert len(measured["tcp_s"]) == len(measured["keyed_tcp_s"]) == 2
+    assert len(measured["keyed_over_keyless_by_round"]) == 2
     assert len(baselines["raw_socket_s"]) == 4  # one before each fetch, both meshes
     ratio = baselines["keyed_tcp_median_s"] / baselines["keyless_tcp_median_s"]
     assert cost["value"] == pytest.approx(ratio, abs=1e-3)

@@ -269,7 +269,10 @@ def run_cli(args: argparse.Namespace) -> int:
                      model_bytes / keyed_s))
         figures.append(figure("security_cost_transfer", keyed_s / tcp_s, "ratio", 1.10,
                               "lower"))
+        pairs = [k["seconds"] / x["seconds"] for k, x in zip(r["tcp_keyed"], r["tcp"],
+                                                             strict=True)]
         measured.update(keyed_tcp_s=[x["seconds"] for x in r["tcp_keyed"]],
+                        keyed_over_keyless_by_round=pairs,
                         raw_before_keyless_s=r["raw_keyless"],
                         raw_before_keyed_s=r["raw_keyed"], fetchers=r["security"])
         baselines.update(keyless_tcp_median_s=tcp_s, keyed_tcp_median_s=keyed_s,
@@ -311,6 +314,10 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"{'path':<52} {'seconds':>8} {'GB/s':>7}")
     for label, secs, rate in rows:
         print(f"{label:<52} {secs:>8.3f} {rate / 1e9:>7.2f}")
+    if both:
+        pairs = measured["keyed_over_keyless_by_round"]
+        print(f"keyed / keyless by round (each pair back to back): "
+              f"{', '.join(f'{x:.3f}' for x in pairs)}; median {med(pairs):.3f}")
     print()
     print_figures(figures)
     if args.json:
