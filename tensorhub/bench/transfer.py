@@ -273,6 +273,8 @@ def run_cli(args: argparse.Namespace) -> int:
                                                              strict=True)]
         measured.update(keyed_tcp_s=[x["seconds"] for x in r["tcp_keyed"]],
                         keyed_over_keyless_by_round=pairs,
+                        cpu_s=[x["cpu_s"] for x in r["tcp"]],
+                        keyed_cpu_s=[x["cpu_s"] for x in r["tcp_keyed"]],
                         raw_before_keyless_s=r["raw_keyless"],
                         raw_before_keyed_s=r["raw_keyed"], fetchers=r["security"])
         baselines.update(keyless_tcp_median_s=tcp_s, keyed_tcp_median_s=keyed_s,
@@ -318,6 +320,8 @@ def run_cli(args: argparse.Namespace) -> int:
         pairs = measured["keyed_over_keyless_by_round"]
         print(f"keyed / keyless by round (each pair back to back): "
               f"{', '.join(f'{x:.3f}' for x in pairs)}; median {med(pairs):.3f}")
+        print(f"fetcher CPU seconds a fetch (every thread), median: keyless "
+              f"{med(measured['cpu_s']):.3f}, keyed {med(measured['keyed_cpu_s']):.3f}")
     print()
     print_figures(figures)
     if args.json:

@@ -10,7 +10,8 @@ line, answering each with one JSON line on stdout:
   (ROS: publishing must not copy).
 * ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers.
 * ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
-  and reports the fetch report, monotonic start / end times and the peak RSS.
+  and reports the fetch report, monotonic start / end times, the CPU seconds this
+  process spent meanwhile (every thread) and the peak RSS.
 * ``{"cmd": "wait_holders", "model", "version", "count", "timeout"}`` waits until
   ``count`` other live peers hold the version completely and names them.
 * ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
@@ -151,11 +152,12 @@ class Worker:
             return {"event": "prepared", "rss_mib": rss_mib()[0]}
         if kind == "fetch":
             into = self.buffers.get(f"into:{cmd['model']}") if cmd.get("into") else None
-            t0 = time.monotonic()
+            cpu0, t0 = time.process_time(), time.monotonic()
             got = await self.peer.fetch(cmd["model"], cmd["version"], into=into,
                                         sources=cmd.get("sources"))
-            t1 = time.monotonic()
+            t1, cpu1 = time.monotonic(), time.process_time()
             out = {"event": "fetched", "start": t0, "end": t1, "seconds": t1 - t0,
+                   "cpu_s": cpu1 - cpu0,
                    "report": got.report.to_dict(), "peak_rss_mib": rss_mib()[1]}
             if cmd.get("checksum"):
                 out["checksum"] = checksum(got.tensors)
