@@ -550,24 +550,26 @@ class Peer:
                 last[0] = now
                 self._send(self.control.put_holding(local.holding()))
 
-        self._send(self.control.put_holding(local.holding()))  # downstream can find us
-        plan: list[tuple[PeerInfo, int, int]] = []
-        plan_note = "planning off"
-        if allowed is None and self.config.planning and key.whole:
-            plan, plan_note = await self._ask_plan(key, manifest)
-        elif not key.whole:
-            plan_note = "no plan: shards are fetched from their holders directly"
-        job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
-                    upstream=allowed or frozenset(), plan=plan, connect=self._connect,
-                    window=self._window(manifest),
-                    stall_timeout=self.config.stall_timeout, on_progress=progress,
-                    banned=self.banned, on_bad_bytes=self.ban)
-        job.report.plan = plan_note
-        self._fetches.add(job)
-        try:
+        job: Fetch | None = None
+        try:  # from here on, a failure or a cancellation (planning too) drops it
+            self._send(self.control.put_holding(local.holding()))  # downstream can find us
+            plan: list[tuple[PeerInfo, int, int]] = []
+            plan_note = "planning off"
+            if allowed is None and self.config.planning and key.whole:
+                plan, plan_note = await self._ask_plan(key, manifest)
+            elif not key.whole:
+                plan_note = "no plan: shards are fetched from their holders directly"
+            job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
+                        upstream=allowed or frozenset(), plan=plan, connect=self._connect,
+                        window=self._window(manifest),
+                        stall_timeout=self.config.stall_timeout, on_progress=progress,
+                        banned=self.banned, on_bad_bytes=self.ban)
+            job.report.plan = plan_note
+            self._fetches.add(job)
             report = await job.run()
         except BaseException:
-            self._count_integrity(job.report)
+            if job is not None:
+                self._count_integrity(job.report)
             local.end_receiving()
             self.store.hide(key)
             self._send(self.control.drop_holding(key))
@@ -575,7 +577,8 @@ class Peer:
                 await self.store.wait_drained(key)
             raise
         finally:
-            self._fetches.discard(job)
+            if job is not None:
+                self._fetches.discard(job)
         local.end_receiving()
         self._send(self.control.put_holding(local.holding()))
         self._account(report)

@@ -134,6 +134,10 @@ class Admission:
     def accepted(self) -> None:
         self._pressure_logged = 0
 
+    def revoked(self, _reader: str) -> None:
+        """Count a lease revoked from a reader that did not end it in time."""
+        self.counts["leases_revoked"] += 1
+
     def statistics(self, auth: str) -> ServerStats:
         c = self.counts
         return ServerStats(

@@ -284,6 +284,9 @@ class TcpConnection:
             if ex is not None:  # it was sent after this thread's last look
                 ex.error = exc
                 _wake(token, ex)
+            # This frame lives on in the traceback of self._ended: not the last
+            # request's buffers (a cancelled fetch's memory would wait for the collector).
+            ex = None
         finally:
             sock.close()
 
