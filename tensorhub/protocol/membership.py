@@ -49,17 +49,36 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Annotated, cast
+from typing import cast
 
-from ..bounds import MAX_PEERS, U63, ControlEndpoint, MaxLen, PeerName, Range, Signature
 from ..config import PeerConfig
 from ..errors import LocalProtocolError
 from ..model import PeerInfo
 from .broadcast import BroadcastQueue
 from .claims import ClaimCheck
-from .codec import fields_bytes
 from .probe import Probe, Prober
 from .suspicion import Health, Suspicion
+from .swim_wire import (
+    _A,
+    _D,
+    _HANDLED,
+    _L,
+    _S,
+    MESSAGES,
+    PIGGYBACK_GOSSIP,
+    PIGGYBACK_PROBE,
+    Ack,
+    Gossip,
+    IndirectPing,
+    MemberEvent,
+    Message,
+    Nack,
+    Outbound,
+    Ping,
+    PushPull,
+    Update,
+    _with_info,
+)
 from .trust import Trust
 from .view import ALIVE, DEAD, LEFT, RANK, STATUSES, SUSPECT, MemberState, View
 
@@ -69,11 +88,8 @@ __all__ = [
     "Outbound", "Ping", "PushPull", "Update",
 ]
 
-_A, _S, _D, _L = range(4)  # an Update's kind: the rank of STATUSES
 
 HEALTH_LIMIT = 8           # Lifeguard: timeouts stretch up to 8x on an unhealthy peer
-PIGGYBACK_PROBE = 8        # updates riding on a ping or ack
-PIGGYBACK_GOSSIP = 256     # updates in one gossip message (TCP: no datagram limit)
 NACK_AFTER = 0.8           # a relay nacks after this fraction of probe_timeout
 RECONNECT_TIMEOUT = 24 * 3600.0  # failed members' addresses kept this long (as Serf)
 RECONNECT_MAX = 4096       # ... and at most this many (oldest forgotten first)
@@ -81,126 +97,6 @@ EVENTS_MAX = 65536         # undrained events kept; older ones are dropped and c
 
 _T_SUSPECT, _T_REAP, _T_FORGET = range(3)
 MAX_INCARNATION = 2**63 - 1  # what an incarnation field may carry (bounds.U63)
-_TAG = b"tensorhub/member-claim/1\0"
-
-
-# -- wire messages ---------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Update:
-    """One claim about one member.  ``kind`` indexes STATUSES; ``origin`` is who made
-    it (the accuser of a suspicion or death, the member itself otherwise); ``info`` is
-    carried by alive claims and by full-state records; ``sig`` is the origin's
-    signature (empty without security; see :meth:`signed_bytes`)."""
-
-    kind: Annotated[int, Range(0, _L)]
-    name: PeerName
-    incarnation: U63
-    origin: PeerName
-    info: PeerInfo | None
-    sig: Signature = b""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.kind <= _L or self.incarnation < 0:
-            raise ValueError("update kind or incarnation out of range")
-        if (self.info is None and self.kind == _A) or (
-            self.info is not None and self.info.name != self.name
-        ):
-            raise ValueError("update info missing or about another member")
-
-    def signed_bytes(self) -> bytes:
-        """What ``sig`` covers: the claim, with ``info`` only where it is the claim's
-        own (alive), so records may carry a member's info beside any claim."""
-        info = self.info if self.kind == _A else None
-        return fields_bytes(_TAG, self.kind, self.name, self.incarnation, self.origin, info)
-
-
-ProbeUpdates = Annotated[tuple[Update, ...], MaxLen(PIGGYBACK_PROBE + 1)]
-"""What rides on a probe: the piggybacked news, plus the receiver's own record."""
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    sender: ControlEndpoint
-    sender_name: PeerName
-    seq: U63
-    target: PeerName  # the name we expect to answer (an address may have been reused)
-    updates: ProbeUpdates
-
-
-@dataclass(frozen=True, slots=True)
-class IndirectPing:
-    """Ask the receiver to ping member ``target`` for us.  ``target_control`` is only
-    informative: the receiver pings the address *its* view has for ``target``."""
-
-    sender: ControlEndpoint
-    sender_name: PeerName
-    seq: U63
-    target: PeerName
-    target_control: ControlEndpoint
-    updates: ProbeUpdates
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    sender: ControlEndpoint
-    sender_name: PeerName
-    seq: U63
-    updates: ProbeUpdates
-
-
-@dataclass(frozen=True, slots=True)
-class Nack:
-    sender: ControlEndpoint
-    sender_name: PeerName
-    seq: U63
-
-
-@dataclass(frozen=True, slots=True)
-class Gossip:
-    sender: ControlEndpoint
-    sender_name: PeerName
-    updates: Annotated[tuple[Update, ...], MaxLen(PIGGYBACK_GOSSIP)]
-
-
-@dataclass(frozen=True, slots=True)
-class PushPull:
-    """A view digest, optionally with full state (``members``: one record per member)."""
-
-    sender: ControlEndpoint
-    sender_name: PeerName
-    digest: Annotated[bytes, MaxLen(64)]
-    members: Annotated[tuple[Update, ...], MaxLen(MAX_PEERS)]
-    want_reply: bool
-
-
-MESSAGES = (Ping, IndirectPing, Ack, Nack, Gossip, PushPull)  # append only
-Message = Ping | IndirectPing | Ack | Nack | Gossip | PushPull
-_HANDLED = frozenset(MESSAGES)
-
-
-def _with_info(u: Update, info: PeerInfo | None) -> Update:
-    """``u`` carrying ``info`` (its signature stays valid: see :meth:`Update.signed_bytes`)."""
-    return Update(u.kind, u.name, u.incarnation, u.origin, info, u.sig)
-
-
-# -- outputs -------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Outbound:
-    dest: str     # control address
-    msg: object   # a wire message (membership's, or another protocol's riding along)
-    reply: bool = False
-    """``dest`` is the sender of a message we answer: the shell sends it back over the
-    connection that message came on and never connects to ``dest`` (an address taken
-    from a message is never contacted)."""
-
-
-@dataclass(frozen=True, slots=True)
-class MemberEvent:
-    kind: str  # joined, alive, suspect, dead, left
-    name: str
-    incarnation: int
 
 
 @dataclass(frozen=True)
