@@ -59,9 +59,9 @@ from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
+from .connections import ConnectionPool
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView
-from .connections import ConnectionPool
 from .operations import Operations, operation
 from .reshard import reshard, same_layout_holder
 from .retention import Retention
