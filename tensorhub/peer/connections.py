@@ -79,6 +79,11 @@ class ConnectionPool:
         self._closed = True
         self._drop_all()
 
+    def flush(self) -> None:
+        """Close every kept connection (this peer's identity changed: later reads
+        open connections that prove the new one)."""
+        self._drop_all()
+
     def _expire(self) -> None:
         generation = self._generation()
         if generation != self._kept_at:  # keys changed: no handshake made before counts

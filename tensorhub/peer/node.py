@@ -717,6 +717,7 @@ class Peer:
         if self._data_auth is not None:  # new data connections prove the new key
             self._data_auth = replace(self._data_auth, identity=identity)
             self._server.auth = self._data_auth
+            self._pool.flush()  # and so do reads from now on
         self._router.set_client_keys(*identity.curve_keys())
         for local in self.store.versions.values():
             if local.publisher == self.info.name and not local.derived:

@@ -1,0 +1,152 @@
+"""Data connections kept between reads: one handshake serves a manifest, its chunks and
+the next fetch from the same holder; a keyring change, an identity switch or a holder
+that closed the connection means a new one."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import trio
+from test_data_auth import IDS, holder, keyring, read_chunk
+from test_trust_mesh import Keys, secure_mesh, wait_until, weights
+
+from tensorhub.model import PeerInfo
+from tensorhub.peer.connections import ConnectionPool
+from tensorhub.security import Identity
+from tensorhub.transport.base import Connection
+from tensorhub.transport.handshake import DataAuth
+from tensorhub.transport.tcp import TcpConnection
+
+
+def _accepted(peer: object) -> int:
+    return peer.statistics().data_server.connections_accepted  # type: ignore[attr-defined, no-any-return]
+
+
+async def test_a_keyed_reader_proves_itself_once_for_many_fetches() -> None:
+    keys = Keys(["p0", "p1"], {"m": ["p0"]})
+    async with secure_mesh(keys, ["p0", "p1"], fetch_window=1) as (p0, p1):
+        for version in (1, 2, 3):
+            await p0.publish("m", version, weights(version))
+            await wait_until(lambda v=version: p1.control.latest("m") == v)
+            got = await p1.fetch("m", version, sources=["p0"])
+            assert got.report.verified
+            np.testing.assert_array_equal(got.tensors["w"], weights(version)["w"])
+        # manifest and chunks of three versions over one connection: one handshake
+        assert _accepted(p0) == 1
+        assert p0.statistics().data_server.refused_auth == 0
+
+
+async def test_a_keyring_change_or_a_new_identity_means_new_connections() -> None:
+    keys = Keys(["p0", "p1"], {"m": ["p0"]})
+    async with secure_mesh(keys, ["p0", "p1"], fetch_window=1) as (p0, p1):
+        await p0.publish("m", 1, weights(1))
+        await p0.publish("m", 2, weights(2))
+        await p0.publish("m", 3, weights(3))
+        await wait_until(lambda: p1.control.latest("m") == 3)
+        await p1.fetch("m", 1, sources=["p0"])
+        assert _accepted(p0) == 1
+        ring = {n: [i.public] for n, i in keys.ids.items()}
+        new = Identity.generate()
+        for p in (p0, p1):  # a rotation's first step: p1's new key is added
+            p.update_keyring({**ring, "p1": [keys.ids["p1"].public, new.public]})
+        got = await p1.fetch("m", 2, sources=["p0"])
+        assert got.report.verified and _accepted(p0) == 2  # handshake under the new ring
+        p1.rotate_identity(new)
+        for p in (p0, p1):  # the old key is gone: only the new one may read
+            p.update_keyring({**ring, "p1": [new.public]})
+        got = await p1.fetch("m", 3, sources=["p0"])
+        assert got.report.verified and _accepted(p0) == 3
+        assert p0.statistics().data_server.refused_auth == 0
+
+
+async def test_a_connection_the_holder_closed_is_not_reused() -> None:
+    """The holder ends idle connections after its ``data_idle_timeout``: the next fetch
+    opens a new one and does not count the holder as failed."""
+    keys = Keys(["p0", "p1"], {"m": ["p0"]})
+    async with secure_mesh(keys, ["p0", "p1"], fetch_window=1,
+                           data_idle_timeout=0.2) as (p0, p1):
+        await p0.publish("m", 1, weights(1))
+        await p0.publish("m", 2, weights(2))
+        await wait_until(lambda: p1.control.latest("m") == 2)
+        await p1.fetch("m", 1, sources=["p0"])
+        await wait_until(lambda: p0.statistics().data_server.connections_open == 0)
+        got = await p1.fetch("m", 2, sources=["p0"])
+        assert got.report.verified and got.report.dropped_sources == {}
+        assert _accepted(p0) == 2
+
+
+async def test_only_a_connection_in_step_is_kept() -> None:
+    """Kept: an idle connection after a read.  Closed instead: one the holder closed,
+    one with a byte nobody asked for, one past ``max_idle``."""
+    ring = keyring()
+    auth = DataAuth("reader", IDS["reader"], ring)
+    async with holder(ring) as (server, address, pub, _sent):
+        info = PeerInfo("holder", "tcp://127.0.0.1:1", address, ())
+
+        async def open_connection(peer: PeerInfo) -> Connection:
+            return await TcpConnection.connect(peer.data, peer.name, 5, auth)
+
+        pool = ConnectionPool(open_connection, lambda: ring.generation, max_idle=60)
+        first = await pool.connect(info)
+        await read_chunk(first, pub)  # type: ignore[arg-type]
+        await pool.release(first)
+        again = await pool.connect(info)
+        assert again is first and (pool.opened, pool.reused) == (1, 1)
+        await read_chunk(again, pub)  # type: ignore[arg-type]
+        assert server.statistics().connections_accepted == 1
+
+        await pool.release(again)
+        server_side = server.statistics()
+        assert server_side.connections_open == 1
+        pool.max_idle = 0.05
+        await trio.sleep(0.1)  # the time that makes it stale, not a synchronisation
+        fresh = await pool.connect(info)
+        assert fresh is not first and pool.opened == 2
+        await read_chunk(fresh, pub)  # type: ignore[arg-type]
+        await pool.release(fresh)
+        pool.close()
+        assert not fresh.reusable()  # type: ignore[attr-defined]
+
+
+async def test_reusable_sees_a_closed_or_out_of_step_stream() -> None:
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(2)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    with listener:
+        conn = await TcpConnection.connect(address, "holder", 5)
+        served, _ = await listener.accept()
+        assert conn.reusable()
+        await served.send(b"x")  # a byte nobody asked for
+        await wait_until(lambda: not conn.reusable(), timeout=5, every=0.001)
+        await conn.aclose()
+        served.close()
+
+        conn = await TcpConnection.connect(address, "holder", 5)
+        served, _ = await listener.accept()
+        assert conn.reusable()
+        served.close()  # the holder went away
+        await wait_until(lambda: not conn.reusable(), timeout=5, every=0.001)
+        await conn.aclose()
+        assert not conn.reusable()
+
+
+async def test_a_fetch_with_many_workers_keeps_at_most_per_holder() -> None:
+    ring = keyring()
+    auth = DataAuth("reader", IDS["reader"], ring)
+    async with holder(ring) as (server, address, _pub, _sent):
+        info = PeerInfo("holder", "tcp://127.0.0.1:1", address, ())
+
+        async def open_connection(peer: PeerInfo) -> Connection:
+            return await TcpConnection.connect(peer.data, peer.name, 5, auth)
+
+        pool = ConnectionPool(open_connection, lambda: ring.generation, per_holder=2)
+        conns = [await pool.connect(info) for _ in range(4)]
+        random.Random(1).shuffle(conns)
+        for c in conns:
+            await pool.release(c)
+        assert sum(c.reusable() for c in conns) == 2  # type: ignore[attr-defined]
+        await wait_until(lambda: server.statistics().connections_open == 2)
+        pool.close()
+        await wait_until(lambda: server.statistics().connections_open == 0)
