@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import trio
-from test_data_auth import IDS, holder, keyring, read_chunk
+from test_data_auth import IDS, SHM, WHY_NOT, holder, keyring, read_chunk
 from test_trust_mesh import Keys, secure_mesh, wait_until, weights
 
 from tensorhub.model import PeerInfo
@@ -16,6 +17,7 @@ from tensorhub.peer.connections import ConnectionPool
 from tensorhub.security import Identity
 from tensorhub.transport.base import Connection
 from tensorhub.transport.handshake import DataAuth
+from tensorhub.transport.shm import ShmConnection
 from tensorhub.transport.tcp import TcpConnection
 
 
@@ -150,3 +152,26 @@ async def test_a_fetch_with_many_workers_keeps_at_most_per_holder() -> None:
         await wait_until(lambda: server.statistics().connections_open == 2)
         pool.close()
         await wait_until(lambda: server.statistics().connections_open == 0)
+
+
+async def test_a_same_host_connection_is_never_kept() -> None:
+    """It may hold a version lease that the holder's unpublish waits for."""
+    if not SHM:
+        pytest.skip(WHY_NOT)
+    ring = keyring()
+    auth = DataAuth("reader", IDS["reader"], ring)
+    async with holder(ring) as (server, address, pub, _sent):
+        info = PeerInfo("holder", "tcp://127.0.0.1:1", address, ())
+
+        async def open_connection(peer: PeerInfo) -> Connection:
+            return await ShmConnection.connect(peer.data, peer.name, 5, auth)
+
+        pool = ConnectionPool(open_connection, lambda: ring.generation)
+        first = await pool.connect(info)
+        await read_chunk(first, pub)  # type: ignore[arg-type]
+        await pool.release(first)
+        await wait_until(lambda: server.statistics().connections_open == 0)
+        second = await pool.connect(info)
+        assert second is not first and (pool.opened, pool.reused) == (2, 0)
+        await pool.release(second)
+        pool.close()

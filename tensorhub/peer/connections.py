@@ -66,7 +66,8 @@ class ConnectionPool:
     async def release(self, conn: Connection) -> None:
         """Keep ``conn`` for a later read from the same holder, or close it."""
         self._expire()
-        if self._closed or not isinstance(conn, TcpConnection) or not conn.reusable():
+        # Same-host connections (a subclass) are closed: they may hold a version lease.
+        if self._closed or type(conn) is not TcpConnection or not conn.reusable():
             await conn.aclose()
             return
         idle = self._idle.setdefault(conn.peer, [])
