@@ -11,12 +11,17 @@ import pytest
 import trio
 from test_data_auth import IDS, SHM, WHY_NOT, holder, keyring, read_chunk
 from test_trust_mesh import Keys, secure_mesh, wait_until, weights
+from transport_conformance import publish
 
+from tensorhub.errors import TransportError
 from tensorhub.model import PeerInfo
 from tensorhub.peer.connections import ConnectionPool
+from tensorhub.peer.store import Store
 from tensorhub.security import Identity
+from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import Connection
 from tensorhub.transport.handshake import DataAuth
+from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection
 from tensorhub.transport.tcp import TcpConnection
 
@@ -175,3 +180,35 @@ async def test_a_same_host_connection_is_never_kept() -> None:
         assert second is not first and (pool.opened, pool.reused) == (2, 0)
         await pool.release(second)
         pool.close()
+
+
+async def test_an_idle_connection_makes_room_for_a_new_one() -> None:
+    """At its per-address cap, the holder closes the connection that has waited longest
+    for a request (if long enough) instead of refusing a new one."""
+    store = Store()
+    pub = publish(store, random.Random(7), [100_000], 65_536)
+    server = TcpServer(store, lambda _peer, n: None, lambda what: None,
+                       ServerLimits(max_connections=8, max_connections_per_address=2,
+                                    evict_idle_after=0.05))
+    address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        oldest = await TcpConnection.connect(address, "holder", 5)
+        await read_chunk(oldest, pub)
+        newer = await TcpConnection.connect(address, "holder", 5)
+        await read_chunk(newer, pub)
+        with pytest.raises(TransportError):  # both idle for less than evict_idle_after
+            refused = await TcpConnection.connect(address, "holder", 5)
+            await read_chunk(refused, pub)
+        await trio.sleep(0.1)  # time passing, not a synchronisation
+        third = await TcpConnection.connect(address, "holder", 5)
+        await read_chunk(third, pub)  # served: the oldest idle one made room
+        await wait_until(lambda: not oldest.reusable(), timeout=5, every=0.001)
+        assert newer.reusable()
+        await read_chunk(newer, pub)
+        stats = server.statistics()
+        assert (stats.idle_evicted, stats.refused_over_address) == (1, 1)
+        assert stats.connections_open == 2
+        for conn in (oldest, newer, third):
+            await conn.aclose()
+        nursery.cancel_scope.cancel()
