@@ -170,7 +170,8 @@ class Peer:
             DataAuth(config.name, security.identity, security.keyring)
         keyring = None if security is None else security.keyring
         self._pool = ConnectionPool(self._connect,
-                                    lambda: 0 if keyring is None else keyring.generation)
+                                    lambda: 0 if keyring is None else keyring.generation,
+                                    max_idle=min(10.0, config.data_idle_timeout))
         """Data connections kept between reads (see :mod:`.connections`)."""
         self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
             config.data_max_connections, config.data_max_connections_per_address,
