@@ -166,7 +166,9 @@ class PeerConfig:
     """Data connections a holder keeps open at once; more are closed at once (counted in
     ``statistics().data_server``).  Each costs two descriptors: keep it well under the
     process's descriptor limit (1,024 by default).  A fetch opens one per holder it
-    reads from (``fetch_window`` at most); raise it for hundreds of concurrent readers."""
+    reads from (``fetch_window`` at most) and keeps them for its next reads (10 s at
+    most); at a cap, the connection that has waited longest for a request (over a
+    second) is closed to make room.  Raise it for hundreds of concurrent readers."""
 
     data_max_connections_per_address: int = 64
     """Data connections from one IP address (or one local user) at once: one host

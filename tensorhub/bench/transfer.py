@@ -22,12 +22,13 @@ by side, one keyless and one keyed, so both see the same machine; each of ``--ru
 rounds fetches over TCP from each, alternating which goes first, with a raw-socket run
 (a) just before each fetch. ``security_cost_transfer`` is the keyed median over the
 keyless one (bound 1.10). Only (a) and (b) are measured in this mode. What a keyed fetch
-pays inside its timed span: the data connection's handshake (two round trips, two
-Ed25519 signatures and verifications), CURVE encryption of the control messages it
+pays inside its timed span: CURVE encryption of the control messages it
 sends and receives (manifest and plan requests), the manifest's publisher signature
 check, and the keyed mesh's signed gossip running meanwhile (signing and checking on
 the same cores). Not in it: ``publish`` (manifest signing), joining (the ZAP handshake),
-loading keys. The chunk digest is blake3 in both meshes (keys do not change it) and the
+loading keys, and the data connection's handshake after the first round (the fetcher
+keeps its connections to the holder between fetches: :mod:`tensorhub.peer.connections`).
+The chunk digest is blake3 in both meshes (keys do not change it) and the
 data bytes are not encrypted in either, so the difference is the keys alone.
 """
 

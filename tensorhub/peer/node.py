@@ -66,6 +66,7 @@ from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
+from .connections import ConnectionPool
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView
 from .operations import Operations, operation
@@ -179,6 +180,11 @@ class Peer:
         security = getattr(config, "security", None)  # PeerConfig.security: keys, or None
         self._data_auth = None if security is None else \
             DataAuth(config.name, security.identity, security.keyring)
+        keyring = None if security is None else security.keyring
+        self._pool = ConnectionPool(self._connect,
+                                    lambda: 0 if keyring is None else keyring.generation,
+                                    max_idle=min(10.0, config.data_idle_timeout))
+        """Data connections kept between reads (see :mod:`.connections`)."""
         self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
             config.data_max_connections, config.data_max_connections_per_address,
             config.data_idle_timeout, config.data_frame_timeout,
@@ -249,6 +255,7 @@ class Peer:
     async def _leave(self) -> None:
         await self.operations.close(self.config.stall_timeout)
         self._closed = True
+        self._pool.close()
         self._send(self.control.leave(trio.current_time()))
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
 
@@ -560,7 +567,8 @@ class Peer:
             elif not key.whole:
                 plan_note = "no plan: shards are fetched from their holders directly"
             job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
-                        upstream=allowed or frozenset(), plan=plan, connect=self._connect,
+                        upstream=allowed or frozenset(), plan=plan,
+                        connect=self._pool.connect, release=self._pool.release,
                         window=self._window(manifest),
                         stall_timeout=self.config.stall_timeout, on_progress=progress,
                         banned=self.banned, on_bad_bytes=self.ban)
@@ -646,11 +654,11 @@ class Peer:
             for peer, holding in fresh:
                 tried[peer.name] = holding
                 try:
-                    conn = await self._connect(peer)
+                    conn = await self._pool.connect(peer)
                     try:
                         data = await conn.read_manifest(key)
-                    finally:
-                        await conn.aclose()
+                    finally:  # kept for the chunks, when it is in step
+                        await self._pool.release(conn)
                     manifest = await self._decode_manifest(data, holding.manifest_id)
                     if manifest.key != key:
                         raise RemoteProtocolError(f"{peer.name} sent a non-matching manifest")
@@ -747,6 +755,7 @@ class Peer:
         if self._data_auth is not None:  # new data connections prove the new key
             self._data_auth = replace(self._data_auth, identity=identity)
             self._server.auth = self._data_auth
+            self._pool.flush()  # and so do reads from now on
         self._router.set_client_keys(*identity.curve_keys())
         for local in self.store.versions.values():
             if local.publisher == self.info.name and not local.derived:
