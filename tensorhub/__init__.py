@@ -23,8 +23,9 @@ from .manifest import Manifest
 from .model import PeerInfo, TensorSpec, VersionKey
 from .peer.fetcher import Fetched, FetchReport
 from .peer.group import Group, GroupStats, GroupSwitchError, open_group
-from .peer.node import Peer, PeerStats, open_peer
+from .peer.node import Peer, open_peer
 from .peer.rollout import Committed, Rollout, Staged
+from .peer.stats import PeerStats
 from .protocol.groups import GroupConfig
 from .protocol.sharding import Sharding
 from .transport.shmem import shared_empty

@@ -22,7 +22,8 @@ from .config import PeerConfig
 from .errors import PeerClosed
 from .manifest import Manifest
 from .peer.fetcher import Fetched
-from .peer.node import Peer, PeerStats, open_peer
+from .peer.node import Peer, open_peer
+from .peer.stats import PeerStats
 from .protocol.sharding import Sharding
 
 T = TypeVar("T")

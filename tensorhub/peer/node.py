@@ -24,7 +24,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -55,23 +55,23 @@ from ..protocol.groups import GroupEnvelope
 from ..protocol.membership import MESSAGES as MEMBERSHIP_MESSAGES
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
-from ..protocol.refs import Holding
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
 from ..security import Identity
-from ..transport.admission import ServerLimits, ServerStats
-from ..transport.base import Connection, NotServing
+from ..transport.admission import ServerLimits
+from ..transport.base import Connection
 from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
 from .connections import ConnectionPool
-from .destination import allocate_flat, prepare_destination
-from .fetcher import Fetch, Fetched, FetchReport, HolderView
+from .fetcher import Fetch, Fetched, FetchReport
+from .fetching import fetch_key
 from .operations import Operations, operation
 from .reshard import reshard, same_layout_holder
 from .retention import Retention
+from .stats import INSECURE, PeerStats
 from .store import LocalVersion, Store
 from .zap import HandshakeMonitor, ZapHandler
 from .zmq_trio import CurveKeys, ZmqRouter
@@ -79,7 +79,6 @@ from .zmq_trio import CurveKeys, ZmqRouter
 register_all()
 log = logging.getLogger("tensorhub.peer")
 INTERNAL_ERRORS_KEPT = 16
-INSECURE = "insecure: no keys; any local process can join, read and publish"
 
 
 def _claimed_name(msg: object) -> str | None:
@@ -94,54 +93,6 @@ def _claimed_name(msg: object) -> str | None:
         return msg.asker
     return None
 
-INLINE_DECODE_BYTES = 64 << 10
-"""Manifests up to this size are decoded on the event loop: about 2,000 tensors, well
-under a millisecond, less than handing the work to a thread and back."""
-
-
-@dataclass(frozen=True)
-class PeerStats:
-    name: str
-    control: str
-    data: str
-    members: dict[str, str]
-    holdings: dict[str, str]
-    bytes_served: int
-    chunks_served: int
-    bytes_fetched: int
-    bytes_fetched_by_source: dict[str, int]
-    bytes_by_transport: dict[str, int]
-    fetches: int
-    integrity_failures: dict[str, int]
-    malformed_dropped: int
-    gossip_dropped: int
-    control_received: int
-    control_sent: int
-    internal_errors: int
-    """Exceptions our own code raised on remote input (bugs: always expected to be 0)."""
-    internal_error_texts: tuple[str, ...]
-    """The last few of them."""
-    shm: str
-    """Whether the same-host transport is usable here, and if not why."""
-    shm_fallbacks: dict[str, str]
-    """Same-host peers read over TCP instead, and why."""
-    security: str = INSECURE
-    """``"keys: ..."`` (members, key rotation state) or why this peer is insecure."""
-    refused: dict[str, int] = field(default_factory=dict)
-    """What security refused, by kind: control connections (``handshake``: not a
-    member, or no CURVE), messages whose sender name is not the authenticated member's,
-    and claims whose signature did not verify."""
-    digest: str = ""
-    """The chunk digest this peer publishes with, and whether it holds against lying
-    holders (``xxh3-128``: trusted fleet only)."""
-    bans: dict[str, str] = field(default_factory=dict)
-    """Holders this peer does not read from now (their bytes failed a digest): the
-    reason and the seconds left."""
-    ban_notices: dict[str, int] = field(default_factory=dict)
-    """Ban notices other peers sent, per reporter: hints, counted, never obeyed."""
-    reports: tuple[dict[str, Any], ...] = field(default=())
-    data_server: ServerStats | None = None
-    """What the data server admitted, refused and revoked (and whether it authenticates)."""
 
 
 def _free_port(host: str) -> int:
@@ -511,7 +462,8 @@ class Peer:
         if key.layout != seal.layout_id and not await same_layout_holder(
                 self, key, seal, allowed):
             return await reshard(self, key, seal, spec, into, allowed)
-        return await self._fetch_key(key, into, allowed, derived=key.layout != seal.layout_id)
+        return await fetch_key(self, key, into, allowed,
+                               derived=key.layout != seal.layout_id)
 
     async def _sealed(self, model: str, version: int, wait: bool) -> Seal:
         """The seal of ``model@version``; with ``wait``, wait up to ``stall_timeout`` for
@@ -525,73 +477,6 @@ class Peer:
                     raise
             with trio.move_on_at(deadline):
                 await self._changed.wait()
-
-    def _view(self, allowed: frozenset[str] | None) -> HolderView:
-        def view(k: VersionKey) -> list[tuple[PeerInfo, Holding]]:
-            found = self.control.holders(k)
-            return found if allowed is None else [(p, h) for p, h in found if p.name in allowed]
-        return view
-
-    def _window(self, manifest: Manifest) -> int:
-        return max(1, min(self.config.fetch_window,
-                          self.config.max_inflight_bytes // manifest.chunk_size))
-
-    async def _fetch_key(self, key: VersionKey, into: Mapping[str, Any] | None,
-                         allowed: frozenset[str] | None, derived: bool) -> Fetched:
-        """Fetch one manifest's chunks (a whole version, or a shard) as they are held."""
-        manifest, publisher = await self._fetch_manifest(key, allowed)
-        flat = None
-        if into is None:
-            arrays, flat = allocate_flat(manifest)
-        else:
-            arrays = prepare_destination(manifest, into)
-        local = LocalVersion(manifest, arrays, publisher, verified=False, flat=flat,
-                             derived=derived)
-        local.announced = self.control.announcement(key, manifest.manifest_id())
-        self.store.add(local)
-        last = [trio.current_time()]
-
-        def progress() -> None:
-            now = trio.current_time()
-            if now - last[0] >= self.config.gossip_interval and not local.complete:
-                last[0] = now
-                self._send(self.control.put_holding(local.holding()))
-
-        job: Fetch | None = None
-        try:  # from here on, a failure or a cancellation (planning too) drops it
-            self._send(self.control.put_holding(local.holding()))  # downstream can find us
-            plan: list[tuple[PeerInfo, int, int]] = []
-            plan_note = "planning off"
-            if allowed is None and self.config.planning and key.whole:
-                plan, plan_note = await self._ask_plan(key, manifest)
-            elif not key.whole:
-                plan_note = "no plan: shards are fetched from their holders directly"
-            job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
-                        upstream=allowed or frozenset(), plan=plan,
-                        connect=self._pool.connect, release=self._pool.release,
-                        window=self._window(manifest),
-                        stall_timeout=self.config.stall_timeout, on_progress=progress,
-                        banned=self.banned, on_bad_bytes=self.ban)
-            job.report.plan = plan_note
-            self._fetches.add(job)
-            report = await job.run()
-        except BaseException:
-            if job is not None:
-                self._count_integrity(job.report)
-            local.end_receiving()
-            self.store.hide(key)
-            self._send(self.control.drop_holding(key))
-            with trio.CancelScope(shield=True):
-                await self.store.wait_drained(key)
-            raise
-        finally:
-            if job is not None:
-                self._fetches.discard(job)
-        local.end_receiving()
-        self._send(self.control.put_holding(local.holding()))
-        self._account(report)
-        return Fetched(key.version, dict(zip(manifest.table.names, arrays, strict=True)),
-                       report)
 
     def _count_integrity(self, report: FetchReport) -> None:
         """A failed fetch still tells who sent bad bytes."""
@@ -622,81 +507,6 @@ class Peer:
             except TransportError as exc:
                 self._shm_refused[peer.name] = str(exc)
         return await TcpConnection.connect(peer.data, peer.name, timeout, self._data_auth)
-
-    async def _fetch_manifest(self, key: VersionKey, allowed: frozenset[str] | None
-                              ) -> tuple[Manifest, str]:
-        def candidates() -> list[tuple[PeerInfo, Holding]]:
-            found = []
-            for p, h in self.control.holders(key):
-                if p.name == self.info.name or (allowed is not None and p.name not in allowed):
-                    continue
-                ban = self.banned(p.name)
-                if ban is None:
-                    found.append((p, h))
-                else:
-                    banned[p.name] = f"banned here ({ban.reason})"
-            return found
-
-        # The view may lag: a holder that just unpublished, a named source that has not
-        # started.  Retry each holder when its reference changes, until stall_timeout.
-        deadline = trio.current_time() + self.config.stall_timeout
-        tried: dict[str, Holding] = {}
-        errors: dict[str, str] = {}
-        banned: dict[str, str] = {}
-        while True:
-            holders = candidates()
-            if not holders and allowed is None and not errors:
-                raise VersionUnavailable(key.model, key.version, "no live holder is known"
-                                         if not banned else "no holder that is not banned: "
-                                         + "; ".join(f"{k}: {v}" for k, v in banned.items()))
-            fresh = [(p, h) for p, h in holders if tried.get(p.name) is not h]
-            fresh.sort(key=lambda ph: (ph[1].publisher == ph[0].name, ph[0].name))
-            for peer, holding in fresh:
-                tried[peer.name] = holding
-                try:
-                    conn = await self._pool.connect(peer)
-                    try:
-                        data = await conn.read_manifest(key)
-                    finally:  # kept for the chunks, when it is in step
-                        await self._pool.release(conn)
-                    manifest = await self._decode_manifest(data, holding.manifest_id)
-                    if manifest.key != key:
-                        raise RemoteProtocolError(f"{peer.name} sent a non-matching manifest")
-                    return manifest, holding.publisher
-                except (TransportError, RemoteProtocolError, NotServing, OSError) as exc:
-                    errors[peer.name] = str(exc)
-            if trio.current_time() >= deadline:
-                which = f" among {sorted(allowed)}" if allowed is not None else ""
-                detail = "; ".join(f"{k}: {v}" for k, v in sorted({**banned, **errors}.items()))
-                raise VersionUnavailable(key.model, key.version, f"no holder{which} served "
-                                         f"the manifest ({detail or 'none known'})")
-            with trio.move_on_at(deadline):
-                await self._changed.wait()
-
-    async def _decode_manifest(self, data: bytes, manifest_id: bytes) -> Manifest:
-        """Check and parse a manifest; one over :data:`INLINE_DECODE_BYTES` in a worker
-        thread (at the caps, decoding takes a second: the event loop must not wait)."""
-        limits = self.config.manifest_limits
-        if len(data) <= INLINE_DECODE_BYTES:
-            return Manifest.decode(data, manifest_id, limits)
-        return await trio.to_thread.run_sync(Manifest.decode, data, manifest_id, limits)
-
-    async def _ask_plan(self, key: VersionKey, manifest: Manifest
-                        ) -> tuple[list[tuple[PeerInfo, int, int]], str]:
-        """Our part of the coordinator's plan as (source, first chunk, stop); on any
-        failure no plan (the fetch then picks holders itself) and the reason."""
-        try:
-            answer = await self.ask_coordinator(key.model, key.version,
-                                                size=manifest.total_bytes,
-                                                chunks=manifest.num_chunks)
-        except TransportError as exc:
-            return [], f"no plan: {exc}"
-        members = self.control.membership.members()
-        plan = [(members[s.peer].info, s.first, s.stop) for s in answer.sources
-                if s.peer in members and s.peer != self.info.name]
-        if not plan:
-            return [], f"no plan from {answer.coordinator}: {answer.detail or 'empty'}"
-        return plan, f"{answer.coordinator} epoch {answer.epoch.term}"
 
     # -- coordinators ----------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from ..protocol.sharding import Sharding
 from ..protocol.versions import Seal
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, first_error
+from .fetching import fetch_manifest, holder_view, window
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         s: (local.manifest, local.publisher) for s, local in mine.items()}
 
     async def manifest_of(s: int) -> None:
-        got[s] = await peer._fetch_manifest(src[s], allowed)
+        got[s] = await fetch_manifest(peer, src[s], allowed)
 
     async with trio.open_nursery() as nursery:
         for s in range(len(src)):
@@ -104,10 +105,10 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         buf = np.empty(m.total_bytes, dtype=np.uint8)
         part = LocalVersion(m, [], publisher, verified=False,
                             flat=memoryview(buf))  # type: ignore[arg-type]
-        job = Fetch(me=peer.info.name, local=part, view=peer._view(allowed),
+        job = Fetch(me=peer.info.name, local=part, view=holder_view(peer, allowed),
                     upstream=allowed or frozenset(), connect=peer._pool.connect,
                     release=peer._pool.release,
-                    window=peer._window(m), stall_timeout=peer.config.stall_timeout,
+                    window=window(peer, m), stall_timeout=peer.config.stall_timeout,
                     on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
                     only=plan.chunks[s])
         peer._fetches.add(job)
