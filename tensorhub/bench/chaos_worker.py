@@ -1,0 +1,239 @@
+"""A peer process of the chaos bench (``python -m tensorhub.bench.chaos_worker``).
+
+It runs one real peer and speaks JSON lines with the driver (:mod:`tensorhub.bench.chaos`):
+commands on stdin, events on stdout, one object per line.
+
+* ``--role trainer``: ``{"cmd": "publish", "model", "version", "seed"}`` publishes
+  :func:`content` of ``(seed, version)`` from shared memory and answers ``published``
+  with the manifest id; ``{"cmd": "drop", "model"}`` unpublishes every version of it.
+* ``--role rollout``: ``{"cmd": "follow", "model", "seed"}`` starts a loop that waits for
+  each newer ``latest`` of the model, fetches it into its own buffers and compares every
+  byte with :func:`content`; each fetch ends in an ``activated`` event (version, manifest
+  id, ``content_ok``, the fetch report) or a ``fetch_error`` (the error's class and
+  text).  The previous model's versions are unpublished first.  ``{"cmd": "fetch_once",
+  "model", "version", "sources"}`` times one fetch (the flood measurement).
+* Every role: ``{"cmd": "view", "models": [...]}`` answers ``view``: this peer's
+  membership (status and incarnation of each member), reference-table stamps and
+  holdings, ``latest`` of the models, counters; ``{"cmd": "quit"}`` leaves the mesh.
+
+Being slow to answer ``view`` is how the driver sees a stalled event loop; exiting is how
+it sees a crash (the peer's own errors end the process, as they would a real one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import trio
+
+from ..config import PeerConfig
+from ..errors import TensorHubError, VersionUnavailable
+from ..model import VersionKey
+from ..peer.node import Peer, open_peer
+from ..transport.shmem import shared_empty
+
+TENSOR_BYTES = 256 << 10
+
+
+def model_specs(size: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """``size`` bytes of 256 KiB float32 tensors, plus a 100-element float16 bias that
+    puts every later chunk boundary off the tensor boundaries."""
+    n = max(1, size // TENSOR_BYTES)
+    return [("bias", (100,), "<f2"),
+            *((f"layers.{i}.w", (TENSOR_BYTES // 1024, 256), "<f4") for i in range(n))]
+
+
+def model_bytes(size: int) -> int:
+    return sum(int(np.prod(s)) * np.dtype(d).itemsize for _, s, d in model_specs(size))
+
+
+def content(seed: int, version: int, nbytes: int) -> np.ndarray[Any, Any]:
+    """The bytes the trainer publishes as ``version`` in episode ``seed``."""
+    return np.random.default_rng([seed, version]).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def allocate(size: int) -> tuple[np.ndarray[Any, Any], dict[str, np.ndarray[Any, Any]]]:
+    """One shared-memory buffer (same-host readers map it) and the tensors as its views."""
+    specs = model_specs(size)
+    flat = shared_empty(model_bytes(size), np.uint8)
+    flat[::4096] = 0  # pre-fault
+    out, at = {}, 0
+    for name, shape, dtype in specs:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        out[name] = flat[at:at + n].view(np.dtype(dtype)).reshape(shape)
+        at += n
+    return flat, out
+
+
+def emit(**obj: Any) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def view(peer: Peer, models: list[str]) -> dict[str, Any]:
+    """What this peer believes: the driver looks here for the rogue's words."""
+    members = {n: [m.status, m.incarnation]
+               for n, m in peer.control.membership.members().items()}
+    stamps, holdings = {}, []
+    for entry in peer.control.refs.origins():
+        stamps[entry.origin] = [entry.stamp.generation, entry.stamp.seq]
+        holdings += [[entry.origin, h.model, h.version, h.manifest_id.hex(), h.publisher,
+                      h.complete] for h in entry.holdings]
+    st = peer.statistics()
+    return {"event": "view", "members": members, "stamps": stamps, "holdings": holdings,
+            "latest": {m: peer.control.latest(m) for m in models},
+            "malformed_dropped": st.malformed_dropped, "gossip_dropped": st.gossip_dropped,
+            "integrity_failures": st.integrity_failures, "rss_mib": _rss_mib()}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Role:
+    def __init__(self, peer: Peer, size: int, nursery: trio.Nursery) -> None:
+        self.peer = peer
+        self.size = size
+        self.nbytes = model_bytes(size)
+        self.nursery = nursery
+        self.published: dict[tuple[str, int], np.ndarray[Any, Any]] = {}
+        self.follow_scope: trio.CancelScope | None = None
+        self.held: list[tuple[str, int]] = []
+
+    async def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
+        kind = cmd["cmd"]
+        if kind == "view":
+            return view(self.peer, cmd.get("models", []))
+        if kind == "publish":
+            flat, arrays = allocate(self.size)
+            flat[:] = content(cmd["seed"], cmd["version"], self.nbytes)
+            manifest = await self.peer.publish(cmd["model"], cmd["version"], arrays)
+            self.published[(cmd["model"], cmd["version"])] = flat
+            return {"event": "published", "model": cmd["model"], "version": cmd["version"],
+                    "manifest_id": manifest.manifest_id().hex()}
+        if kind == "drop":
+            for key in [k for k in self.published if k[0] == cmd["model"]]:
+                await self.peer.unpublish(*key)
+                del self.published[key]
+            return {"event": "dropped", "model": cmd["model"]}
+        if kind == "follow":
+            if self.follow_scope is not None:
+                self.follow_scope.cancel()
+            await self._drop_held()
+            self.follow_scope = trio.CancelScope()
+            self.nursery.start_soon(self._follow, self.follow_scope, cmd["model"], cmd["seed"])
+            return {"event": "following", "model": cmd["model"]}
+        if kind == "fetch_once":
+            t0 = time.monotonic()
+            try:
+                with trio.fail_after(cmd["timeout"]):
+                    await self.peer.fetch(cmd["model"], cmd["version"],
+                                          sources=cmd["sources"])
+            except (TensorHubError, trio.TooSlowError) as exc:
+                return {"event": "fetched_once", "seconds": time.monotonic() - t0,
+                        "error": f"{type(exc).__name__}: {exc}"}
+            seconds = time.monotonic() - t0
+            await self._unpublish(cmd["model"], cmd["version"])
+            return {"event": "fetched_once", "seconds": seconds, "error": None}
+        raise ValueError(f"unknown command {kind!r}")
+
+    async def _drop_held(self) -> None:
+        while self.held:
+            await self._unpublish(*self.held.pop())
+
+    async def _unpublish(self, model: str, version: int) -> None:
+        local = self.peer.store.get(VersionKey(model, version))
+        if local is not None and not local.hidden:
+            await self.peer.unpublish(model, version)
+
+    async def _follow(self, scope: trio.CancelScope, model: str, seed: int) -> None:
+        with scope:
+            last: int | None = None
+            while True:
+                version = await self.peer.wait_for_version(model, last)
+                last = version
+                await self._fetch_one(model, seed, version)
+
+    async def _fetch_one(self, model: str, seed: int, version: int) -> None:
+        # Keep the last version held (a source for others); drop the one before it.
+        while len(self.held) > 1:
+            await self._unpublish(*self.held.pop(0))
+        flat, arrays = allocate(self.size)
+        t0 = time.monotonic()
+        try:
+            got = await self.peer.fetch(model, version, into=arrays)
+        except VersionUnavailable as exc:
+            emit(event="fetch_error", model=model, version=version,
+                 kind="VersionUnavailable", error=str(exc), detail=exc.detail)
+            return
+        except TensorHubError as exc:
+            emit(event="fetch_error", model=model, version=version,
+                 kind=type(exc).__name__, error=str(exc), detail="")
+            return
+        self.held.append((model, version))
+        local = self.peer.store.get(VersionKey(model, version))
+        mid = local.manifest.manifest_id().hex() if local is not None else ""
+        ok = bool(np.array_equal(flat, content(seed, version, self.nbytes)))
+        emit(event="activated", model=model, version=version, manifest_id=mid,
+             content_ok=ok, seconds=time.monotonic() - t0, nbytes=self.nbytes,
+             report=got.report.to_dict())
+
+
+def config_for(args: argparse.Namespace) -> PeerConfig:
+    extra: dict[str, Any] = {}
+    if args.keys:
+        security = importlib.import_module("tensorhub.security")
+        extra["security"] = security.load(args.keys, args.name)
+    return PeerConfig.local(args.name, listen=args.listen, join=tuple(args.join),
+                            chunk_size=args.chunk, retain_latest=0,
+                            labels=(("host", "localhost"), ("role", args.role)), **extra)
+
+
+def security_supported() -> bool:
+    """Whether this tree's peers take a cluster key set (``PeerConfig.security``)."""
+    return "security" in {f.name for f in dataclasses.fields(PeerConfig)}
+
+
+async def main(args: argparse.Namespace) -> None:
+    async with open_peer(config_for(args)) as peer, trio.open_nursery() as nursery:
+        emit(event="ready", name=args.name, control=peer.info.control, data=peer.info.data)
+        role = Role(peer, args.size, nursery)
+        stdin = trio.wrap_file(sys.stdin)
+        while line := (await stdin.readline()).strip():
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            try:
+                reply = await role.handle(cmd)
+            except TensorHubError as exc:  # reported to the driver, which decides
+                reply = {"event": "error", "cmd": cmd["cmd"], "version": cmd.get("version"),
+                         "error": f"{type(exc).__name__}: {exc}"}
+            if reply is not None:
+                print(json.dumps(reply), flush=True)
+        nursery.cancel_scope.cancel()
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tensorhub.bench.chaos_worker")
+    p.add_argument("--name", required=True)
+    p.add_argument("--role", choices=("trainer", "rollout"), required=True)
+    p.add_argument("--listen", required=True)
+    p.add_argument("--join", action="append", default=[])
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--chunk", type=int, required=True)
+    p.add_argument("--keys", default="", help="a `tensorhub keygen` directory (security on)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    trio.run(main, parse())
