@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import signal
@@ -50,6 +51,9 @@ from .figures import figure, print_figures
 from .rogue import HEAVY, LIGHT
 
 FLOOD_TIMEOUT = 30.0
+CLAIM_FIRST = frozenset({"forged_chunks"})
+"""Attacks whose episode starts the rollouts only after the rogue made its claim (a
+bad holder of the real version is tested only if readers can meet it)."""
 
 
 def attack_for(seed: int, heavy: bool) -> str:
@@ -79,10 +83,12 @@ class Runner:
         model = f"chaos{seed}"
         ep = Episode(seed, attack_for(seed, args.heavy == "on"))
         rollouts = [n for n in mesh.names if n != TRAINER]
-        for r in rollouts:
-            mesh.procs[r].send(cmd="follow", model=model, seed=seed)
-        for r in rollouts:
-            mesh.reply(r, "following", 10.0)
+        def follow() -> None:
+            for r in rollouts:
+                mesh.procs[r].send(cmd="follow", model=model, seed=seed)
+            for r in rollouts:
+                mesh.reply(r, "following", 0.0 if mesh.procs[r].stopped else 10.0)
+
         t0 = time.monotonic()
         timeline: list[tuple[float, str, Callable[[], None]]] = []
         for i in range(args.versions):
@@ -90,7 +96,11 @@ class Runner:
         span = max(args.interval * (args.versions - 1), 0.5)
         for _ in range(rng.choice((0, 1, 1, 2))):
             timeline += self._fault(ep, rng, model, rng.uniform(0.05, span + 0.3))
-        attack_at = rng.uniform(0.1, span)
+        if ep.attack in CLAIM_FIRST:  # readers start once the rogue holds the version
+            attack_at, follow_at = 0.05, 0.5
+        else:
+            attack_at, follow_at = rng.uniform(0.1, span), -1.0
+        timeline.append((follow_at, "follow", follow))
         timeline.append((attack_at, "attack", lambda: self._attack(ep, rng, model)))
         timeline.sort(key=lambda t: t[0])
         for at, _what, action in timeline:
@@ -189,13 +199,18 @@ class Runner:
             return
         self._published(ep)
         version = max(ep.published, default=1)
+        if ep.published.get(version) is None and mesh.alive(TRAINER):  # answer due
+            got = mesh.reply(TRAINER, "published", 0.0 if mesh.procs[TRAINER].stopped else 2.0)
+            if got is not None and got.get("event") == "published":
+                ep.published[got["version"]] = got["manifest_id"]
         victims = [p["name"] for p in peers if not mesh.procs[p["name"]].stopped]
         trainer = mesh.procs[TRAINER].info
         mesh.rogue.send(cmd="attack", kind=ep.attack, seed=ep.seed, peers=peers,
                         victim=rng.choice(victims or [peers[0]["name"]]), model=model,
                         version=version, trainer=TRAINER, trainer_data=trainer["data"],
                         manifest_id=ep.published.get(version) or "00" * 16,
-                        connections=self.args.half_frames)
+                        connections=self.args.half_frames,
+                        watch=max(0.5, self.args.interval * self.args.versions))
         self.by_attack[ep.attack] = self.by_attack.get(ep.attack, 0) + 1
 
     def _settle(self, ep: Episode, rollouts: list[str], until: float) -> None:
@@ -213,6 +228,13 @@ class Runner:
     # -- after a seed -----------------------------------------------------------------------
 
     def record(self, ep: Episode) -> None:
+        for name in self.mesh.dead():  # died after the views were read
+            if name not in ep.killed and name not in ep.exited:
+                ep.exited[name] = (f"exit code {self.mesh.procs[name].p.returncode}: "
+                                   f"{self.mesh.procs[name].stderr_tail()}")
+        if self.args.log:
+            with open(self.args.log, "a") as f:
+                f.write(json.dumps(dataclasses.asdict(ep), default=sorted) + "\n")
         verdict = check(ep)
         for k, n in verdict.counts.items():
             self.totals[k] += n
@@ -226,12 +248,20 @@ class Runner:
             self.mesh.restart_all()
         elif restart:
             self.mesh.restart(restart)
-        if not self.mesh.wait_healthy(self.args.heal):
-            print(f"  seed {ep.seed}: the mesh did not heal in {self.args.heal:g} s; "
-                  "restarting it", flush=True)
+        for _ in range(2):
+            if self.mesh.wait_healthy(self.args.heal):
+                return
+            # A peer that dies now, while the mesh heals, died of this episode too.
+            for name in self.mesh.dead():
+                self.totals["peer_crashes"] += 1
+                line = (f"seed {ep.seed}: {name} died while the mesh healed: "
+                        f"{self.mesh.procs[name].stderr_tail()}")
+                self.problems.append(line)
+                print(f"  ! {line}", flush=True)
+            print(f"  seed {ep.seed}: the mesh did not heal; restarting it", flush=True)
             self.mesh.restart_all()
-            if not self.mesh.wait_healthy(self.args.heal):
-                raise MeshError("a freshly started mesh did not converge")
+        if not self.mesh.wait_healthy(self.args.heal):
+            raise MeshError("a freshly started mesh did not converge")
 
     # -- the flood ---------------------------------------------------------------------------
 
@@ -369,6 +399,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="tensors the rogue's huge manifest declares (default 4,000,000)")
     p.add_argument("--half-frames", type=int, default=1000,
                    help="half-sent data frames the rogue keeps open (default 1000)")
+    p.add_argument("--log", default="", help="append every episode's record (JSON lines)")
     p.add_argument("--security", choices=("auto", "on", "off"), default="auto",
                    help="run the mesh with a cluster key set (auto: if this tree can)")
 

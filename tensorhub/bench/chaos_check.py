@@ -74,6 +74,9 @@ def rogue_traces(seed: int, views: dict[str, dict[str, Any]]) -> list[str]:
         for origin, (gen, _seq) in v.get("stamps", {}).items():
             if origin == name or gen in ours:
                 out.append(f"{peer} keeps an entry of {origin} stamped {gen}")
+        for origin, (gen, _seq) in v.get("forgotten", {}).items():
+            if gen in ours:
+                out.append(f"{peer} refuses entries of {origin} not newer than {gen}")
         for origin, _model, version, _mid, publisher, _complete in v.get("holdings", []):
             if origin != name and (publisher.startswith("rogue") or version >= FORGED_VERSION):
                 out.append(f"{peer} lists {origin} holding version {version} by {publisher}")
@@ -84,8 +87,8 @@ def poisoned(views: Iterable[dict[str, Any]]) -> bool:
     for v in views:
         if any(inc >= 2**63 for _, inc in v.get("members", {}).values()):
             return True
-        if any(gen >= MARK and not origin.startswith("rogue")
-               for origin, (gen, _) in v.get("stamps", {}).items()):
+        stamps = [*v.get("stamps", {}).items(), *v.get("forgotten", {}).items()]
+        if any(gen >= MARK and not origin.startswith("rogue") for origin, (gen, _) in stamps):
             return True
     return False
 

@@ -191,10 +191,10 @@ class Mesh:
 
     def wait_healthy(self, timeout: float) -> bool:
         """True once every peer sees every peer alive and no rogue member live; False
-        after ``timeout`` or as soon as a peer process ends."""
+        after ``timeout`` or as soon as a peer process ends (see :meth:`dead`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not all(self.alive(n) for n in self.names):
+            if self.dead():
                 return False
             views, silent = self.views([], 5.0)
             if not silent and len(views) == len(self.names) and all(
@@ -205,6 +205,9 @@ class Mesh:
                 return True
             time.sleep(0.2)
         return False
+
+    def dead(self) -> list[str]:
+        return [n for n in self.names if not self.alive(n)]
 
     def restart(self, names: list[str]) -> None:
         for n in names:

@@ -85,8 +85,13 @@ def view(peer: Peer, models: list[str]) -> dict[str, Any]:
         stamps[entry.origin] = [entry.stamp.generation, entry.stamp.seq]
         holdings += [[entry.origin, h.model, h.version, h.manifest_id.hex(), h.publisher,
                       h.complete] for h in entry.holdings]
+    # Origins forgotten (dead or left) and the stamp a new entry of theirs must beat: a
+    # stamp planted here outlives the entry it came with.
+    forgotten = {o: [s.generation, s.seq]
+                 for o, s in getattr(peer.control.refs, "_forgotten", {}).items()}
     st = peer.statistics()
     return {"event": "view", "members": members, "stamps": stamps, "holdings": holdings,
+            "forgotten": forgotten,
             "latest": {m: peer.control.latest(m) for m in models},
             "malformed_dropped": st.malformed_dropped, "gossip_dropped": st.gossip_dropped,
             "integrity_failures": st.integrity_failures, "rss_mib": _rss_mib()}

@@ -256,9 +256,11 @@ class Rogue:
         if isinstance(msg, Ping) and msg.target in self.names:
             self.send(msg.sender, Ack(self.control, msg.target, msg.seq, ()))
 
-    def info(self, name: str, control: str | None = None) -> PeerInfo:
+    def info(self, name: str, control: str | None = None, nic: str = "1e15") -> PeerInfo:
+        """Our member record: on a host of its own, claiming a NIC the planner will
+        want to read from (``nic`` bytes/s)."""
         return PeerInfo(name, control or self.control, self.server.address,
-                        (("host", "rogue-host"),))
+                        (("host", "localhost"), ("nic_bps", nic)))
 
     def join(self, name: str, peers: list[dict[str, Any]]) -> None:
         """Announce ourselves as a member, the way a joiner does (full state to seeds)."""
@@ -295,7 +297,7 @@ class Rogue:
             for p in peers:
                 self.send(p["control"], Ping("tcp://no-such-host:99999", name, 1, p["name"], ()))
                 self.send(p["control"], PushPull("not an endpoint", name, b"", (), True))
-                bad = self.info(name, "tcp://[::1:bad")
+                bad = self.info(name, "tcp://[::1:bad", nic="fast")
                 self.send(p["control"], Gossip(self.control, name,
                                                (Update(ALIVE, name, mark[0], name, bad),)))
         elif kind == "false_left":
@@ -308,6 +310,8 @@ class Rogue:
             self.pump(0.3)
             holdings = self._offers(kind, cmd, name, reads)
             self.announce(name, peers, OriginEntry(Stamp(name, mark[2], 1), holdings))
+            if kind == "forged_chunks":
+                self.claim_as_published(name, peers, cmd, holdings, reads)
         elif kind == "impersonate_origin":
             fid, _, n = forged_offer(model, version + 1, self.size, self.chunk)
             entry = OriginEntry(Stamp(cmd["trainer"], mark[3], 1), (
@@ -361,6 +365,35 @@ class Rogue:
         _, offer, n = forged_offer(model, version, self.size, self.chunk)
         self.server.offers[(model, version)] = (real or offer[0], offer[1])
         return (Holding(model, version, bytes.fromhex(cmd["manifest_id"]), trainer, n),)
+
+    def claim_as_published(self, name: str, peers: list[dict[str, Any]],
+                           cmd: dict[str, Any], claimed: tuple[Holding, ...],
+                           reads: list[str]) -> None:
+        """For ``cmd["watch"]`` seconds, read the trainer's reference entry and claim
+        every new version of the model it holds (same manifest id, other bytes)."""
+        model, trainer = cmd["model"], cmd["trainer"]
+        have = {h.version: h for h in claimed}
+        control = next(p["control"] for p in peers if p["name"] == trainer)
+        seq = 1
+        end = time.monotonic() + cmd.get("watch", 1.5)
+        while time.monotonic() < end:
+            self.inbox.clear()
+            self.send(control, RefsDigest(self.control, name, (), False))
+            self.pump(0.1)
+            new = [h for m in self.inbox if isinstance(m, RefsDelta) for e in m.entries
+                   if e.origin == trainer for h in e.holdings
+                   if h.model == model and h.complete and h.version not in have]
+            for h in new:
+                real = self.read_data(cmd["trainer_data"], ManifestRequest(1, model, h.version))
+                if real is not None:
+                    reads.append(f"manifest of {model}@{h.version} from {trainer}")
+                _, offer, n = forged_offer(model, h.version, self.size, self.chunk)
+                self.server.offers[(model, h.version)] = (real or offer[0], offer[1])
+                have[h.version] = Holding(model, h.version, h.manifest_id, trainer, n)
+            if new:
+                seq += 1
+                self.announce(name, peers, OriginEntry(
+                    Stamp(name, marks(cmd["seed"])[2], seq), tuple(have.values())))
 
     def unauth_reads(self, peers: list[dict[str, Any]], victim: dict[str, Any],
                      cmd: dict[str, Any]) -> list[str]:
