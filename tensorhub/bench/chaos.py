@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +51,41 @@ from .chaos_worker import security_supported
 from .figures import figure, print_figures
 from .rogue import HEAVY, LIGHT
 
-FLOOD_TIMEOUT = 30.0
 CLAIM_FIRST = frozenset({"forged_chunks"})
 """Attacks whose episode starts the rollouts only after the rogue made its claim (a
 bad holder of the real version is tested only if readers can meet it)."""
 
 
-def attack_for(seed: int, heavy: bool) -> str:
-    """The attack of episode ``seed``: the light ones in turn, a heavy one every 50th."""
+def attack_for(seed: int, kinds: tuple[str, ...], heavy: bool) -> str | None:
+    """The attack of episode ``seed``: the light ``kinds`` in turn, a heavy one every
+    50th seed (with ``heavy``); None without attacks."""
     if heavy and seed % 50 == 49:
         return HEAVY[(seed // 50) % len(HEAVY)]
-    return LIGHT[seed % len(LIGHT)]
+    light = [k for k in LIGHT if k in kinds]
+    return light[seed % len(light)] if light else None
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float
+    """Seconds into the episode."""
+    kind: str
+    """``kill`` (SIGKILL) or ``stop`` (SIGSTOP, SIGCONT ``pause`` seconds later)."""
+    role: str
+    """Whose process: a ``holder`` (a rollout), the version's ``coordinator``, the
+    ``trainer``; the process itself is picked when the fault strikes."""
+    pause: float
+
+
+def episode_rng(seed: int) -> random.Random:
+    return random.Random(f"chaos-{seed}")
+
+
+def draw_faults(rng: random.Random, span: float) -> list[Fault]:
+    """Up to two faults at moments within ``span`` (+0.3) seconds."""
+    return [Fault(rng.uniform(0.05, span + 0.3), rng.choice(("kill", "stop")),
+                  rng.choice(("holder", "coordinator", "trainer")), rng.uniform(0.2, 1.5))
+            for _ in range(rng.choice((0, 1, 1, 2)))]
 
 
 class Runner:
@@ -74,14 +99,16 @@ class Runner:
         self.silent = 0
         self.seconds: list[float] = []
         self.flood_errors: list[str] = []
+        self.kinds: tuple[str, ...] = LIGHT if args.attacks == "all" else tuple(
+            k for k in args.attacks.split(",") if k and k != "none")
 
     # -- one seed ---------------------------------------------------------------------------
 
     def episode(self, seed: int) -> Episode:
         args, mesh = self.args, self.mesh
-        rng = random.Random(seed)
+        rng = episode_rng(seed)
         model = f"chaos{seed}"
-        ep = Episode(seed, attack_for(seed, args.heavy == "on"))
+        ep = Episode(seed, attack_for(seed, self.kinds, args.heavy == "on"))
         rollouts = [n for n in mesh.names if n != TRAINER]
         def follow() -> None:
             for r in rollouts:
@@ -94,8 +121,8 @@ class Runner:
         for i in range(args.versions):
             timeline.append((i * args.interval, "publish", self._publisher(ep, model, i + 1)))
         span = max(args.interval * (args.versions - 1), 0.5)
-        for _ in range(rng.choice((0, 1, 1, 2))):
-            timeline += self._fault(ep, rng, model, rng.uniform(0.05, span + 0.3))
+        for fault in draw_faults(rng, span):
+            timeline += self._fault(ep, rng, model, fault)
         if ep.attack in CLAIM_FIRST:  # readers start once the rogue holds the version
             attack_at, follow_at = 0.05, 0.5
         else:
@@ -111,9 +138,8 @@ class Runner:
                 p.signal(signal.SIGCONT)
         self._settle(ep, rollouts, t0 + span + args.settle)
         self._published(ep)
-        reply = mesh.reply("rogue", "attacked", 30.0)
-        ep.rogue = reply or {}
-        if mesh.rogue is not None:
+        if ep.attack is not None and mesh.rogue is not None:
+            ep.rogue = mesh.reply("rogue", "attacked", 30.0) or {}
             mesh.rogue.send(cmd="end")
             mesh.reply("rogue", "ended", 10.0)
         ep.views, silent = mesh.views([model], 20.0)
@@ -152,11 +178,9 @@ class Runner:
             assert box is not None
             box.remove(ev)
 
-    def _fault(self, ep: Episode, rng: random.Random, model: str, at: float
+    def _fault(self, ep: Episode, rng: random.Random, model: str, fault: Fault
                ) -> list[tuple[float, str, Callable[[], None]]]:
-        kind = rng.choice(("kill", "stop"))
-        role = rng.choice(("holder", "coordinator", "trainer"))
-        pause = rng.uniform(0.2, 1.5)
+        at, kind, role, pause = fault.at, fault.kind, fault.role, fault.pause
 
         def target() -> str | None:
             live = [n for n in self.mesh.names if n not in ep.killed
@@ -258,7 +282,8 @@ class Runner:
                         f"{self.mesh.procs[name].stderr_tail()}")
                 self.problems.append(line)
                 print(f"  ! {line}", flush=True)
-            print(f"  seed {ep.seed}: the mesh did not heal; restarting it", flush=True)
+            print(f"  seed {ep.seed}: the mesh did not heal ({self.mesh.unhealthy[:300]}); "
+                  "restarting it", flush=True)
             self.mesh.restart_all()
         if not self.mesh.wait_healthy(self.args.heal):
             raise MeshError("a freshly started mesh did not converge")
@@ -293,15 +318,15 @@ class Runner:
 
     def _timed_fetch(self, label: str) -> float:
         """Seconds r0 takes to fetch the flood model from the trainer; a fetch that
-        fails counts as FLOOD_TIMEOUT (the error is kept)."""
+        fails counts as ``--flood-timeout`` (the error is kept)."""
         self.mesh.procs["r0"].send(cmd="fetch_once", model="flood", version=1,
-                                   sources=[TRAINER], timeout=FLOOD_TIMEOUT)
-        got = self.mesh.reply("r0", "fetched_once", FLOOD_TIMEOUT + 10)
+                                   sources=[TRAINER], timeout=self.args.flood_timeout)
+        got = self.mesh.reply("r0", "fetched_once", self.args.flood_timeout + 10)
         if got is not None and got.get("event") == "fetched_once" and not got.get("error"):
             return float(got["seconds"])
         self.flood_errors.append(f"{label} fetch: {got.get('error') if got else 'no answer'}")
         print(f"  ! {self.flood_errors[-1]}", flush=True)
-        return FLOOD_TIMEOUT
+        return float(self.args.flood_timeout)
 
 
 def _keys(mode: str, names: list[str], where: Path) -> tuple[str, str]:
@@ -393,6 +418,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="seconds the mesh may take to see every peer alive again")
     p.add_argument("--flood-runs", type=int, default=5,
                    help="fetches with and without the flood (default 5 each)")
+    p.add_argument("--attacks", default="all",
+                   help=f"light attacks to take turns, comma-separated, or all / none "
+                        f"(default all: {', '.join(LIGHT)})")
+    p.add_argument("--flood-timeout", type=float, default=30.0,
+                   help="seconds a flood-phase fetch may take; a failed one counts as this")
     p.add_argument("--heavy", choices=("on", "off"), default="on",
                    help="the heavy attacks every 50th seed (default on)")
     p.add_argument("--huge-tensors", type=int, default=4_000_000,
@@ -407,6 +437,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     if args.rollouts < 1 or args.seeds < 0 or args.versions < 1:
         raise MeshError("need --rollouts >= 1, --seeds >= 0, --versions >= 1")
+    unknown = set(args.attacks.split(",")) - {*LIGHT, "all", "none", ""}
+    if unknown:
+        raise MeshError(f"unknown attacks {sorted(unknown)}; choose from {', '.join(LIGHT)}")
     r = run(args)
     figures = figures_of(r, args.seeds)
     t = r["totals"]
@@ -425,7 +458,8 @@ def run_cli(args: argparse.Namespace) -> int:
     print_figures(figures)
     if args.json:
         print(json.dumps({
-            "figures": figures,
+            "figures": [{**f, "value": None} if f["value"] != f["value"] else f
+                        for f in figures],  # not measured (NaN): null
             "baselines": {"flood_quiet_s": r["quiet"], "flood_flooded_s": r["flooded"],
                           "flood_errors": r["flood_errors"],
                           "totals": t, "attacks": r["by_attack"], "faults": r["faults"],

@@ -101,6 +101,8 @@ class Mesh:
         self.ports = dict(zip(self.names, _free_ports(len(self.names)), strict=True))
         self.rogue: Proc | None = None
         self.restarts = 0
+        self.unhealthy = ""
+        """Why the last :meth:`wait_healthy` found the mesh unhealthy."""
 
     # -- events ----------------------------------------------------------------------------
 
@@ -197,11 +199,14 @@ class Mesh:
             if self.dead():
                 return False
             views, silent = self.views([], 5.0)
-            if not silent and len(views) == len(self.names) and all(
-                    all(v["members"].get(n, ["?"])[0] == "alive" for n in self.names)
-                    and not any(n.startswith("rogue") and st in ("alive", "suspect")
-                                for n, (st, _) in v["members"].items())
-                    for v in views.values()):
+            wrong = [f"{p} sees {n} {st}" for p, v in sorted(views.items())
+                     for n, (st, _) in sorted(v["members"].items())
+                     if (n in self.names and st != "alive")
+                     or (n.startswith("rogue") and st in ("alive", "suspect"))]
+            wrong += [f"{p} sees no {n}" for p, v in sorted(views.items())
+                      for n in self.names if n not in v["members"]]
+            self.unhealthy = "; ".join([*(f"{n} is silent" for n in silent), *wrong])
+            if not silent and len(views) == len(self.names) and not wrong:
                 return True
             time.sleep(0.2)
         return False

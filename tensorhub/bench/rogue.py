@@ -306,9 +306,9 @@ class Rogue:
                     self.send(p["control"], Gossip(self.control, name, (
                         Update(LEFT, victim["name"], mark[1], name, None),)))
         elif kind in ("announce_future", "claim_existing", "forged_chunks", "huge_manifest"):
+            holdings = self._offers(kind, cmd, name, reads)  # ready before we join
             self.join(name, peers)
             self.pump(0.3)
-            holdings = self._offers(kind, cmd, name, reads)
             self.announce(name, peers, OriginEntry(Stamp(name, mark[2], 1), holdings))
             if kind == "forged_chunks":
                 self.claim_as_published(name, peers, cmd, holdings, reads)
@@ -353,10 +353,11 @@ class Rogue:
                 self.server.offers[(model, v)] = offer
                 out.append(Holding(model, v, fid, trainer, n))
             return tuple(out)
-        if kind == "huge_manifest":
-            body = huge_manifest(model, version + 1, self.huge_tensors)
-            self.server.offers[(model, version + 1)] = (body, lambda c: bytes(16 << 20))
-            return (Holding(model, version + 1, manifest_id_of(body), trainer, 1),)
+        if kind == "huge_manifest":  # a version ahead of the trainer's: readers want it
+            ahead = version + 100
+            body = huge_manifest(model, ahead, self.huge_tensors)
+            self.server.offers[(model, ahead)] = (body, lambda c: bytes(16 << 20))
+            return (Holding(model, ahead, manifest_id_of(body), name, 1),)
         # forged_chunks: the real manifest (read without a key if the holder lets us),
         # the real manifest id, and chunks of other bytes.
         real = self.read_data(cmd["trainer_data"], ManifestRequest(1, model, version))
@@ -522,6 +523,9 @@ def main(argv: list[str] | None = None) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     rogue = Rogue(args.size, args.chunk, args.huge_tensors)
+    # The bulk of the huge manifest takes seconds to build: do it before it is needed.
+    threading.Thread(target=huge_manifest, args=("m", 0, args.huge_tensors),
+                     daemon=True).start()
     print(json.dumps({"event": "ready", "control": rogue.control,
                       "data": rogue.server.address}), flush=True)
     while True:
