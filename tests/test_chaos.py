@@ -86,6 +86,14 @@ def test_only_version_unavailable_naming_what_is_missing_is_an_allowed_failure()
     assert v.counts["fetch_failures"] == 2
 
 
+def test_a_fetch_that_never_ends_is_a_failure_unless_its_peer_was_killed() -> None:
+    started = [{"peer": p, "version": 2} for p in ("r0", "r1", "r2")]
+    v = check(episode(started=started, killed={"r2"}, activations=[activation(2)],
+                      fetch_errors=[]))
+    assert v.counts["fetch_failures"] == 1
+    assert "r1's fetch of version 2 had not ended" in v.problems[0]
+
+
 def test_a_peer_that_exits_unasked_is_a_crash() -> None:
     v = check(episode(killed={"r1"}, exited={"r2": "exit code 1: OverflowError"}))
     assert v.counts["peer_crashes"] == 1

@@ -45,12 +45,15 @@ from typing import Any
 from ..demo import parse_size
 from ..model import VersionKey
 from ..protocol.ring import coordinator
-from .chaos_check import COUNTS, Episode, check
+from .chaos_check import COUNTS, Episode, Verdict, check
 from .chaos_mesh import TRAINER, Mesh, MeshError
 from .chaos_worker import security_supported
 from .figures import figure, print_figures
 from .rogue import HEAVY, LIGHT
 
+SETTLE_GRACE = 8.0
+"""Seconds past the episode's end a fetch may still take: a source that stalls is given
+up after ``stall_timeout`` (3 s), and the chunks are then fetched again elsewhere."""
 CLAIM_FIRST = frozenset({"forged_chunks"})
 """Attacks whose episode starts the rollouts only after the rogue made its claim (a
 bad holder of the real version is tested only if readers can meet it)."""
@@ -99,6 +102,8 @@ class Runner:
         self.silent = 0
         self.seconds: list[float] = []
         self.flood_errors: list[str] = []
+        self.recent: dict[str, Episode] = {}
+        """The last episodes by model, for events that arrive after their episode."""
         self.kinds: tuple[str, ...] = LIGHT if args.attacks == "all" else tuple(
             k for k in args.attacks.split(",") if k and k != "none")
 
@@ -144,9 +149,7 @@ class Runner:
             mesh.reply("rogue", "ended", 10.0)
         ep.views, silent = mesh.views([model], 20.0)
         self.silent += len(silent)
-        for name, ev in mesh.take_async():
-            (ep.activations if ev["event"] == "activated" else ep.fetch_errors).append(
-                {**ev, "peer": name})
+        self._file_async(ep)
         for name, proc in mesh.procs.items():
             if name not in ep.killed and proc.p.poll() is not None:
                 ep.exited[name] = f"exit code {proc.p.returncode}: {proc.stderr_tail()}"
@@ -238,18 +241,61 @@ class Runner:
         self.by_attack[ep.attack] = self.by_attack.get(ep.attack, 0) + 1
 
     def _settle(self, ep: Episode, rollouts: list[str], until: float) -> None:
-        """Wait until every running rollout has ended a fetch of the last version, or
-        ``until`` plus the stall timeout has passed."""
+        """Wait until ``until``, then until every running rollout has ended a fetch of
+        the last version and no fetch it began is still running -- at most
+        ``SETTLE_GRACE`` seconds more (past that, a running fetch counts as a failure)."""
         last = max(ep.published, default=0)
-        deadline = max(until, time.monotonic()) + 4.0
+        model = f"chaos{ep.seed}"
+        deadline = max(until, time.monotonic()) + SETTLE_GRACE
         while time.monotonic() < deadline:
             self.mesh.poll(min(deadline, time.monotonic() + 0.1))
-            done = {n for n, ev in self.mesh.async_events if ev.get("version", 0) >= last}
-            if time.monotonic() >= until and all(
-                    r in done or r in ep.killed or not self.mesh.alive(r) for r in rollouts):
+            if time.monotonic() < until:
+                continue
+            running: dict[str, int] = {}
+            done = set()
+            for n, ev in self.mesh.async_events:
+                if ev.get("model") != model:
+                    continue
+                running[n] = running.get(n, 0) + (1 if ev["event"] == "fetch_started" else -1)
+                if ev["event"] != "fetch_started" and ev.get("version", 0) >= last:
+                    done.add(n)
+            if all((r in done and running.get(r, 0) <= 0) or r in ep.killed
+                   or not self.mesh.alive(r) for r in rollouts):
                 return
 
     # -- after a seed -----------------------------------------------------------------------
+
+    def _file_async(self, ep: Episode) -> None:
+        """File the rollouts' fetch events with this episode; one of an earlier
+        episode's model (a rollout that was stopped then, and resumed) is checked as a
+        late part of that episode."""
+        late: dict[str, Episode] = {}
+        for name, ev in self.mesh.take_async():
+            model = ev.get("model", "")
+            if model == f"chaos{ep.seed}":
+                into = ep
+            elif model in self.recent:
+                old = self.recent[model]
+                into = late.setdefault(model, Episode(old.seed, None, published=old.published,
+                                                       killed=old.killed))
+            else:
+                continue
+            {"fetch_started": into.started, "activated": into.activations,
+             "fetch_error": into.fetch_errors}[ev["event"]].append({**ev, "peer": name})
+        for part in late.values():
+            # Fetches that started then were counted when that episode was checked.
+            part.started = []
+            self._count(check(part))
+        self.recent[f"chaos{ep.seed}"] = ep
+        if len(self.recent) > 4:
+            del self.recent[next(iter(self.recent))]
+
+    def _count(self, verdict: Verdict) -> None:
+        for k, n in verdict.counts.items():
+            self.totals[k] += n
+        self.problems += verdict.problems
+        for line in verdict.problems:
+            print(f"  ! {line}", flush=True)
 
     def record(self, ep: Episode) -> None:
         for name in self.mesh.dead():  # died after the views were read
@@ -260,11 +306,7 @@ class Runner:
             with open(self.args.log, "a") as f:
                 f.write(json.dumps(dataclasses.asdict(ep), default=sorted) + "\n")
         verdict = check(ep)
-        for k, n in verdict.counts.items():
-            self.totals[k] += n
-        self.problems += verdict.problems
-        for line in verdict.problems:
-            print(f"  ! {line}", flush=True)
+        self._count(verdict)
         restart = sorted(ep.killed | set(ep.exited))
         if verdict.poisoned:
             print(f"  seed {ep.seed}: the mesh keeps the rogue's state; restarting it",

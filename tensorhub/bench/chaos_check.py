@@ -10,7 +10,8 @@ and the peers' views of the mesh), so they can be tested on crafted records:
   wrong bytes with the rogue among the sources are ``forged_chunks_accepted``, otherwise
   ``partial_activations``;
 * a fetch that did not return must have raised ``VersionUnavailable`` saying what is
-  missing; anything else is a ``fetch_failures`` entry, printed;
+  missing; anything else, or a fetch still running when the episode is checked (seconds
+  after its version was published), is a ``fetch_failures`` entry, printed;
 * verified bytes are fetched once: a fetch that received more verified bytes than the
   version has counts the excess (``verified_bytes_refetched``);
 * the rogue's words must not be found in any peer's view (``unauth_messages_accepted``:
@@ -45,6 +46,8 @@ class Episode:
     """Other processes that ended: name -> exit code and the end of their stderr."""
     published: dict[int, str | None] = field(default_factory=dict)
     """Versions the trainer was asked to publish -> its manifest id (None: no answer)."""
+    started: list[dict[str, Any]] = field(default_factory=list)
+    """Fetches the rollouts began (``peer``, ``version``)."""
     activations: list[dict[str, Any]] = field(default_factory=list)
     fetch_errors: list[dict[str, Any]] = field(default_factory=list)
     views: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -109,6 +112,15 @@ def check(ep: Episode) -> Verdict:
             counts["fetch_failures"] += 1
             problems.append(f"{tag}: {e.get('peer')} fetch of version {e.get('version')} "
                             f"ended in {e.get('kind')}: {str(e.get('error'))[:300]}")
+    ended = [(e.get("peer"), e.get("version")) for e in (*ep.activations, *ep.fetch_errors)]
+    for s in ep.started:
+        key = (s.get("peer"), s.get("version"))
+        if key in ended:
+            ended.remove(key)
+        elif s.get("peer") not in ep.killed and s.get("peer") not in ep.exited:
+            counts["fetch_failures"] += 1
+            problems.append(f"{tag}: {key[0]}'s fetch of version {key[1]} had not ended "
+                            "when the episode was checked")
     if ep.attack is not None:
         counts["unauth_reads"] += len(ep.rogue.get("reads", []))
         for r in ep.rogue.get("reads", []):

@@ -23,6 +23,8 @@ from ..demo import _free_ports
 from ..errors import TensorHubError
 
 TRAINER = "trainer"
+ASYNC_EVENTS = ("fetch_started", "activated", "fetch_error")
+"""What rollouts report on their own, at any time (everything else answers a command)."""
 
 
 class MeshError(TensorHubError):
@@ -115,7 +117,7 @@ class Mesh:
                     else self.events.get_nowait()
             except queue.Empty:
                 return
-            if ev.get("event") in ("activated", "fetch_error"):
+            if ev.get("event") in ASYNC_EVENTS:
                 self.async_events.append((name, ev))
             else:
                 self.inbox.setdefault(name, deque()).append(ev)
@@ -223,7 +225,8 @@ class Mesh:
         """A fresh mesh on fresh ports (the old one kept state it cannot outlive)."""
         self.restarts += 1
         for p in self.procs.values():
-            p.end()
+            p.signal(signal.SIGKILL)
+            p.p.wait()
         self.ports = dict(zip(self.names, _free_ports(len(self.names)), strict=True))
         self.start(self.names)
 

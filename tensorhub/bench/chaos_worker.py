@@ -175,6 +175,7 @@ class Role:
             await self._unpublish(*self.held.pop(0))
         flat, arrays = allocate(self.size)
         t0 = time.monotonic()
+        emit(event="fetch_started", model=model, version=version)
         try:
             got = await self.peer.fetch(model, version, into=arrays)
         except VersionUnavailable as exc:

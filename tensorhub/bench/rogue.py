@@ -381,9 +381,10 @@ class Rogue:
             self.inbox.clear()
             self.send(control, RefsDigest(self.control, name, (), False))
             self.pump(0.1)
-            new = [h for m in self.inbox if isinstance(m, RefsDelta) for e in m.entries
-                   if e.origin == trainer for h in e.holdings
-                   if h.model == model and h.complete and h.version not in have]
+            new = list({h.version: h for m in self.inbox if isinstance(m, RefsDelta)
+                        for e in m.entries if e.origin == trainer for h in e.holdings
+                        if h.model == model and h.complete and h.version not in have
+                        }.values())
             for h in new:
                 real = self.read_data(cmd["trainer_data"], ManifestRequest(1, model, h.version))
                 if real is not None:
