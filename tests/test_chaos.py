@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tensorhub.bench.chaos import draw_faults, episode_rng
 from tensorhub.bench.chaos_check import Episode, check, rogue_traces
+from tensorhub.bench.chaos_episode import draw_faults, episode_rng
 from tensorhub.bench.rogue import MARK, marks
 
 FIGURES = {"peer_crashes", "unauth_reads", "unauth_messages_accepted",

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +26,19 @@ from ..errors import TensorHubError
 TRAINER = "trainer"
 ASYNC_EVENTS = ("fetch_started", "activated", "fetch_error")
 """What rollouts report on their own, at any time (everything else answers a command)."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a process runs: its address, its ``host`` label, and the command prefix
+    that starts a process there (``ip netns exec NS`` for an emulated host)."""
+
+    ip: str
+    label: str
+    prefix: tuple[str, ...] = ()
+
+
+LOOPBACK = Host("127.0.0.1", "localhost")
 
 
 class MeshError(TensorHubError):
@@ -91,8 +105,11 @@ class Mesh:
     """A trainer, ``rollouts`` rollout peers and the rogue, on loopback."""
 
     def __init__(self, rollouts: int, size: int, chunk: int, logdir: Path,
-                 keys: str, huge_tensors: int) -> None:
+                 keys: str, huge_tensors: int, hosts: dict[str, Host] | None = None) -> None:
+        """``hosts``: where each peer (and ``rogue``) runs, by name; default: all on
+        this host's loopback."""
         self.names = [TRAINER, *(f"r{i}" for i in range(rollouts))]
+        self.hosts = hosts or {}
         self.size, self.chunk, self.keys = size, chunk, keys
         self.huge_tensors = huge_tensors
         self.logdir = logdir
@@ -146,15 +163,19 @@ class Mesh:
     # -- processes -------------------------------------------------------------------------
 
     def control(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
+        return f"{self._host(name).ip}:{self.ports[name]}"
+
+    def _host(self, name: str) -> Host:
+        return self.hosts.get(name, LOOPBACK)
 
     def start(self, names: list[str], timeout: float = 60.0) -> None:
         for name in names:
             join = [a for n in self.names if n != name for a in ("--join", self.control(n))]
-            argv = [sys.executable, "-m", "tensorhub.bench.chaos_worker", "--name", name,
-                    "--role", "trainer" if name == TRAINER else "rollout",
+            host = self._host(name)
+            argv = [*host.prefix, sys.executable, "-m", "tensorhub.bench.chaos_worker",
+                    "--name", name, "--role", "trainer" if name == TRAINER else "rollout",
                     "--listen", self.control(name), "--size", str(self.size),
-                    "--chunk", str(self.chunk), *join]
+                    "--chunk", str(self.chunk), "--host", host.label, *join]
             if self.keys:
                 argv += ["--keys", self.keys]
             self.inbox.pop(name, None)
@@ -165,8 +186,10 @@ class Mesh:
                 raise MeshError(f"{name} did not start: {self.procs[name].stderr_tail()}")
             self.procs[name].info = ready
         if self.rogue is None or self.rogue.p.poll() is not None:
-            self.rogue = Proc("rogue", [sys.executable, "-m", "tensorhub.bench.rogue",
-                                        "--size", str(self.size), "--chunk", str(self.chunk),
+            host = self._host("rogue")
+            self.rogue = Proc("rogue", [*host.prefix, sys.executable, "-m",
+                                        "tensorhub.bench.rogue", "--size", str(self.size),
+                                        "--chunk", str(self.chunk), "--ip", host.ip,
                                         "--huge-tensors", str(self.huge_tensors)],
                               self.logdir, self.events)
             if self.reply("rogue", "ready", timeout) is None:

@@ -202,7 +202,7 @@ def config_for(args: argparse.Namespace) -> PeerConfig:
         extra["security"] = security.load(args.keys, args.name)
     return PeerConfig.local(args.name, listen=args.listen, join=tuple(args.join),
                             chunk_size=args.chunk, retain_latest=0,
-                            labels=(("host", "localhost"), ("role", args.role)), **extra)
+                            labels=(("host", args.host), ("role", args.role)), **extra)
 
 
 def security_supported() -> bool:
@@ -237,6 +237,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--join", action="append", default=[])
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--chunk", type=int, required=True)
+    p.add_argument("--host", default="localhost", help="the host label (same host: shm)")
     p.add_argument("--keys", default="", help="a `tensorhub keygen` directory (security on)")
     return p.parse_args(argv)
 

@@ -94,12 +94,12 @@ Offer = tuple[bytes, Callable[[int], bytes]]
 class DataServer:
     """A plain-thread data-plane server that answers with whatever the attack offers."""
 
-    def __init__(self) -> None:
+    def __init__(self, ip: str) -> None:
         self.offers: dict[tuple[str, int], Offer] = {}
         self.chunks_served = 0
         self.manifests_served = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._listener = socket.create_server((ip, 0))
+        self.address = f"{ip}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -193,19 +193,18 @@ def huge_manifest(model: str, version: int, tensors: int) -> bytes:
 
 
 class Rogue:
-    def __init__(self, size: int, chunk: int, huge_tensors: int) -> None:
+    def __init__(self, size: int, chunk: int, huge_tensors: int, ip: str) -> None:
         self.size = size
         self.chunk = chunk
         self.huge_tensors = huge_tensors
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        port = _free_port()
-        self.control = f"tcp://127.0.0.1:{port}"
+        self.control = f"tcp://{ip}:{_free_port(ip)}"
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTING_ID, self.control.encode())
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(self.control)
-        self.server = DataServer()
+        self.server = DataServer(ip)
         self.names: set[str] = set()
         self.connected: set[str] = set()
         self.pending: list[tuple[str, bytes, float]] = []
@@ -508,9 +507,9 @@ class Rogue:
         self.names.clear()
 
 
-def _free_port() -> int:
+def _free_port(ip: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((ip, 0))
         port: int = s.getsockname()[1]
         return port
 
@@ -520,10 +519,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--chunk", type=int, required=True)
     p.add_argument("--huge-tensors", type=int, default=4_000_000)
+    p.add_argument("--ip", default="127.0.0.1", help="the address to listen on")
     args = p.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
-    rogue = Rogue(args.size, args.chunk, args.huge_tensors)
+    rogue = Rogue(args.size, args.chunk, args.huge_tensors, args.ip)
     # The bulk of the huge manifest takes seconds to build: do it before it is needed.
     threading.Thread(target=huge_manifest, args=("m", 0, args.huge_tensors),
                      daemon=True).start()
