@@ -27,25 +27,19 @@ import os
 import resource
 import select
 import socket
-import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-import msgpack
-import numpy as np
 import zmq
 
-from ..manifest import build_manifest, manifest_id_of
-from ..model import PeerInfo, VersionKey
+from ..manifest import manifest_id_of
+from ..model import PeerInfo
 from ..protocol import codec
 from ..protocol.control import RefsDelta, RefsDigest
 from ..protocol.dataplane import (
-    BAD_REQUEST,
     MAX_FRAME,
-    NOT_HELD,
     OK,
     ChunkRequest,
     ManifestRequest,
@@ -55,7 +49,15 @@ from ..protocol.dataplane import (
 from ..protocol.membership import Ack, Gossip, Ping, PushPull, Update
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding, OriginEntry, Stamp
-from .chaos_worker import model_specs
+from .rogue_wares import (
+    LEN,
+    DataServer,
+    forged_offer,
+    frame,
+    huge_manifest,
+    read_exact,
+    read_frame,
+)
 
 register_all()
 
@@ -72,9 +74,6 @@ LIGHT = ("max_incarnation", "bad_endpoint", "false_left", "announce_future",
 HEAVY = ("huge_manifest", "half_frames")
 ATTACKS = LIGHT + HEAVY
 
-_LEN = struct.Struct(">I")
-
-
 def marks(seed: int) -> range:
     """The incarnations and generations the rogue uses in episode ``seed``."""
     base = MARK + seed * 64
@@ -83,110 +82,6 @@ def marks(seed: int) -> range:
 
 def rogue_name(seed: int) -> str:
     return f"rogue{seed}"
-
-
-# -- the data port it serves from ----------------------------------------------------------
-
-Offer = tuple[bytes, Callable[[int], bytes]]
-"""What the rogue serves for one version: manifest bytes, and chunk -> payload."""
-
-
-class DataServer:
-    """A plain-thread data-plane server that answers with whatever the attack offers."""
-
-    def __init__(self, ip: str) -> None:
-        self.offers: dict[tuple[str, int], Offer] = {}
-        self.chunks_served = 0
-        self.manifests_served = 0
-        self._listener = socket.create_server((ip, 0))
-        self.address = f"{ip}:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            conn, _ = self._listener.accept()
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                while True:
-                    req = codec.decode(_read_frame(conn), MAX_FRAME)
-                    offer = self.offers.get((getattr(req, "model", ""),
-                                             getattr(req, "version", -1)))
-                    if isinstance(req, ManifestRequest) and offer is not None:
-                        self.manifests_served += 1
-                        conn.sendall(_frame(Reply(req.req_id, OK, len(offer[0]))) + offer[0])
-                    elif isinstance(req, ChunkRequest) and offer is not None:
-                        payload = offer[1](req.chunk)
-                        self.chunks_served += 1
-                        conn.sendall(_frame(Reply(req.req_id, OK, len(payload))) + payload)
-                    elif isinstance(req, ManifestRequest | ChunkRequest):
-                        conn.sendall(_frame(Reply(req.req_id, NOT_HELD, 0, "not here")))
-                    else:
-                        conn.sendall(_frame(Reply(getattr(req, "req_id", 0), BAD_REQUEST, 0,
-                                                  "tcp only")))
-            except Exception:  # the reader left or lied
-                return
-
-
-def _frame(msg: Any) -> bytes:
-    data = codec.encode(msg, MAX_FRAME)
-    return _LEN.pack(len(data)) + data
-
-
-def _read_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = conn.recv(n - len(buf))
-        if not got:
-            raise EOFError("closed")
-        buf += got
-    return bytes(buf)
-
-
-def _read_frame(conn: socket.socket) -> bytes:
-    (n,) = _LEN.unpack(_read_exact(conn, 4))
-    if n > MAX_FRAME:
-        raise ValueError("frame too large")
-    return _read_exact(conn, n)
-
-
-# -- manifests it forges -------------------------------------------------------------------
-
-
-def forged_offer(model: str, version: int, size: int, chunk: int) -> tuple[bytes, Offer, int]:
-    """A valid manifest of the real tensor layout with other content (zeros), its id and
-    the offer serving it; the number of chunks."""
-    specs = model_specs(size)
-    arrays = [(n, np.zeros(s, np.dtype(d))) for n, s, d in specs]
-    manifest = build_manifest(VersionKey(model, version), arrays, chunk, "xxh3-128")
-    body = manifest.encode()
-
-    def payload(c: int) -> bytes:
-        start, stop = manifest.chunk_range(c)
-        return bytes(max(0, stop - start))
-
-    return manifest.manifest_id(), (body, payload), manifest.num_chunks
-
-
-_HUGE: dict[int, bytes] = {}
-
-
-def huge_manifest(model: str, version: int, tensors: int) -> bytes:
-    """A well-formed manifest declaring ``tensors`` scalar tensors (the bulk is built
-    once per count: a 4-million-name list takes seconds)."""
-    if tensors not in _HUGE:
-        n = tensors
-        rest = {"tensors": {"names": [f"t{i}" for i in range(n)], "dtypes": ["<f4"],
-                            "dtype": bytes(2 * n), "ndim": bytes(n), "dims": b"",
-                            "sliced": b"", "global": b"", "start": b""},
-                "chunk_size": 1 << 31, "digest_algo": "xxh3-128",
-                "chunk_digests": [bytes(16)], "shard": [0, 1, b""]}
-        _HUGE[tensors] = b"".join(msgpack.packb(k) + msgpack.packb(v, use_bin_type=True)
-                                  for k, v in rest.items())
-    head = b"".join(msgpack.packb(x) for x in ("model", model, "version", version))
-    return b"\x87" + head + _HUGE[tensors]  # a map of 7 entries
 
 
 # -- the rogue ------------------------------------------------------------------------------
@@ -421,11 +316,11 @@ class Rogue:
         host, _, port = address.rpartition(":")
         try:
             with socket.create_connection((host, int(port)), timeout=2.0) as conn:
-                conn.sendall(_frame(req))
-                reply = codec.decode(_read_frame(conn), MAX_FRAME)
+                conn.sendall(frame(req))
+                reply = codec.decode(read_frame(conn), MAX_FRAME)
                 if not isinstance(reply, Reply) or reply.status != OK or reply.length <= 0:
                     return None
-                return _read_exact(conn, min(reply.length, 64 << 20))
+                return read_exact(conn, min(reply.length, 64 << 20))
         except Exception:  # refused, reset, garbage
             return None
 
@@ -434,8 +329,8 @@ class Rogue:
         host, _, port = address.rpartition(":")
         try:
             conn = socket.create_connection((host, int(port)), timeout=2.0)
-            conn.sendall(_frame(ShmVersionRequest(1, model, version, 0)))
-            reply = codec.decode(_read_frame(conn), MAX_FRAME)
+            conn.sendall(frame(ShmVersionRequest(1, model, version, 0)))
+            reply = codec.decode(read_frame(conn), MAX_FRAME)
         except Exception:  # refused, reset, garbage
             return False
         self.held.append(conn)
@@ -447,7 +342,7 @@ class Rogue:
         for _ in range(count):
             try:
                 conn = socket.create_connection((host, int(port)), timeout=1.0)
-                conn.sendall(_LEN.pack(MAX_FRAME) + b"\x93")
+                conn.sendall(LEN.pack(MAX_FRAME) + b"\x93")
             except OSError:
                 break
             self.held.append(conn)
@@ -492,7 +387,7 @@ class Rogue:
         while not stop.is_set():
             try:
                 with socket.create_connection((host, int(port)), timeout=1.0) as conn:
-                    conn.sendall(_LEN.pack(MAX_FRAME) + junk)
+                    conn.sendall(LEN.pack(MAX_FRAME) + junk)
                     conn.sendall(junk * 16)
             except OSError:
                 time.sleep(0.01)
