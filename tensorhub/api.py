@@ -1,7 +1,10 @@
 """Blocking facade for trainer and inference-engine code that does not run trio.
 
 ``BlockingPeer`` runs a peer's trio loop in a background thread and offers the same
-methods as :class:`~tensorhub.peer.node.Peer` as plain blocking calls.
+methods as :class:`~tensorhub.peer.node.Peer`, with the same arguments, as plain
+blocking calls.  Closing it (from any thread) while a call is in flight ends that call
+with :class:`PeerClosed`: never ``trio.Cancelled``, which means nothing to a thread that
+does not run trio.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -67,6 +70,12 @@ class BlockingPeer:
                                         trio_token=self._token)
         except trio.RunFinishedError:
             raise PeerClosed(f"peer {self._config.name} is closed") from None
+        except BaseException as exc:
+            # The peer ends its calls with PeerClosed when it closes; should a call be
+            # caught by the loop's own shutdown instead, say the same thing.
+            if _only_cancelled(exc):
+                raise PeerClosed(f"peer {self._config.name} was closed") from None
+            raise
 
     @property
     def peer(self) -> Peer:
@@ -82,9 +91,10 @@ class BlockingPeer:
 
     def fetch(self, model: str, version: int | str = "latest",
               into: Mapping[str, Any] | None = None, *,
+              sources: Sequence[str] | None = None,
               layout: Sharding | None = None) -> Fetched:
         result: Fetched = self._call(self.peer.fetch, model, version, into=into,
-                                     layout=layout)
+                                     sources=sources, layout=layout)
         return result
 
     def unsealed(self, model: str) -> list[str]:
@@ -119,7 +129,8 @@ class BlockingPeer:
         return self.peer.statistics()
 
     def close(self) -> None:
-        """Leave the mesh and stop the background thread."""
+        """Leave the mesh and stop the background thread.  Calls in flight in other
+        threads raise :class:`PeerClosed`."""
         if self._token is not None and self._stop is not None and self._thread.is_alive():
             stop = self._stop
             with contextlib.suppress(trio.RunFinishedError):
@@ -135,3 +146,10 @@ class BlockingPeer:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``trio.Cancelled`` or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)

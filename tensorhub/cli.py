@@ -1,4 +1,4 @@
-"""The ``tensorhub`` command: ``peer``, ``demo``, ``status``, ``bench``.
+"""The ``tensorhub`` command: ``peer``, ``demo``, ``status``, ``bench``, ``keygen``.
 
 User errors (bad options, a port in use, an unreachable seed) end with one line on
 stderr and exit code 2, never a traceback.
@@ -17,6 +17,7 @@ import trio
 
 from .config import PeerConfig
 from .errors import ConfigError, TensorHubError
+from .security import load, read_keyring, write_keys
 
 PRESETS = {"local": PeerConfig.local, "datacenter": PeerConfig.datacenter,
            "cross_dc": PeerConfig.cross_dc}
@@ -37,20 +38,37 @@ def _config(args: argparse.Namespace, name: str) -> PeerConfig:
     extra: dict[str, Any] = {}
     if getattr(args, "data_listen", None):
         extra["data_listen"] = args.data_listen
+    if args.keys:
+        extra["security"] = load(args.keys, name)
+    if args.insecure:
+        extra["allow_insecure"] = True
     return PRESETS[args.preset](name, listen=args.listen, join=seeds,
                                 labels=_labels(args.label or []), **extra)
 
 
-async def _run_peer(config: PeerConfig) -> None:
+async def _run_peer(config: PeerConfig, keys: str | None = None) -> None:
+    """Run until SIGINT/SIGTERM; SIGHUP re-reads the keyring of ``keys`` (rotation)."""
+    from pathlib import Path
+
     from .peer.node import open_peer
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with open_peer(config) as peer:
             print(json.dumps({"event": "ready", "name": peer.info.name,
-                              "control": peer.info.control, "data": peer.info.data}),
-                  flush=True)
-            async for _ in signals:
-                break
+                              "control": peer.info.control, "data": peer.info.data,
+                              "security": peer.statistics().security}), flush=True)
+            async for signum in signals:
+                if signum != signal.SIGHUP:
+                    break
+                if keys is None:
+                    continue
+                try:
+                    _, ring = read_keyring(Path(keys) / "cluster.json")
+                    peer.update_keyring(ring.members(), ring.publishers())
+                    event = {"event": "keyring", "members": sorted(ring.members())}
+                except TensorHubError as exc:  # a bad file keeps the keyring we have
+                    event = {"event": "keyring", "error": str(exc)}
+                print(json.dumps(event), flush=True)
 
 
 async def _status(config: PeerConfig, settle: float) -> dict[str, Any]:
@@ -90,6 +108,10 @@ def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
                    help="topology label (dc, rack, host, ...); repeatable")
     p.add_argument("--preset", choices=sorted(PRESETS), default="datacenter",
                    help="timer preset (default: datacenter)")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="join with this peer's keys from DIR (made by tensorhub keygen)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow running without --keys on a non-loopback address")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,10 +140,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
+    s.add_argument("--name", default=None,
+                   help="member name to join as (with --keys: a name in the keyring; "
+                        "default status-PID)")
     s.add_argument("--settle", type=float, default=2.0,
                    help="seconds to gossip before printing")
     s.add_argument("--json", action="store_true")
+    k = sub.add_parser("keygen", help="make (or extend) a cluster's keys in DIR")
+    k.add_argument("dir", metavar="DIR")
+    k.add_argument("--peer", action="append", default=[], metavar="NAME",
+                   help="a member to make a key for; repeatable")
+    k.add_argument("--publisher", action="append", default=[], metavar="MODEL=NAME",
+                   help="NAME may publish MODEL ('*': every model); repeatable")
     return parser
+
+
+def _keygen(args: argparse.Namespace) -> None:
+    publishers: dict[str, list[str]] = {}
+    for item in args.publisher:
+        model, sep, name = item.partition("=")
+        if not sep or not model or not name:
+            raise ConfigError(f"--publisher expects MODEL=NAME, got {item!r}")
+        publishers.setdefault(model, []).append(name)
+    if not args.peer and not publishers:
+        raise ConfigError("keygen needs at least one --peer NAME (or --publisher)")
+    for name in args.peer:
+        PeerConfig.local(name)  # the same name rules as a peer's
+    for path in write_keys(args.dir, args.peer, publishers):
+        print(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,7 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "peer":
-            trio.run(_run_peer, _config(args, args.name))
+            trio.run(_run_peer, _config(args, args.name), args.keys)
+            return 0
+        if args.command == "keygen":
+            _keygen(args)
             return 0
         if args.command == "demo":
             from .demo import run_demo
@@ -148,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError("status needs --join HOST:PORT")
             import os
 
-            report = trio.run(_status, _config(args, f"status-{os.getpid()}"), args.settle)
+            report = trio.run(_status, _config(args, args.name or f"status-{os.getpid()}"),
+                              args.settle)
             if args.json:
                 print(json.dumps(report))
             else:

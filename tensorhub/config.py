@@ -8,11 +8,14 @@ long round trips.  Every value is validated when the object is built.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .limits import MAX_MANIFEST_BYTES, ManifestLimits
 from .manifest import DIGEST_ALGOS
+from .security import Security
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 
@@ -23,6 +26,16 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -85,10 +98,30 @@ class PeerConfig:
     transfer tree lags its parent by one chunk-time; per-chunk costs grow below ~4 MiB.
     Measured (8 emulated hosts, 400 Mbit, 256 MiB): 2/4/8 MiB -> 1.28/1.16/1.30x bound."""
 
-    digest_algo: str = "xxh3-128"
-    """Per-chunk digest (see ``manifest.DIGEST_ALGOS``).  Measured here, one core, 1 GiB:
-    xxh3-128 ~14 GB/s, blake3 ~6, sha256 ~1.4; xxh3 and blake3 release the GIL.  The
-    default catches corruption; choose ``blake3`` where holders are not trusted."""
+    digest_algo: str = "blake3"
+    """Per-chunk digest of what this peer publishes (see ``manifest.DIGEST_ALGOS``).
+    ``blake3`` is cryptographic: a holder cannot serve other bytes that pass, so readers
+    may take chunks from any holder.  Measured here, 1 GiB in 4 MiB chunks: blake3 6 GB/s
+    per core (publish hashes with every core: 11 GB/s on 2), xxh3-128 16, sha256 1.4; all
+    run off the event loop.  ``xxh3-128`` is for a trusted fleet only (every holder
+    honest): its digests can be forged in milliseconds; ``statistics()`` says so."""
+
+    ban_seconds: float = 300.0
+    """A holder that served a chunk failing its digest is not read from again, by any
+    fetch of this peer, for this long (and other peers are told, as a hint).  Longer
+    protects better against a lying holder; shorter forgives a flaky one sooner."""
+
+    max_tensors: int = 1 << 18
+    """Most tensors a manifest may list (262,144), checked by publish and by readers
+    before they allocate (the reason for the default: ``limits.ManifestLimits``).  A
+    publisher checks its own value: keep it equal across the mesh."""
+
+    max_chunks: int = 1 << 22
+    """Most chunks a manifest may list (16 TiB in 4 MiB chunks)."""
+
+    max_manifest_bytes: int = MAX_MANIFEST_BYTES
+    """Largest encoded manifest published or accepted (at most 64 MiB, what the data
+    plane carries)."""
 
     fetch_window: int = 4
     """Chunk requests in flight per fetch (one connection each)."""
@@ -122,6 +155,52 @@ class PeerConfig:
 
     connect_timeout: float = 5.0
     """Seconds to wait for a data-plane connection."""
+
+    data_max_connections: int = 256
+    """Data connections a holder keeps open at once; more are closed at once (counted in
+    ``statistics().data_server``).  Each costs two descriptors: keep it well under the
+    process's descriptor limit (1,024 by default).  A fetch opens one per holder it
+    reads from (``fetch_window`` at most); raise it for hundreds of concurrent readers."""
+
+    data_max_connections_per_address: int = 64
+    """Data connections from one IP address (or one local user) at once: one host
+    cannot take every slot.  Every process of a host shares its address -- raise it
+    for hosts running many readers (8 GPUs x ``fetch_window`` = 32 by default)."""
+
+    data_idle_timeout: float = 60.0
+    """A data connection that sends no request for this long is closed.  Readers
+    reconnect on demand, so lower only costs a reconnect; higher lets idle clients hold
+    slots longer."""
+
+    data_frame_timeout: float = 10.0
+    """A request frame must arrive whole within this long once its first byte has, else
+    the connection is closed: a client that declares a frame and stalls holds a slot
+    (and what it sent) no longer than this."""
+
+    data_requests_per_second: float = 20000.0
+    """Requests one data connection may make per second (bursts of one second's worth);
+    faster ones are delayed, not refused.  4 MiB chunks at this rate are 80 GB/s, so
+    only a flood of small requests ever waits."""
+
+    lease_timeout: float = 30.0
+    """How long a reader may hold a holder's memory without answering: a same-host
+    chunk lease until its ``ShmDone``, a revoked version lease until its ``ShmRelease``,
+    one TCP chunk send.  Past it the holder revokes the lease and closes the
+    connection, so ``unpublish`` returns within about this long even when a reader
+    hangs.  Lower bounds unpublish tighter but cuts off readers that are slow (a 1 GiB
+    chunk over 1 Gbit/s takes ~9 s)."""
+
+    # -- security -----------------------------------------------------------------
+    security: Security | None = field(default=None, compare=False, hash=False)
+    """This peer's identity, the cluster key and the keyring (``tensorhub keygen``,
+    ``security.load``).  With it only members join, gossip and publish, and every claim
+    is signed by its origin (an Ed25519 signature per change: ~50 us to check).
+    ``None`` runs *insecure*: any process that reaches the ports can join, read and
+    publish -- allowed only on loopback addresses unless ``allow_insecure`` is set."""
+
+    allow_insecure: bool = False
+    """Run without ``security`` on non-loopback addresses (a trusted, isolated network:
+    benchmarks in network namespaces).  Said loudly in ``statistics()`` and the log."""
 
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     """Free-form options for experiments; never read by the core."""
@@ -163,11 +242,41 @@ class PeerConfig:
             raise ConfigError("nic_bps must be > 0")
         if self.max_inflight_bytes < 4096:
             raise ConfigError("max_inflight_bytes must be >= 4096")
+        if not 1 <= self.data_max_connections_per_address <= self.data_max_connections \
+                <= 1 << 20:
+            raise ConfigError("data connection caps must satisfy 1 <= "
+                              "data_max_connections_per_address <= data_max_connections <= 2**20")
+        for name in ("data_idle_timeout", "data_frame_timeout", "data_requests_per_second",
+                     "lease_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be > 0 and finite")
         if not self.transports or not set(self.transports) <= {"shm", "tcp"} \
                 or "tcp" not in self.transports:
             raise ConfigError("transports must name 'tcp' and optionally 'shm'")
         if self.digest_algo not in DIGEST_ALGOS:
             raise ConfigError(f"digest_algo must be one of {', '.join(DIGEST_ALGOS)}")
+        if self.security is not None and not isinstance(self.security, Security):
+            raise ConfigError("security must be a tensorhub.security.Security (or None)")
+        if self.security is None and not self.allow_insecure:
+            hosts = [parse_hostport(self.listen)[0]]
+            if self.data_listen is not None:
+                hosts.append(parse_hostport(self.data_listen)[0])
+            wide = [h for h in hosts if not is_loopback(h)]
+            if wide:
+                raise ConfigError(
+                    f"peer {self.name!r} listens on {wide[0]} without keys: anyone who can "
+                    "reach it could join, read and publish.  Make keys with `tensorhub "
+                    "keygen DIR --peer NAME ...` and pass them (`--keys DIR`, or "
+                    "PeerConfig(security=tensorhub.security.load(DIR, NAME))), or opt out "
+                    "by name with allow_insecure=True (`--insecure`)")
+        if not 0 < self.ban_seconds <= 1e6:
+            raise ConfigError("ban_seconds must be in (0, 1e6]")
+        ManifestLimits(self.max_tensors, self.max_chunks, self.max_manifest_bytes)  # checks
+
+    @property
+    def manifest_limits(self) -> ManifestLimits:
+        """The caps on manifests, published or received."""
+        return ManifestLimits(self.max_tensors, self.max_chunks, self.max_manifest_bytes)
 
     def replace(self, **changes: Any) -> PeerConfig:
         return dataclasses.replace(self, **changes)
@@ -178,7 +287,7 @@ class PeerConfig:
         base: dict[str, Any] = dict(
             gossip_interval=0.1, probe_interval=0.2, probe_timeout=0.1,
             push_pull_interval=2.0, dead_reap_after=10.0, stall_timeout=3.0,
-            connect_timeout=2.0,
+            connect_timeout=2.0, lease_timeout=5.0,
         )
         base.update(overrides)
         return cls(name=name, **base)

@@ -11,7 +11,6 @@ fetcher can check a manifest it got from any holder.
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,38 +22,63 @@ import numpy as np
 import xxhash
 
 from .errors import LocalProtocolError, RemoteProtocolError
-from .model import (
+from .limits import (
+    BAD_NAME_CHARS,
+    DEFAULT_LIMITS,
+    MAX_CHUNK_SIZE,
+    MAX_DIM,
+    MAX_DTYPE_STR,
+    MAX_DTYPES,
     MAX_LAYOUT_ID,
     MAX_MODEL_NAME,
     MAX_NDIM,
+    MAX_TENSOR_BYTES,
     MAX_TENSOR_NAME,
-    TensorSpec,
-    VersionKey,
-    byte_views,
+    ManifestLimits,
+    check_counts,
+    check_dtype,
+    check_shape,
+    check_tensor_name,
 )
+from .model import TensorSpec, VersionKey, byte_views
+from .tensortable import CACHE_LOCK, TensorTable, table_of
 
-DIGEST_ALGOS = ("xxh3-128", "blake3", "sha256")
-"""Per-chunk digests a manifest may name.  ``xxh3-128`` catches corruption (bit flips,
-truncation, a buggy or stale holder) at memory speed; ``blake3`` and ``sha256`` are
-cryptographic, for meshes where a holder may lie on purpose."""
+DIGEST_ALGOS = ("blake3", "sha256", "xxh3-128")
+"""Per-chunk digests a manifest may name.  ``blake3`` (the default) and ``sha256`` are
+cryptographic: no holder can make other bytes that pass.  ``xxh3-128`` catches
+corruption (bit flips, truncation, a buggy or stale holder) at memory speed but can be
+forged in milliseconds: only for a trusted fleet, where every holder is honest."""
 
-def new_hasher(algo: str) -> Any:
-    """A fresh incremental hasher (``update`` / ``digest``) for ``algo``."""
+DIGEST_SIZES = {"blake3": 32, "sha256": 32, "xxh3-128": 16}
+"""Bytes of one chunk digest, per algorithm."""
+
+TRUSTED_ONLY = frozenset({"xxh3-128"})
+"""Digests that only hold where every holder is trusted (see :data:`DIGEST_ALGOS`)."""
+
+THREADED_HASH_BYTES = 1 << 20
+"""Chunks at least this large are hashed by blake3 with several threads when a manifest
+is built.  Measured here (2 cores, 1 GiB in 4 MiB chunks): one thread 6.1 GB/s, all
+cores 11.4 GB/s (xxh3-128: 16 GB/s).  A fetch verifies with one thread per chunk: its
+window already keeps several chunks in flight at once."""
+
+
+def new_hasher(algo: str, threads: bool = False) -> Any:
+    """A fresh incremental hasher (``update`` / ``digest``) for ``algo``; with
+    ``threads``, blake3 spreads a large ``update`` over every core."""
     if algo == "xxh3-128":
         return xxhash.xxh3_128()
     if algo == "blake3":
-        return blake3.blake3()
+        return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
     if algo == "sha256":
         return hashlib.sha256()
     raise LocalProtocolError(f"unknown digest algorithm {algo!r}; use one of {DIGEST_ALGOS}")
 
 
-
-def digest_of(algo: str, segments: Sequence[Any]) -> bytes:
+def digest_of(algo: str, segments: Sequence[Any], threads: bool = False) -> bytes:
     """The digest of the segments' bytes, in order.  A segment may be an array itself
     (see :meth:`LocalVersion.buffers`): xxh3 and sha256 hash any contiguous buffer,
     blake3 only byte-format ones, so it gets a byte view of each array."""
-    h = new_hasher(algo)
+    h = new_hasher(algo, threads)
     if algo == "blake3":
         for s in segments:
             h.update(s if isinstance(s, memoryview) else memoryview(s).cast("B"))
@@ -72,125 +96,6 @@ class Segment:
     index: int
     start: int
     stop: int
-
-
-class TensorTable:
-    """What a fetch or a holder needs to know about a tuple of tensor specs, as columns
-    computed once (lazily) and shared by every manifest built on that same tuple.
-
-    Decoding caches the tuple by its wire columns (see :func:`_tensors_from_wire`), so
-    each version of a model whose layout does not change shares one table: finding a
-    chunk's tensors, checking ``into=`` arrays or naming the result costs no per-tensor
-    Python work after the first time.  Positions in :attr:`nonempty` order are what the
-    chunk spans use: empty tensors have no bytes and appear in no chunk."""
-
-    def __init__(self, tensors: Sequence[TensorSpec]) -> None:
-        self.tensors = tensors
-        self._names: list[str] | None = None
-        self._index: dict[str, int] | None = None
-        self._nonempty: list[int] | None = None
-        self._starts: np.ndarray[Any, Any] | None = None
-        self._ends: np.ndarray[Any, Any] | None = None
-        self._expected: tuple[list[tuple[int, ...]], list[np.dtype[Any]]] | None = None
-        self._spans: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-        self._exports: bool | None = None
-
-    @property
-    def names(self) -> list[str]:
-        if self._names is None:
-            self._names = [t.name for t in self.tensors]
-        return self._names
-
-    def index(self) -> dict[str, int]:
-        """Tensor name -> position in the manifest."""
-        if self._index is None:
-            self._index = {n: i for i, n in enumerate(self.names)}
-        return self._index
-
-    def _columns(self) -> None:
-        n = len(self.tensors)
-        offsets = np.fromiter((t.offset for t in self.tensors), np.int64, n)
-        sizes = np.fromiter((t.nbytes for t in self.tensors), np.int64, n)
-        keep = np.flatnonzero(sizes)
-        self._nonempty = keep.tolist()
-        self._starts = offsets[keep]
-        self._ends = self._starts + sizes[keep]
-
-    @property
-    def nonempty(self) -> list[int]:
-        """Positions of the tensors that have bytes, in manifest (and offset) order."""
-        if self._nonempty is None:
-            self._columns()
-        assert self._nonempty is not None
-        return self._nonempty
-
-    def exports_buffers(self) -> bool:
-        """Whether arrays of every dtype here export their memory as a buffer (numbers
-        and bools do; datetimes, for one, do not)."""
-        if self._exports is None:
-            self._exports = all(np.dtype(d).kind in "biufc" for d in {t.dtype for t in
-                                                                      self.tensors})
-        return self._exports
-
-    def expected(self) -> tuple[list[tuple[int, ...]], list[np.dtype[Any]]]:
-        """Every tensor's shape and numpy dtype, in manifest order."""
-        if self._expected is None:
-            dtypes: dict[str, np.dtype[Any]] = {}
-            out = []
-            for t in self.tensors:
-                dt = dtypes.get(t.dtype)
-                if dt is None:
-                    dt = dtypes[t.dtype] = np.dtype(t.dtype)
-                out.append(dt)
-            self._expected = ([t.shape for t in self.tensors], out)
-        return self._expected
-
-    def spans(self, chunk_size: int, total: int) -> tuple[list[int], list[int]]:
-        """Per chunk, ``lo`` and ``hi``: the chunk overlaps exactly the tensors at
-        positions ``nonempty[lo:hi]`` (one ``searchsorted`` for all chunks)."""
-        got = self._spans.get((chunk_size, total))
-        if got is None:
-            if self._nonempty is None:
-                self._columns()
-            assert self._starts is not None and self._ends is not None
-            bounds = np.arange(0, total, chunk_size, dtype=np.int64)
-            lo = np.searchsorted(self._ends, bounds, "right")
-            hi = np.searchsorted(self._starts, np.minimum(bounds + chunk_size, total), "left")
-            got = self._spans[(chunk_size, total)] = (lo.tolist(), hi.tolist())
-        return got
-
-    def first_ending_after(self, offset: int) -> int:
-        """Position in :attr:`nonempty` of the first tensor that ends after ``offset``."""
-        if self._ends is None:
-            self._columns()
-        assert self._ends is not None
-        return int(np.searchsorted(self._ends, offset, "right"))
-
-    def piece_bounds(self, lo: int, hi: int) -> tuple[int, int]:
-        """Where the first of ``nonempty[lo:hi]`` starts and the last ends (bytes)."""
-        assert self._starts is not None and self._ends is not None
-        return int(self._starts[lo]), int(self._ends[hi - 1])
-
-
-_TABLES: OrderedDict[int, tuple[Sequence[TensorSpec], TensorTable]] = OrderedDict()
-_TABLES_KEPT = 32
-_CACHE_LOCK = threading.Lock()
-
-
-def table_of(tensors: Sequence[TensorSpec]) -> TensorTable:
-    """The shared :class:`TensorTable` of this very tuple of specs (by identity: the cache
-    keeps the tuple alive, so its id cannot be reused while it is cached)."""
-    with _CACHE_LOCK:  # manifests are also built in worker threads (publish)
-        hit = _TABLES.get(id(tensors))
-        if hit is not None and hit[0] is tensors:
-            _TABLES.move_to_end(id(tensors))
-            return hit[1]
-        table = TensorTable(tensors)
-        _TABLES[id(tensors)] = (tensors, table)
-        if len(_TABLES) > _TABLES_KEPT:
-            _TABLES.popitem(last=False)
-        return table
-
 
 
 @dataclass(frozen=True)
@@ -283,7 +188,7 @@ class Manifest:
             },
             "chunk_size": self.chunk_size,
             "digest_algo": self.digest_algo,
-            "chunk_digests": list(self.chunk_digests),
+            "chunk_digests": b"".join(self.chunk_digests),
             "shard": [self.shard, self.world, self.layout],
         }
 
@@ -304,27 +209,41 @@ class Manifest:
         return cached
 
     @classmethod
-    def from_wire(cls, obj: Any) -> Manifest:
+    def from_wire(cls, obj: Any, limits: ManifestLimits = DEFAULT_LIMITS) -> Manifest:
         """Validate and build a manifest received from a peer."""
         try:
-            return _manifest_from_wire(obj)
+            return _manifest_from_wire(obj, limits)
         except RemoteProtocolError:
             raise
         except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
             raise RemoteProtocolError(f"malformed manifest: {exc}") from None
 
     @classmethod
-    def decode(cls, data: bytes, expected_id: bytes | None = None) -> Manifest:
+    def decode(cls, data: bytes, expected_id: bytes | None = None,
+               limits: ManifestLimits = DEFAULT_LIMITS) -> Manifest:
         """Parse a manifest from the wire.  With ``expected_id`` the bytes are checked
         against it first: a manifest whose encoding does not hash to the id the
-        reference table carries is refused before it is parsed."""
+        reference table carries is refused before it is parsed.
+
+        ``limits`` cap what is allocated: longer input, or an array longer than
+        ``max_tensors`` (the tensor names are the only long array; chunk digests travel
+        as one byte string), is refused by the parser before it builds anything.  A
+        manifest near the caps takes a worker thread half a second to decode: call this
+        off the event loop (:meth:`Peer.fetch` does, for all but small ones)."""
+        if len(data) > limits.max_manifest_bytes:
+            raise RemoteProtocolError(f"manifest of {len(data)} bytes is over the limit "
+                                      f"of {limits.max_manifest_bytes}")
         if expected_id is not None and manifest_id_of(data) != expected_id:
             raise RemoteProtocolError("manifest does not match its id")
         try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            obj = msgpack.unpackb(
+                data, raw=False, strict_map_key=True, max_map_len=16,
+                max_array_len=max(limits.max_tensors, MAX_DTYPES),
+                max_str_len=4 * MAX_TENSOR_NAME, max_bin_len=limits.max_manifest_bytes,
+                max_ext_len=0)
         except Exception as exc:  # msgpack raises a zoo of types on bad input
             raise RemoteProtocolError(f"malformed manifest encoding: {exc}") from None
-        manifest = cls.from_wire(obj)
+        manifest = cls.from_wire(obj, limits)
         if expected_id is not None:  # these exact bytes are its canonical encoding
             object.__setattr__(manifest, "_encoded", bytes(data))
             object.__setattr__(manifest, "_id", expected_id)
@@ -345,7 +264,7 @@ def manifest_id_of(encoded: bytes) -> bytes:
     return hashlib.sha256(encoded).digest()[:16]
 
 
-def _manifest_from_wire(obj: Any) -> Manifest:
+def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
     def bad(what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"malformed manifest: {what}")
 
@@ -365,24 +284,22 @@ def _manifest_from_wire(obj: Any) -> Manifest:
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
         raise bad("version")
     chunk_size = obj["chunk_size"]
-    if not isinstance(chunk_size, int) or not 0 < chunk_size <= 1 << 31:
+    if not isinstance(chunk_size, int) or not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise bad("chunk_size")
     algo = obj["digest_algo"]
     if algo not in DIGEST_ALGOS:
         raise bad("digest_algo")
-    tensors, offset = _tensors_from_wire(obj["tensors"])
-    digests = obj["chunk_digests"]
+    tensors, offset = _tensors_from_wire(obj["tensors"], limits)
+    blob = obj["chunk_digests"]
     expected = -(-offset // chunk_size) if offset else 0
-    if not isinstance(digests, list) or len(digests) != expected:
-        raise bad("chunk digest count")
-    if not all(isinstance(d, bytes) and 16 <= len(d) <= 64 for d in digests):
-        raise bad("chunk digest")
-    return Manifest(model, version, tensors, chunk_size, algo, tuple(digests),
-                    shard, world, layout)
+    size = DIGEST_SIZES[algo]
+    if type(blob) is not bytes or len(blob) != expected * size or expected > limits.max_chunks:
+        raise bad("chunk digests")
+    digests = tuple(blob[i:i + size] for i in range(0, len(blob), size))
+    return Manifest(model, version, tensors, chunk_size, algo, digests, shard, world, layout)
 
 
 _TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}
-MAX_TENSORS = 1 << 22
 _DECODED: OrderedDict[tuple[Any, ...], tuple[tuple[TensorSpec, ...], int]] = OrderedDict()
 _DECODED_KEPT = 16
 """Tensor columns decoded lately, by their exact wire content: the next version of a
@@ -390,20 +307,23 @@ model has the same tensors (only its digests change), so its manifest reuses the
 (and their :class:`TensorTable`) instead of validating and building them again."""
 
 
-def _tensors_from_wire(cols: Any) -> tuple[tuple[TensorSpec, ...], int]:
+def _tensors_from_wire(cols: Any, limits: ManifestLimits
+                       ) -> tuple[tuple[TensorSpec, ...], int]:
     """The specs (laid end to end) of validated tensor columns; the same tuple again for
-    columns equal to ones decoded lately."""
+    columns equal to ones decoded lately (and so validated already)."""
     key = _columns_key(cols)
+    if key is not None and len(key[0]) > limits.max_tensors:
+        raise RemoteProtocolError(f"malformed manifest: over {limits.max_tensors} tensors")
     if key is not None:
-        with _CACHE_LOCK:
+        with CACHE_LOCK:
             hit = _DECODED.get(key)
             if hit is not None:
                 _DECODED.move_to_end(key)
                 return hit
-    tensors, offset = _build_tensors(cols)
+    tensors, offset = _build_tensors(cols, limits)
     got = (tuple(tensors), offset)
     if key is not None:
-        with _CACHE_LOCK:
+        with CACHE_LOCK:
             _DECODED[key] = got
             if len(_DECODED) > _DECODED_KEPT:
                 _DECODED.popitem(last=False)
@@ -425,7 +345,7 @@ def _columns_key(cols: Any) -> tuple[Any, ...] | None:
     return key
 
 
-def _build_tensors(cols: Any) -> tuple[list[TensorSpec], int]:
+def _build_tensors(cols: Any, limits: ManifestLimits) -> tuple[list[TensorSpec], int]:
     """Validate the tensor columns and build the specs (laid end to end)."""
     def bad(what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"malformed manifest: {what}")
@@ -433,23 +353,24 @@ def _build_tensors(cols: Any) -> tuple[list[TensorSpec], int]:
     if not isinstance(cols, dict) or set(cols) != _TENSOR_COLUMNS:
         raise bad("tensor columns")
     names, dtypes = cols["names"], cols["dtypes"]
-    if not isinstance(names, list) or len(names) > MAX_TENSORS \
-            or not all(type(n) is str and 0 < len(n) <= MAX_TENSOR_NAME for n in names):
+    if not isinstance(names, list) or len(names) > limits.max_tensors \
+            or not all(type(n) is str and 0 < len(n) <= MAX_TENSOR_NAME for n in names) \
+            or BAD_NAME_CHARS.search("".join(names)):
         raise bad("tensor names")
     n = len(names)
     if len(set(names)) != n:
         raise bad("duplicate tensor name")
-    if not isinstance(dtypes, list) or len(dtypes) > 256:
+    if not isinstance(dtypes, list) or len(dtypes) > MAX_DTYPES:
         raise bad("dtypes")
     itemsizes = []
     for d in dtypes:
-        if type(d) is not str or len(d) > 16:
+        if type(d) is not str or len(d) > MAX_DTYPE_STR:
             raise bad("dtype")
         try:
             dt = np.dtype(d)
         except TypeError:
             raise bad(f"dtype {d!r}") from None
-        if dt.hasobject or dt.itemsize == 0 or dt.str != d:
+        if dt.hasobject or dt.itemsize == 0 or dt.str != d or dt.fields is not None:
             raise bad(f"dtype {d!r}")
         itemsizes.append(dt.itemsize)
     for key in ("dtype", "ndim", "dims", "sliced", "global", "start"):
@@ -466,7 +387,7 @@ def _build_tensors(cols: Any) -> tuple[list[TensorSpec], int]:
     if len(cols["dims"]) != 8 * total_dims:
         raise bad("dims length")
     dims = np.frombuffer(cols["dims"], "<i8")
-    if total_dims and (int(dims.min()) < 0 or int(dims.max()) >= 2**40):
+    if total_dims and (int(dims.min()) < 0 or int(dims.max()) > MAX_DIM):
         raise bad("shape")
     # bytes per tensor: product of its dims (in floats first, to refuse overflow)
     padded = np.append(dims, 1).astype(np.float64)
@@ -474,7 +395,7 @@ def _build_tensors(cols: Any) -> tuple[list[TensorSpec], int]:
     counts_f = np.where(ndim > 0, np.multiply.reduceat(padded, starts), 1.0) if n \
         else np.zeros(0)
     sizes_f = counts_f * np.array(itemsizes, np.float64)[dtype_idx] if n else counts_f
-    if n and float(sizes_f.max()) >= 2**50:
+    if n and float(sizes_f.max()) > MAX_TENSOR_BYTES:
         raise bad("tensor too large")
     dim_list = dims.tolist()
     shapes = [tuple(dim_list[a:b]) for a, b in zip(starts.tolist(), ends.tolist(),
@@ -502,7 +423,7 @@ def _build_tensors(cols: Any) -> tuple[list[TensorSpec], int]:
             k = len(shape)
             gshape, start = tuple(gdims[g:g + k]), tuple(gstart[g:g + k])
             g += k
-            if not all(a >= 0 and a + m <= gs < 2**40
+            if not all(a >= 0 and a + m <= gs <= MAX_DIM
                        for a, m, gs in zip(start, shape, gshape, strict=True)):
                 raise bad(f"slice of tensor {name!r}")
         spec = new(TensorSpec)  # validated above: skip the dataclass __init__
@@ -521,21 +442,44 @@ def _is_count(x: Any) -> bool:
 
 def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, Any]]],
                    chunk_size: int, algo: str, world: int = 1,
-                   placed: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
-                   ) -> Manifest:
+                   placed: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+                   limits: ManifestLimits = DEFAULT_LIMITS) -> Manifest:
     """Specs, chunking and digests of arrays laid end to end (runs in a worker thread).
-    ``placed`` gives, per array, its global shape and start when it is a slice."""
+    ``placed`` gives, per array, its global shape and start when it is a slice.
+
+    Anything a reader would refuse (see :mod:`tensorhub.limits`) raises
+    :class:`LocalProtocolError` naming the tensor and the bound, before any hashing."""
     specs, offset = [], 0
+    codes: dict[np.dtype[Any], str] = {}
     for i, (name, arr) in enumerate(arrays):
+        check_tensor_name(name)
+        code = codes.get(arr.dtype)
+        if code is None:
+            code = codes[arr.dtype] = check_dtype(name, arr.dtype)
+        check_shape(name, arr.shape, arr.dtype.itemsize)
         gshape, start = placed[i] if placed is not None else ((), ())
-        specs.append(TensorSpec(name, arr.dtype.str, tuple(arr.shape), offset, gshape, start))
+        if gshape:
+            check_shape(name, gshape, 1)
+        specs.append(TensorSpec(name, code, tuple(arr.shape), offset, gshape, start))
         offset += arr.nbytes
+    check_counts(len(specs), len(set(codes.values())), -(-offset // chunk_size), limits)
     tensors = tuple(specs)
     skeleton = Manifest(key.model, key.version, tensors, chunk_size, algo, ())
+    _check_size(key, len(skeleton.encode()) + skeleton.num_chunks * 34, limits)
     nonempty = byte_views([arrays[i][1] for i in skeleton.table.nonempty])
+    threads = chunk_size >= THREADED_HASH_BYTES
     digests = []
     for c in range(skeleton.num_chunks):
         lo, hi, head, tail = skeleton.chunk_tensors(c)
-        digests.append(digest_of(algo, chunk_pieces(nonempty[lo:hi], head, tail)))
-    return Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(digests),
-                    key.shard, world, key.layout)
+        digests.append(digest_of(algo, chunk_pieces(nonempty[lo:hi], head, tail), threads))
+    manifest = Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(digests),
+                        key.shard, world, key.layout)
+    _check_size(key, len(manifest.encode()), limits)
+    return manifest
+
+
+def _check_size(key: VersionKey, size: int, limits: ManifestLimits) -> None:
+    if size > limits.max_manifest_bytes:
+        raise LocalProtocolError(
+            f"the manifest of {key} encodes to {size} bytes; readers accept at most "
+            f"{limits.max_manifest_bytes} (fewer tensors or shorter names)")

@@ -16,11 +16,7 @@ from typing import Any
 import numpy as np
 
 from .errors import LocalProtocolError
-
-MAX_MODEL_NAME = 200
-MAX_TENSOR_NAME = 1000
-MAX_NDIM = 16
-MAX_LAYOUT_ID = 32
+from .limits import MAX_MODEL_NAME
 
 
 @functools.lru_cache(maxsize=256)

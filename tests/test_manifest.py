@@ -12,6 +12,7 @@ from tensorhub import Manifest, RemoteProtocolError, VersionKey
 from tensorhub.manifest import build_manifest
 
 DTYPES = ["<f4", "<f2", "|i1", "<i8", "|b1", "<u2"]
+NAME_CHARS = st.characters(blacklist_categories=("Cc", "Cs"))  # see limits.BAD_NAME_CHARS
 
 
 @st.composite
@@ -22,7 +23,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
     for i in range(n):
         shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
         arr = np.zeros(shape, np.dtype(draw(st.sampled_from(DTYPES))))
-        arrays.append((f"t{i}.{draw(st.text(max_size=5))}", arr))
+        arrays.append((f"t{i}.{draw(st.text(NAME_CHARS, max_size=5))}", arr))
         if shape and draw(st.booleans()):
             start = tuple(draw(st.integers(0, 3)) for _ in shape)
             placed.append((tuple(a + d + draw(st.integers(0, 2))

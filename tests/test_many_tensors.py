@@ -126,7 +126,7 @@ async def test_a_bad_into_array_among_ten_thousand_is_named_before_any_byte_move
 
 
 def test_into_arrays_of_other_kinds_are_viewed_and_checked_one_by_one() -> None:
-    from tensorhub.peer.fetcher import prepare_destination
+    from tensorhub.peer.destination import prepare_destination
     w = small_model(3, 50)
     m = build_manifest(VersionKey("m", 1), list(w.items()), 4096, "blake3")
     into: dict[str, Any] = {k: np.zeros_like(v) for k, v in w.items()}

@@ -427,7 +427,13 @@ async def test_a_fetch_that_fails_part_way_raises_one_plain_error() -> None:
         with pytest.raises(VersionUnavailable, match="no live holder") as info:
             await reader.fetch("m", 3)
         assert not isinstance(info.value, BaseExceptionGroup)
+        # The holder that sent bad bytes is banned now: later fetches, resharded or
+        # not, do not read from it again, and say so.
+        failures = reader.statistics().integrity_failures["p0"]  # reads in flight: >= 1
         split = tensorhub.Sharding(0, 2, split={"embed": 1})
-        with pytest.raises(VersionUnavailable, match="no live holder"):
+        with pytest.raises(VersionUnavailable, match="banned") as info:
             await reader.fetch("m", 3, layout=split)
-        assert reader.statistics().integrity_failures["p0"] >= 2
+        assert not isinstance(info.value, BaseExceptionGroup)
+        stats = reader.statistics()
+        assert stats.integrity_failures == {"p0": failures}
+        assert "failed its digest" in stats.bans["p0"]

@@ -30,10 +30,8 @@ from transport_conformance import (
     Holder,
     OpenHolder,
     Published,
-    hung_up,
     landing,
     publish,
-    raw_connection,
     read_into,
     rng_for,
 )
@@ -42,7 +40,7 @@ from tensorhub import shared_empty
 from tensorhub.errors import IntegrityError, RemoteProtocolError, TransportError
 from tensorhub.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
-from tensorhub.peer.fetcher import allocate_flat
+from tensorhub.peer.destination import allocate_flat
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
@@ -58,11 +56,16 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
+from tensorhub.security import Identity, Keyring
 from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
+from tensorhub.transport.frames import _recv_frame, _send_frame
+from tensorhub.transport.handshake import DataAuth
+from tensorhub.transport.local import local_name
 from tensorhub.transport.memory import MemoryServer
+from tensorhub.transport.server import TcpServer
 from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
-from tensorhub.transport.tcp import TcpConnection, TcpServer, _recv_frame, _send_frame
+from tensorhub.transport.tcp import TcpConnection
 
 ROOT = Path(__file__).resolve().parents[1]
 SHM, WHY_NOT = shm_available()
@@ -89,11 +92,22 @@ async def memory_holder() -> AsyncIterator[Holder]:
     yield Holder(store, lambda: server.connect("holder"), kill, None, sent)
 
 
+MEMBERS = {"holder": Identity.generate(), "reader": Identity.generate()}
+KEYRING = Keyring({name: [ident.public] for name, ident in MEMBERS.items()})
+
+
+def member(name: str) -> DataAuth:
+    return DataAuth(name, MEMBERS[name], KEYRING)
+
+
 @asynccontextmanager
-async def tcp_holder(connection: type[TcpConnection]) -> AsyncIterator[Holder]:
-    """A TcpServer in this process; ``connection`` is TcpConnection or ShmConnection."""
+async def tcp_holder(connection: type[TcpConnection], auth: bool = False
+                     ) -> AsyncIterator[Holder]:
+    """A TcpServer in this process; ``connection`` is TcpConnection or ShmConnection;
+    with ``auth`` every connection opens with the members' handshake."""
     store, sent, bad = Store(), list[int](), list[str]()
-    server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append)
+    server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append,
+                       auth=member("holder") if auth else None)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
     scope, stopped = trio.CancelScope(), trio.Event()
 
@@ -108,8 +122,9 @@ async def tcp_holder(connection: type[TcpConnection]) -> AsyncIterator[Holder]:
 
     async with trio.open_nursery() as nursery:
         await nursery.start(run)
-        yield Holder(store, lambda: connection.connect(address, "holder", 5), kill, address,
-                     sent, bad)
+        reader = member("reader") if auth else None
+        yield Holder(store, lambda: connection.connect(address, "holder", 5, reader), kill,
+                     address if not auth else None, sent, bad)
         scope.cancel()
 
 
@@ -118,6 +133,8 @@ HOLDERS: dict[str, Callable[[], Any]] = {
     "tcp": partial(tcp_holder, TcpConnection),
     "shm": partial(tcp_holder, ShmConnection),
     "shm-memfd": partial(tcp_holder, ShmConnection),  # holder arrays from shared_empty
+    "tcp+keys": partial(tcp_holder, TcpConnection, auth=True),
+    "shm+keys": partial(tcp_holder, ShmConnection, auth=True),
 }
 
 
@@ -125,7 +142,7 @@ HOLDERS: dict[str, Callable[[], Any]] = {
 def open_holder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> OpenHolder:
     if request.param.startswith("shm") and not SHM:
         pytest.skip(WHY_NOT)
-    if request.param == "shm-memfd":
+    if request.param.startswith("shm-memfd"):
         monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
     opener: OpenHolder = HOLDERS[request.param]
     return opener
@@ -175,7 +192,7 @@ sys.path.insert(0, "tests")
 import transport_conformance
 from tensorhub import shared_empty
 from tensorhub.peer.store import Store
-from tensorhub.transport.tcp import TcpServer
+from tensorhub.transport.server import TcpServer
 if sys.argv[4] == "shared":
     transport_conformance.EMPTY = shared_empty
 store = Store()
@@ -253,8 +270,7 @@ async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
         assert holder.address is not None
         pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
         for follow_up in (None, ChunkRequest(2, "m", 1, 0)):
-            async with raw_connection(holder.address) as raw:
-                sock = raw.socket
+            async with local_connection(holder.address) as sock:
                 await _send_frame(sock, ShmChunkRequest(1, "m", 1, 0))
                 grant = await _recv_frame(sock)
                 assert isinstance(grant, ShmGrant) and grant.length == 65_536
@@ -262,7 +278,9 @@ async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
                 assert pub.local.inflight == 1  # held until ShmDone...
                 if follow_up is not None:
                     await _send_frame(sock, follow_up)
-                    await hung_up(raw)
+                    with trio.fail_after(5):
+                        while await sock.recv(1 << 16):
+                            pass
             with trio.fail_after(5):  # ...or until the reader leaves or breaks the protocol
                 await pub.local.drained.wait()
         assert len(holder.bad) == 1 and "ShmDone" in holder.bad[0]
@@ -571,13 +589,18 @@ async def test_holder_process_killed_during_a_version_lease(holder_process: Any)
 
 @asynccontextmanager
 async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
-    """A server that answers each request frame with the frames ``answer`` returns."""
+    """A server that answers each request frame with the frames ``answer`` returns, on a
+    TCP port and on the same-host socket of that address (one connection in all)."""
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     listener.listen(1)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    local = trio.socket.socket(trio.socket.AF_UNIX)
+    await local.bind(local_name(address))
+    local.listen(1)
 
-    async def serve() -> None:
-        sock, _ = await listener.accept()
+    async def serve(on: trio.socket.SocketType) -> None:
+        sock, _ = await on.accept()
         with sock:
             try:
                 while True:
@@ -587,10 +610,21 @@ async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
                 return
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve)
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
+        nursery.start_soon(serve, listener)
+        nursery.start_soon(serve, local)
+        yield address
         nursery.cancel_scope.cancel()
     listener.close()
+    local.close()
+
+
+@asynccontextmanager
+async def local_connection(address: str) -> AsyncIterator[trio.socket.SocketType]:
+    """A raw connection to the same-host socket of the holder at ``address``."""
+    sock = trio.socket.socket(trio.socket.AF_UNIX)
+    with sock:
+        await sock.connect(local_name(address))
+        yield sock
 
 
 def welcome(req: Any, **changes: Any) -> ShmWelcome:

@@ -15,6 +15,8 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
 
 It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
 ``--only tcp`` measures (a) and (b) alone, to iterate on the TCP data plane.
+``--keys on`` runs every peer with keys (``tensorhub keygen`` into a scratch directory):
+the cost of security.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +36,7 @@ import numpy as np
 
 from ..config import DEFAULT_CHUNK_SIZE
 from ..demo import _free_ports, parse_size
+from ..security import write_keys
 from .figures import figure, print_figures
 from .worker import WorkerClient
 
@@ -88,8 +92,17 @@ def numpy_copier(size: int) -> Callable[[], float]:
     return once
 
 
-def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, Any]:
+def run(size: int, chunk: int, runs: int, only_tcp: bool = False, keys: bool = False
+        ) -> dict[str, Any]:
     names = ["pub", "f_tcp"] if only_tcp else ["pub", "f_tcp", "f_shm", "a", "b", "c"]
+    with tempfile.TemporaryDirectory(prefix="tensorhub-keys-") as key_dir:
+        if keys:
+            write_keys(key_dir, names, {"*": ["pub"]})
+        return _run(names, size, chunk, runs, only_tcp, key_dir if keys else None)
+
+
+def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
+         key_dir: str | None) -> dict[str, Any]:
     ports = _free_ports(len(names))
     seed = f"127.0.0.1:{ports[0]}"
     transports = {"f_shm": "shm,tcp"}
@@ -101,6 +114,7 @@ def run(size: int, chunk: int, runs: int, only_tcp: bool = False) -> dict[str, A
                     "--listen", f"127.0.0.1:{ports[i]}", "--expect", str(len(names)),
                     "--chunk", str(chunk), "--transports", transports.get(name, "tcp")]
             argv += ["--join", seed] if i else []
+            argv += ["--keys", key_dir] if key_dir else []
             procs[name] = WorkerClient(name, subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
         for p in procs.values():
@@ -169,12 +183,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
     p.add_argument("--only", choices=("all", "tcp"), default="all",
                    help="tcp: just (a) and (b), for iterating on the TCP data plane")
+    p.add_argument("--keys", choices=("on", "off"), default="off",
+                   help="on: every peer runs with keys (the cost of security)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     size, chunk, runs = parse_size(args.size), parse_size(args.chunk), args.runs
     only_tcp = args.only == "tcp"
-    r = run(size, chunk, runs, only_tcp)
+    r = run(size, chunk, runs, only_tcp, args.keys == "on")
     copy_s: list[float] = r.get("copy", [])
     med = statistics.median
     raw_s = r["raw"]
@@ -222,7 +238,7 @@ def run_cli(args: argparse.Namespace) -> int:
                         publisher_rss_growth_mib=r["publisher_rss_growth_mib"],
                         fetcher_peak_rss_mib=r["fetcher_peak_rss_mib"])
     print(f"transfer benchmark: {size / 2**20:.0f} MiB, chunk {chunk / 2**20:g} MiB, "
-          f"median of {runs} runs")
+          f"median of {runs} runs, keys {args.keys}")
     print(f"{'path':<52} {'seconds':>8} {'GB/s':>7}")
     for label, secs, rate in rows:
         print(f"{label:<52} {secs:>8.3f} {rate / 1e9:>7.2f}")
@@ -233,7 +249,8 @@ def run_cli(args: argparse.Namespace) -> int:
             "figures": figures,
             "baselines": {"raw_socket_s": raw_s, "numpy_copy_s": copy_s},
             "measured": measured,
-            "settings": {"size": size, "chunk": chunk, "runs": runs, "only": args.only},
+            "settings": {"size": size, "chunk": chunk, "runs": runs, "only": args.only,
+                         "keys": args.keys},
         }))
     return 0
 

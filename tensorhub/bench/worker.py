@@ -36,6 +36,7 @@ from ..demo import checksum, fill, model_specs
 from ..errors import TensorHubError
 from ..model import VersionKey
 from ..peer.node import Peer, open_peer
+from ..security import load as load_keys
 from ..transport.shmem import shared_empty
 from .netns import read_line
 
@@ -191,7 +192,10 @@ async def main(args: argparse.Namespace) -> None:
                            join=tuple(s for s in args.join.split(",") if s),
                            chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
                            labels=(("host", args.host), *_labels(args.label)),
-                           planning=args.planning == "on", **stall)
+                           planning=args.planning == "on",
+                           security=load_keys(args.keys, args.name) if args.keys else None,
+                           allow_insecure=True,  # without --keys: emulated hosts on a
+                           **stall)              # private bridge, or loopback
     async with open_peer(cfg) as peer:
         while len(peer.control.membership.live_members()) < args.expect:
             await trio.sleep(0.02)
@@ -222,6 +226,8 @@ if __name__ == "__main__":
                    help="topology label besides host (dc, rack, ...); repeatable")
     p.add_argument("--planning", choices=("on", "off"), default="on",
                    help="ask the coordinator for a plan (off: fetchers pick holders)")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="run with the keys of --name in DIR (tensorhub keygen)")
     p.add_argument("--stall-timeout", type=float, default=None,
                    help="seconds without progress before a source counts as stalled "
                         "(default: the local preset's)")

@@ -6,9 +6,10 @@ original publisher first, then the one we are reading least from.  Chunks land w
 ``recv_into`` straight in the destination arrays and are checked against the manifest
 digest in a worker thread before they count; a verified chunk is served to others at
 once (partial-prefix serving) and never fetched again.  A holder that errors, refuses,
-stalls or sends bad bytes is dropped for this fetch and its chunk goes to another.  When
-no holder is left for some chunk the fetch raises :class:`VersionUnavailable` naming
-what is missing.
+stalls or sends bad bytes is dropped for this fetch and its chunk goes to another; one
+that sent bytes failing their digest is also banned by the peer (``banned`` /
+``on_bad_bytes``), so later fetches skip it too.  When no holder is left for some chunk
+the fetch raises :class:`VersionUnavailable` naming what is missing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter, eq
 from typing import Any
 
 import numpy as np
@@ -24,17 +24,16 @@ import trio
 
 from ..errors import (
     IntegrityError,
-    LocalProtocolError,
     RemoteProtocolError,
     TransportError,
     VersionUnavailable,
 )
-from ..manifest import Manifest, digest_of
-from ..model import PeerInfo, VersionKey, as_host_array
+from ..manifest import digest_of
+from ..model import PeerInfo, VersionKey
+from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
 from ..protocol.refs import Holding
 from ..transport.base import Connection, NotServing
-from ..transport.shmem import shared_empty
 from .store import LocalVersion
 
 RELAY_DEPTH = 1
@@ -45,6 +44,10 @@ other, and each level of a tree lags its parent by one chunk-time.  Measured in 
 
 HolderView = Callable[[VersionKey], list[tuple[PeerInfo, Holding]]]
 Connector = Callable[[PeerInfo], Awaitable[Connection]]
+BanCheck = Callable[[str], Ban | None]
+"""Holder name -> the peer's ban on it now (until when, and why), or None."""
+BadBytes = Callable[[str, VersionKey, str], None]
+"""Told ``(holder, version, reason)`` when a holder's chunk failed its digest."""
 
 
 @dataclass
@@ -66,12 +69,20 @@ class FetchReport:
     transport_by_source: dict[str, str] = field(default_factory=dict)
     integrity_failures: dict[str, int] = field(default_factory=dict)
     dropped_sources: dict[str, str] = field(default_factory=dict)
+    banned_sources: dict[str, str] = field(default_factory=dict)
+    """Holders this fetch did not read from because the peer bans them (a chunk of
+    theirs failed its digest, in this fetch or an earlier one), and why."""
     resourced_chunks: int = 0
     planned_bytes: int = 0
     """Bytes that came from the source the coordinator's plan named."""
     plan: str = ""
     """The plan followed: coordinator and epoch, or why there was none."""
     verified: bool = False
+    served_arrays: bool = False
+    """True when the fetch found the version already held here complete and returned
+    the very arrays this peer serves it from (the caller's published arrays, or those of
+    an earlier fetch), not a copy: writing to them changes what readers get.  Unpublish
+    first, or fetch with ``into=``, to get arrays of one's own."""
 
     def add(self, other: FetchReport) -> None:
         """Count ``other`` (a part of the same fetch) in this report."""
@@ -86,6 +97,7 @@ class FetchReport:
             self.integrity_failures[name] = self.integrity_failures.get(name, 0) + n
         self.transport_by_source.update(other.transport_by_source)
         self.dropped_sources.update(other.dropped_sources)
+        self.banned_sources.update(other.banned_sources)
 
     @property
     def mb_per_s(self) -> float:
@@ -100,7 +112,9 @@ class FetchReport:
             "transport_by_source": dict(self.transport_by_source),
             "integrity_failures": dict(self.integrity_failures),
             "dropped_sources": dict(self.dropped_sources),
+            "banned_sources": dict(self.banned_sources),
             "resourced_chunks": self.resourced_chunks, "verified": self.verified,
+            "served_arrays": self.served_arrays,
             "planned_bytes": self.planned_bytes, "plan": self.plan,
         }
 
@@ -113,64 +127,6 @@ class Fetched:
     tensors: dict[str, np.ndarray[Any, Any]]
     report: FetchReport
 
-
-
-def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memoryview | None]:
-    """New arrays for a fetch: views into one buffer laid out like the version's byte
-    space, so every chunk lands with one ``recv_into`` however many tensors it spans.
-    The buffer is shared memory (``shared_empty``), so same-host peers that fetch from us
-    later map it instead of copying through the kernel.  Falls back to separate plain
-    arrays if some tensor's offset does not suit its dtype."""
-    if any(t.offset % np.dtype(t.dtype).alignment for t in manifest.tensors):
-        return [np.empty(t.shape, dtype=np.dtype(t.dtype)) for t in manifest.tensors], None
-    flat = shared_empty(manifest.total_bytes, np.uint8)
-    arrays = [flat[t.offset:t.end].view(np.dtype(t.dtype)).reshape(t.shape)
-              for t in manifest.tensors]
-    return arrays, memoryview(flat)  # type: ignore[arg-type]
-
-
-_SHAPE = attrgetter("shape")
-_DTYPE = attrgetter("dtype")
-_C_CONTIGUOUS = attrgetter("flags.c_contiguous")
-_WRITEABLE = attrgetter("flags.writeable")
-
-
-def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, Any]]:
-    """The caller's ``into`` arrays in manifest order, checked before any byte moves.
-
-    Plain numpy arrays of the right shape and dtype pass a handful of C-level passes
-    over all of them (10,000 tensors: about 2.5 ms here, against 5-9 ms one by one);
-    anything else, or any mismatch, goes through the per-tensor check, which names what
-    is wrong."""
-    if not hasattr(into, "keys"):
-        raise LocalProtocolError("into= must be a mapping of tensor name -> array")
-    table = manifest.table
-    names = table.names
-    if len(into.keys()) != len(names) or not into.keys() >= table.index().keys():
-        wanted = set(names)
-        extra = sorted(set(into.keys()) - wanted)
-        missing = sorted(wanted - set(into.keys()))
-        raise LocalProtocolError(
-            f"into= does not match {manifest.key}: missing {missing[:5]}, unknown {extra[:5]}")
-    given = list(map(into.__getitem__, names))
-    shapes, dtypes = table.expected()
-    # Each pass streams (``all(map(...))``): the 10,000 shape tuples and flag objects it
-    # makes die one by one instead of piling up for the garbage collector.
-    if (set(map(type, given)) <= {np.ndarray} and all(map(eq, map(_SHAPE, given), shapes))
-            and all(map(eq, map(_DTYPE, given), dtypes)) and all(map(_C_CONTIGUOUS, given))
-            and all(map(_WRITEABLE, given)) and not any(d.hasobject for d in set(dtypes))):
-        return given
-    out = []
-    for t, obj, dt in zip(manifest.tensors, given, dtypes, strict=True):
-        arr = as_host_array(obj, t.name)
-        if arr.shape != t.shape or arr.dtype != dt:
-            raise LocalProtocolError(
-                f"into[{t.name!r}] is {arr.dtype}{list(arr.shape)}, "
-                f"{manifest.key} has {dt}{list(t.shape)}")
-        if not arr.flags.writeable:
-            raise LocalProtocolError(f"into[{t.name!r}] is read-only")
-        out.append(arr)
-    return out
 
 
 def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -192,7 +148,7 @@ class Fetch:
 
     def __init__(self, *, me: str, local: LocalVersion, view: HolderView, connect: Connector,
                  upstream: frozenset[str], window: int, stall_timeout: float,
-                 on_progress: Callable[[], None],
+                 on_progress: Callable[[], None], banned: BanCheck, on_bad_bytes: BadBytes,
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
                  only: Sequence[int] | None = None) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
@@ -211,6 +167,8 @@ class Fetch:
         self.connect = connect
         self.window = window
         self.stall_timeout = stall_timeout
+        self.banned = banned
+        self.on_bad_bytes = on_bad_bytes
         self.benched: dict[str, float] = {}
         """Sources not to use until the given time (``inf``: not for this fetch)."""
         self.last_progress = trio.current_time()
@@ -240,7 +198,14 @@ class Fetch:
         self.changed = trio.Event()
 
     def _usable(self, name: str) -> bool:
-        return name != self.me and self.benched.get(name, 0.0) <= trio.current_time()
+        if name == self.me or self.benched.get(name, 0.0) > trio.current_time():
+            return False
+        ban = self.banned(name)
+        if ban is not None:  # benched too: a waiting worker wakes when the ban ends
+            self.report.banned_sources[name] = ban.reason
+            self.benched[name] = ban.until
+            return False
+        return True
 
     def _pick(self) -> tuple[int, PeerInfo] | None:
         holders = [(p, h) for p, h in self.view(self.key) if self._usable(p.name)]
@@ -277,9 +242,12 @@ class Fetch:
             for s in self.manifest.segments(*self.manifest.chunk_range(c))
         })
         dropped = "; ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items()))
+        banned = "; ".join(f"{k}: {v}" for k, v in sorted(self.report.banned_sources.items())
+                           if k not in self.dropped)
         return (f"no live holder for {len(self.pending)} of {self.wanted} chunks "
                 f"(tensors {names[:8]}{' ...' if len(names) > 8 else ''})"
-                + (f"; dropped sources: {dropped}" if dropped else ""))
+                + (f"; dropped sources: {dropped}" if dropped else "")
+                + (f"; banned sources: {banned}" if banned else ""))
 
     async def run(self) -> FetchReport:
         start = trio.current_time()
@@ -430,6 +398,7 @@ class Fetch:
         elif isinstance(exc, IntegrityError):
             self.report.chunks_received += 1  # received in full, then refused
             self.report.integrity_failures[name] = self.report.integrity_failures.get(name, 0) + 1
+            self.on_bad_bytes(name, self.key, str(exc))
             await self._drop(conns, name, str(exc), math.inf)
         elif isinstance(exc, RemoteProtocolError):
             await self._drop(conns, name, str(exc), math.inf)

@@ -3,16 +3,22 @@
 One nursery holds every task: the ZeroMQ socket's owner, the control dispatcher (decode,
 feed :class:`ControlPlane`, send what it returns), the timer task that ticks it at its
 deadlines, and the TCP data server.  Time comes from trio's clock only.
+
+Security (``PeerConfig.security``): the ZAP handler and the handshake monitor
+(:mod:`.zap`) run beside the control socket, which serves with CURVE; a message whose
+sender name differs from the member ZAP authenticated its connection as is refused.
+Without security the peer says so in the log and in :meth:`Peer.statistics`.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -26,7 +32,7 @@ from ..errors import (
     TransportError,
     VersionUnavailable,
 )
-from ..manifest import Manifest, build_manifest
+from ..manifest import TRUSTED_ONLY, Manifest, build_manifest
 from ..model import (
     PeerInfo,
     VersionKey,
@@ -35,32 +41,53 @@ from ..model import (
     check_version,
 )
 from ..protocol import codec
-from ..protocol.control import ControlPlane
-from ..protocol.coordination import CoordinatorAnswer
+from ..protocol.bans import MAX_REASON, Ban, BanNotice, BanTable
+from ..protocol.control import ControlPlane, RefsDelta, RefsDigest
+from ..protocol.coordination import CoordinatorAnswer, CoordRequest
 from ..protocol.groups import GroupEnvelope
+from ..protocol.membership import MESSAGES as MEMBERSHIP_MESSAGES
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
+from ..security import Identity
+from ..transport.admission import ServerLimits, ServerStats
 from ..transport.base import Connection, NotServing
+from ..transport.handshake import DataAuth
+from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
-from ..transport.tcp import TcpConnection, TcpServer
-from .fetcher import (
-    Fetch,
-    Fetched,
-    FetchReport,
-    HolderView,
-    allocate_flat,
-    prepare_destination,
-)
+from ..transport.tcp import TcpConnection
+from .destination import allocate_flat, prepare_destination
+from .fetcher import Fetch, Fetched, FetchReport, HolderView
+from .operations import Operations, operation
 from .reshard import reshard, same_layout_holder
 from .retention import Retention
 from .store import LocalVersion, Store
-from .zmq_trio import ZmqRouter
+from .zap import HandshakeMonitor, ZapHandler
+from .zmq_trio import CurveKeys, ZmqRouter
 
 register_all()
+log = logging.getLogger("tensorhub.peer")
+INSECURE = "insecure: no keys; any local process can join, read and publish"
+
+
+def _claimed_name(msg: object) -> str | None:
+    """The member name a control message says it comes from (None: it names none)."""
+    if isinstance(msg, MEMBERSHIP_MESSAGES):
+        return msg.sender_name
+    if isinstance(msg, RefsDigest | RefsDelta | CoordRequest):
+        return msg.name
+    if isinstance(msg, GroupEnvelope):
+        return msg.sender
+    if isinstance(msg, KeepQuery):
+        return msg.asker
+    return None
+
+INLINE_DECODE_BYTES = 64 << 10
+"""Manifests up to this size are decoded on the event loop: about 2,000 tensors, well
+under a millisecond, less than handing the work to a thread and back."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +112,23 @@ class PeerStats:
     """Whether the same-host transport is usable here, and if not why."""
     shm_fallbacks: dict[str, str]
     """Same-host peers read over TCP instead, and why."""
+    security: str = INSECURE
+    """``"keys: ..."`` (members, key rotation state) or why this peer is insecure."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """What security refused, by kind: control connections (``handshake``: not a
+    member, or no CURVE), messages whose sender name is not the authenticated member's,
+    and claims whose signature did not verify."""
+    digest: str = ""
+    """The chunk digest this peer publishes with, and whether it holds against lying
+    holders (``xxh3-128``: trusted fleet only)."""
+    bans: dict[str, str] = field(default_factory=dict)
+    """Holders this peer does not read from now (their bytes failed a digest): the
+    reason and the seconds left."""
+    ban_notices: dict[str, int] = field(default_factory=dict)
+    """Ban notices other peers sent, per reporter: hints, counted, never obeyed."""
     reports: tuple[dict[str, Any], ...] = field(default=())
+    data_server: ServerStats | None = None
+    """What the data server admitted, refused and revoked (and whether it authenticates)."""
 
 
 def _free_port(host: str) -> int:
@@ -102,16 +145,38 @@ class Peer:
         self.config = config
         host, port = parse_hostport(config.listen)
         port = port or _free_port(host)
-        self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
-                                 config.gossip_queue)
+        sec = config.security
+        self._zap: ZapHandler | None = None
+        self._monitor: HandshakeMonitor | None = None
+        curve = None
+        if sec is not None:
+            self._zap = ZapHandler(ctx, sec.keyring)  # bound before anyone can connect
+            curve = CurveKeys(*sec.cluster.z85(), *sec.identity.curve_keys())
+        self._identity = None if sec is None else sec.identity
+        self._sender_mismatch = 0
+        try:
+            self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
+                                     config.gossip_queue, curve)
+            if sec is not None:
+                self._monitor = HandshakeMonitor(self._router.socket)
+        except BaseException:
+            if self._zap is not None:
+                self._zap.close()
+            raise
         self.store = Store(chunk_wait=config.stall_timeout)
-        self._server = TcpServer(self.store, self._count_sent, self._count_bad)
+        security = getattr(config, "security", None)  # PeerConfig.security: keys, or None
+        self._data_auth = None if security is None else \
+            DataAuth(config.name, security.identity, security.keyring)
+        self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
+            config.data_max_connections, config.data_max_connections_per_address,
+            config.data_idle_timeout, config.data_frame_timeout,
+            config.data_requests_per_second, config.lease_timeout), self._data_auth)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
         try:
             data_port = self._server.bind(data_host, data_port)
         except BaseException:
-            self._router.close()
+            self._close_sockets()
             raise
         self.info = PeerInfo(config.name, self._router.endpoint, f"{data_host}:{data_port}",
                              tuple(config.labels))
@@ -121,11 +186,14 @@ class Peer:
         self._wake_ticker = trio.Event()
         self._fetches: set[Fetch] = set()
         self._closed = False
+        self.operations = Operations(config.name)
+        """The API calls in flight: closing the peer ends them with PeerClosed."""
         self._served = self._chunks_served = self._fetched = self._nfetches = 0
         self._malformed = 0
         self._by_source: dict[str, int] = {}
         self._by_transport: dict[str, int] = {}
         self._integrity: dict[str, int] = {}
+        self.bans = BanTable(config.ban_seconds)
         self._reports: list[dict[str, Any]] = []
         self.bad_inputs: list[str] = []
         self._shm = shm_available() if "shm" in config.transports else (False, "not enabled")
@@ -138,11 +206,26 @@ class Peer:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    def _close_sockets(self) -> None:
+        """Close the zmq sockets whose owner tasks never ran (startup failed)."""
+        if self._monitor is not None:
+            self._monitor.close()
+        self._router.close()
+        if self._zap is not None:
+            self._zap.close()
+
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         await nursery.start(self._server.serve)
         self.control = ControlPlane(self.info, self.config, random.Random(),
                                     trio.current_time(), time.time_ns() // 1000)
+        if self._zap is not None and self._monitor is not None:
+            await nursery.start(self._zap.run)
+            await nursery.start(self._monitor.run)
+        else:
+            log.warning("peer %s: %s (control %s, data %s); make keys with `tensorhub "
+                        "keygen` to run a closed mesh", self.info.name, INSECURE,
+                        self.info.control, self.info.data)
         await nursery.start(self._router.run)
         nursery.start_soon(self._dispatch)
         nursery.start_soon(self._ticker)
@@ -150,6 +233,7 @@ class Peer:
         self._send(self.control.join(trio.current_time(), seeds))
 
     async def _leave(self) -> None:
+        await self.operations.close(self.config.stall_timeout)
         self._closed = True
         self._send(self.control.leave(trio.current_time()))
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
@@ -172,11 +256,19 @@ class Peer:
         self._wake_ticker.set()
 
     async def _dispatch(self) -> None:
-        async for _sender, data in self._router.inbound:
+        async for _sender, data, member in self._router.inbound:
             try:
                 msg = codec.decode(data, self.config.max_message_bytes)
             except RemoteProtocolError as exc:
                 self._count_bad(f"control message from {_sender}: {exc}")
+                continue
+            if member is not None and _claimed_name(msg) not in (None, member):
+                self._sender_mismatch += 1
+                self._count_bad(f"{type(msg).__name__} from member {member} claims to come "
+                                f"from {_claimed_name(msg)!r}")
+                continue
+            if isinstance(msg, BanNotice):
+                self.bans.hint(msg)
                 continue
             if isinstance(msg, KeepQuery | KeepAnswer):
                 self.retention.on_message(_sender, msg)
@@ -213,6 +305,20 @@ class Peer:
             if now >= self.control.next_deadline():
                 self._send(self.control.tick(now))
 
+    def banned(self, holder: str) -> Ban | None:
+        """This peer's ban on reading from ``holder`` now (until when, why), or None."""
+        return self.bans.get(trio.current_time(), holder)
+
+    def ban(self, holder: str, key: VersionKey, reason: str) -> None:
+        """``holder`` served bytes of ``key`` that failed their digest: read nothing from
+        it for ``ban_seconds``, and tell the other live members (a hint for them)."""
+        if not self.bans.ban(trio.current_time(), holder, reason):
+            return
+        notice = BanNotice(self.info.name, holder, str(key), reason[:MAX_REASON])
+        for member in self.control.membership.live_members():
+            if member.name not in (holder, self.info.name):
+                self.send_to(member.name, notice)
+
     def _count_sent(self, reader: str, nbytes: int) -> None:
         self._served += nbytes
         self._chunks_served += 1
@@ -224,6 +330,7 @@ class Peer:
 
     # -- API ----------------------------------------------------------------------------
 
+    @operation
     async def publish(self, model: str, version: int, tensors: Mapping[str, Any], *,
                       layout: Sharding | None = None) -> Manifest:
         """Register references to ``tensors`` (copies nothing) as ``model@version``.
@@ -238,6 +345,11 @@ class Peer:
             raise LocalProtocolError(f"layout must be a Sharding, got {type(spec).__name__}")
         key = VersionKey(check_model_name(model), check_version(version),
                          spec.rank if spec.size > 1 else 0, spec.layout_id)
+        trust = self.control.trust
+        if trust is not None and not trust.keyring.may_publish(key.model, self.info.name):
+            raise LocalProtocolError(f"{self.info.name} is not a publisher of model "
+                                     f"{key.model!r} in the keyring (tensorhub keygen "
+                                     "--publisher MODEL=NAME)")
         if not tensors and spec.size == 1:
             raise LocalProtocolError("publish needs at least one tensor")
         if self.store.get(key) is not None:
@@ -246,13 +358,15 @@ class Peer:
         placed = [spec.place(name, a.shape) for name, a in arrays]
         manifest = await trio.to_thread.run_sync(
             build_manifest, key, arrays, self.config.chunk_size, self.config.digest_algo,
-            spec.size, placed)
+            spec.size, placed, self.config.manifest_limits)
         mid = manifest.manifest_id()
         for peer, holding in self.control.holders(key):
             if holding.manifest_id != mid:
                 raise ConsistencyError(
                     f"{key} is already published by {peer.name} with different content")
         local = LocalVersion(manifest, [a for _, a in arrays], self.info.name, verified=True)
+        signed = self.control.sign_announcement(local.holding())
+        local.announced = (signed.publisher_gen, signed.publisher_sig)
         self.store.add(local)
         self._send(self.control.put_holding(local.holding()))
         return manifest
@@ -268,6 +382,7 @@ class Peer:
         await trio.lowlevel.checkpoint()
         return self.control.latest(check_model_name(model))
 
+    @operation
     async def wait_for_version(self, model: str, newer_than: int | None = None) -> int:
         """Wait until a version of ``model`` newer than ``newer_than`` exists; return it."""
         check_model_name(model)
@@ -277,6 +392,7 @@ class Peer:
                 return v
             await self._changed.wait()
 
+    @operation
     async def unpublish(self, model: str, version: int, *,
                         layout: Sharding | None = None) -> None:
         """Stop serving ``model@version`` from the caller's arrays now; return once reads
@@ -309,6 +425,7 @@ class Peer:
         self.retention.pins.discard((check_model_name(model), check_version(version)))
         self.retention.release_unretained()
 
+    @operation
     async def fetch(self, model: str, version: int | str = "latest",
                     into: Mapping[str, Any] | None = None, *,
                     sources: Sequence[str] | None = None,
@@ -342,7 +459,7 @@ class Peer:
         if held is not None and held.complete and not held.hidden and into is None:
             names = held.manifest.table.names
             return Fetched(resolved, dict(zip(names, held.arrays, strict=True)),
-                           FetchReport(model, resolved, verified=True))
+                           FetchReport(model, resolved, verified=True, served_arrays=True))
         if held is not None or key in self._resharding:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
         allowed = frozenset(sources) if sources is not None else None
@@ -386,6 +503,7 @@ class Peer:
             arrays = prepare_destination(manifest, into)
         local = LocalVersion(manifest, arrays, publisher, verified=False, flat=flat,
                              derived=derived)
+        local.announced = self.control.announcement(key, manifest.manifest_id())
         self.store.add(local)
         last = [trio.current_time()]
 
@@ -405,7 +523,8 @@ class Peer:
         job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
                     upstream=allowed or frozenset(), plan=plan, connect=self._connect,
                     window=self._window(manifest),
-                    stall_timeout=self.config.stall_timeout, on_progress=progress)
+                    stall_timeout=self.config.stall_timeout, on_progress=progress,
+                    banned=self.banned, on_bad_bytes=self.ban)
         job.report.plan = plan_note
         self._fetches.add(job)
         try:
@@ -450,26 +569,38 @@ class Peer:
         if ("shm" in self.config.transports and self._shm[0] and host is not None
                 and peer.label("host") == host and peer.name not in self._shm_refused):
             try:
-                return await ShmConnection.connect(peer.data, peer.name, timeout)
+                return await ShmConnection.connect(peer.data, peer.name, timeout,
+                                                   self._data_auth)
             except TransportError as exc:
                 self._shm_refused[peer.name] = str(exc)
-        return await TcpConnection.connect(peer.data, peer.name, timeout)
+        return await TcpConnection.connect(peer.data, peer.name, timeout, self._data_auth)
 
     async def _fetch_manifest(self, key: VersionKey, allowed: frozenset[str] | None
                               ) -> tuple[Manifest, str]:
         def candidates() -> list[tuple[PeerInfo, Holding]]:
-            return [(p, h) for p, h in self.control.holders(key) if p.name != self.info.name
-                    and (allowed is None or p.name in allowed)]
+            found = []
+            for p, h in self.control.holders(key):
+                if p.name == self.info.name or (allowed is not None and p.name not in allowed):
+                    continue
+                ban = self.banned(p.name)
+                if ban is None:
+                    found.append((p, h))
+                else:
+                    banned[p.name] = f"banned here ({ban.reason})"
+            return found
 
         # The view may lag: a holder that just unpublished, a named source that has not
         # started.  Retry each holder when its reference changes, until stall_timeout.
         deadline = trio.current_time() + self.config.stall_timeout
         tried: dict[str, Holding] = {}
         errors: dict[str, str] = {}
+        banned: dict[str, str] = {}
         while True:
             holders = candidates()
             if not holders and allowed is None and not errors:
-                raise VersionUnavailable(key.model, key.version, "no live holder is known")
+                raise VersionUnavailable(key.model, key.version, "no live holder is known"
+                                         if not banned else "no holder that is not banned: "
+                                         + "; ".join(f"{k}: {v}" for k, v in banned.items()))
             fresh = [(p, h) for p, h in holders if tried.get(p.name) is not h]
             fresh.sort(key=lambda ph: (ph[1].publisher == ph[0].name, ph[0].name))
             for peer, holding in fresh:
@@ -480,7 +611,7 @@ class Peer:
                         data = await conn.read_manifest(key)
                     finally:
                         await conn.aclose()
-                    manifest = Manifest.decode(data, expected_id=holding.manifest_id)
+                    manifest = await self._decode_manifest(data, holding.manifest_id)
                     if manifest.key != key:
                         raise RemoteProtocolError(f"{peer.name} sent a non-matching manifest")
                     return manifest, holding.publisher
@@ -488,11 +619,19 @@ class Peer:
                     errors[peer.name] = str(exc)
             if trio.current_time() >= deadline:
                 which = f" among {sorted(allowed)}" if allowed is not None else ""
-                detail = "; ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
+                detail = "; ".join(f"{k}: {v}" for k, v in sorted({**banned, **errors}.items()))
                 raise VersionUnavailable(key.model, key.version, f"no holder{which} served "
                                          f"the manifest ({detail or 'none known'})")
             with trio.move_on_at(deadline):
                 await self._changed.wait()
+
+    async def _decode_manifest(self, data: bytes, manifest_id: bytes) -> Manifest:
+        """Check and parse a manifest; one over :data:`INLINE_DECODE_BYTES` in a worker
+        thread (at the caps, decoding takes a second: the event loop must not wait)."""
+        limits = self.config.manifest_limits
+        if len(data) <= INLINE_DECODE_BYTES:
+            return Manifest.decode(data, manifest_id, limits)
+        return await trio.to_thread.run_sync(Manifest.decode, data, manifest_id, limits)
 
     async def _ask_plan(self, key: VersionKey, manifest: Manifest
                         ) -> tuple[list[tuple[PeerInfo, int, int]], str]:
@@ -518,6 +657,7 @@ class Peer:
         return self.control.coordinator(VersionKey(check_model_name(model),
                                                    check_version(version)))
 
+    @operation
     async def ask_coordinator(self, model: str, version: int, *, size: int = 0,
                               chunks: int = 0) -> CoordinatorAnswer:
         """Register as a fetcher with the coordinator of ``model@version``, routed through
@@ -536,6 +676,66 @@ class Peer:
                 return answer
             last = answer or last
         raise TransportError(f"no coordinator answered for {key}: {last}")
+
+    # -- security --------------------------------------------------------------------------
+
+    def update_keyring(self, members: Mapping[str, Iterable[bytes]],
+                       publishers: Mapping[str, Iterable[str]] | None = None) -> None:
+        """Swap in a new member list (and publishers; None keeps them): key rotation
+        without a restart.  Handshakes and signatures by removed keys stop counting at
+        once; connections already made stay up."""
+        trust = self.control.trust
+        if trust is None:
+            raise LocalProtocolError("this peer runs without keys (PeerConfig.security)")
+        trust.keyring.replace(members, publishers)
+        self.control.keyring_changed()
+        self._after_change()
+
+    def rotate_identity(self, identity: Identity) -> None:
+        """Sign and connect with ``identity`` from now on.  Its key must already be in
+        the keyring for this peer's name (add it everywhere first, then switch, then
+        remove the old one).  Our membership claim, our reference entry and the
+        announcements we published are re-signed at once."""
+        trust = self.control.trust
+        if trust is None:
+            raise LocalProtocolError("this peer runs without keys (PeerConfig.security)")
+        if identity.public not in trust.keyring.keys_of(self.info.name):
+            raise LocalProtocolError(f"the new key of {self.info.name} is not in the keyring "
+                                     "yet: add it (update_keyring) before switching to it")
+        trust.rotate(identity)
+        self._identity = identity
+        if self._data_auth is not None:  # new data connections prove the new key
+            self._data_auth = replace(self._data_auth, identity=identity)
+            self._server.auth = self._data_auth
+        self._router.set_client_keys(*identity.curve_keys())
+        for local in self.store.versions.values():
+            if local.publisher == self.info.name and not local.derived:
+                signed = self.control.sign_announcement(local.holding())
+                local.announced = (signed.publisher_gen, signed.publisher_sig)
+        self._send(self.control.renew(trio.current_time()))
+
+    @property
+    def identity(self) -> Identity | None:
+        """This peer's current identity (it changes with :meth:`rotate_identity`;
+        ``config.security.identity`` is the one it started with); None if insecure."""
+        return self._identity
+
+    def _security_text(self) -> str:
+        trust = self.control.trust
+        if trust is None:
+            return INSECURE
+        return (f"keys: {len(trust.keyring.members())} members, keyring generation "
+                f"{trust.keyring.generation}; control socket CURVE with a member allow-list")
+
+    def _refused(self) -> dict[str, int]:
+        trust = self.control.trust
+        out = dict(trust.refused) if trust is not None else {}
+        if self._zap is not None and self._monitor is not None:
+            out["handshake"] = self._monitor.failed  # no CURVE, wrong cluster key, ...
+            out["not a member"] = self._zap.refused  # ... or a key not in the keyring
+        if self._sender_mismatch:
+            out["sender name"] = self._sender_mismatch
+        return out
 
     # -- introspection -------------------------------------------------------------------
 
@@ -558,7 +758,14 @@ class Peer:
             control_received=rs.received, control_sent=rs.sent,
             shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
             shm_fallbacks=dict(self._shm_refused),
-            reports=tuple(self._reports),
+            security=self._security_text(), refused=self._refused(),
+            digest=self.config.digest_algo + (
+                " (trusted fleet only: a holder can forge chunks that pass)"
+                if self.config.digest_algo in TRUSTED_ONLY else " (cryptographic)"),
+            bans={n: f"{why} ({left:.0f} s left)"
+                  for n, (left, why) in self.bans.active(trio.current_time()).items()},
+            ban_notices=dict(self.bans.notices),
+            reports=tuple(self._reports), data_server=self._server.statistics(),
         )
 
 
@@ -578,6 +785,6 @@ async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
                         await peer._leave()
                     nursery.cancel_scope.cancel()
         finally:
-            peer._router.close()  # closed already unless startup failed before it ran
+            peer._close_sockets()  # closed already unless startup failed before they ran
     finally:
         ctx.term()

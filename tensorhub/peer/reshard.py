@@ -17,7 +17,8 @@ from ..protocol.layout import execute
 from ..protocol.resharding import plan_reshard
 from ..protocol.sharding import Sharding
 from ..protocol.versions import Seal
-from .fetcher import Fetch, Fetched, FetchReport, allocate_flat, first_error, prepare_destination
+from .destination import allocate_flat, prepare_destination
+from .fetcher import Fetch, Fetched, FetchReport, first_error
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -106,7 +107,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         job = Fetch(me=peer.info.name, local=part, view=peer._view(allowed),
                     upstream=allowed or frozenset(), connect=peer._connect,
                     window=peer._window(m), stall_timeout=peer.config.stall_timeout,
-                    on_progress=lambda: None, only=plan.chunks[s])
+                    on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
+                    only=plan.chunks[s])
         peer._fetches.add(job)
         try:
             reports.append(await job.run())

@@ -63,8 +63,9 @@ class Retention:
                     "offload is off (PeerConfig.retention_offload), so it stays published")
             copies = await trio.to_thread.run_sync(
                 lambda: [np.array(a, copy=True) for a in local.arrays])
-            await self.peer.store.swap(LocalVersion(local.manifest, copies, local.publisher,
-                                                    verified=True))
+            copy = LocalVersion(local.manifest, copies, local.publisher, verified=True)
+            copy.announced = local.announced
+            await self.peer.store.swap(copy)
             self.offloaded.add(key)
             return True
         finally:

@@ -37,6 +37,9 @@ class LocalVersion:
         self.publisher = publisher
         self.derived = derived
         """Slices assembled in a consumer's own layout (see :attr:`Holding.derived`)."""
+        self.announced: tuple[int, bytes] = (0, b"")
+        """The publisher's generation and signature of this publish (secure mode; see
+        :attr:`Holding.publisher_sig`), carried by every copy."""
         n = manifest.num_chunks
         self.verified = bytearray(b"\x01" * n if verified else n)
         self.num_verified = n if verified else 0
@@ -116,7 +119,7 @@ class LocalVersion:
         if not self.complete and not bitmap:  # nothing verified yet: an all-zero map
             bitmap = bytes((m.num_chunks + 7) // 8)
         return Holding(m.model, m.version, m.manifest_id(), self.publisher, m.num_chunks, bitmap,
-                       m.shard, m.world, m.layout, self.derived)
+                       m.shard, m.world, m.layout, self.derived, *self.announced)
 
 
 class Store:

@@ -15,6 +15,12 @@ Addressing: every peer's routing id is its own control endpoint (``tcp://host:po
 so the endpoint is all one needs to send to a peer.  ``ROUTER_MANDATORY`` turns a send to
 an unknown peer into an error instead of a silent drop; the owner then connects to that
 endpoint and retries the frame for a short while before dropping and counting it.
+
+Security: with :class:`CurveKeys` the socket binds as a CURVE server with the cluster
+key (the ZAP handler in :mod:`.zap` admits members only), then takes this member's
+client keys for every connect (ZeroMQ captures the options at each bind and connect).
+Frames that arrive over a connection a client made carry the member name ZAP gave it;
+the inbound channel yields it beside the frame (None on connections we made).
 """
 
 from __future__ import annotations
@@ -33,6 +39,16 @@ _RETRY_EVERY = 0.02
 
 
 @dataclass(frozen=True)
+class CurveKeys:
+    """Z85 CURVE keys: the cluster's server pair and this member's client pair."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+@dataclass(frozen=True)
 class RouterStats:
     received: int
     sent: int
@@ -43,7 +59,7 @@ class RouterStats:
 
 class ZmqRouter:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
-                 max_bytes: int, queue: int) -> None:
+                 max_bytes: int, queue: int, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTING_ID, endpoint.encode())
@@ -52,6 +68,10 @@ class ZmqRouter:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, queue)
         sock.setsockopt(zmq.RCVHWM, queue)
+        if curve is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"tensorhub")
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -60,18 +80,47 @@ class ZmqRouter:
                 raise ConfigError(f"control address {endpoint} is already in use") from None
             raise ConfigError(f"cannot listen on {endpoint}: {exc}") from None
         self._sock = sock
+        self._curve = curve
+        self._client_keys = None if curve is None else (curve.client_public,
+                                                        curve.client_secret)
+        self._connected: set[str] = set()
+        self._client_keys_set: tuple[bytes, bytes] | None = None
+        if curve is not None:
+            self._use_client_keys()
         self._queue = queue
         self._out: collections.deque[tuple[str, bytes]] = collections.deque()
         self._retry: list[tuple[float, str, bytes]] = []
         self._known: set[str] = set()
         self._first_try: dict[str, float] = {}
         self._wake: trio.CancelScope | None = None
-        self.inbound_send, self.inbound = trio.open_memory_channel[tuple[str, bytes]](queue)
+        self.inbound_send, self.inbound = trio.open_memory_channel[
+            tuple[str, bytes, str | None]](queue)
         self._received = self._sent = self._drop_in = self._drop_out = self._unreach = 0
 
     def close(self) -> None:
         """Close a socket whose owner task never ran (startup failed)."""
         self._sock.close(0)
+
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """For a monitor only (:class:`~.zap.HandshakeMonitor`); the owner task does
+        every other operation."""
+        return self._sock
+
+    def set_client_keys(self, public: bytes, secret: bytes) -> None:
+        """Connect with these CURVE client keys from now on (key rotation); the owner
+        re-connects what it connected with the old ones before its next send."""
+        self._client_keys = (public, secret)
+        if self._wake is not None:
+            self._wake.cancel()
+
+    def _use_client_keys(self) -> None:
+        assert self._curve is not None and self._client_keys is not None
+        self._sock.setsockopt(zmq.CURVE_SERVER, 0)
+        self._sock.setsockopt(zmq.CURVE_PUBLICKEY, self._client_keys[0])
+        self._sock.setsockopt(zmq.CURVE_SECRETKEY, self._client_keys[1])
+        self._sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
+        self._client_keys_set = self._client_keys
 
     def statistics(self) -> RouterStats:
         return RouterStats(self._received, self._sent, self._drop_in, self._drop_out,
@@ -105,15 +154,21 @@ class ZmqRouter:
     def _step(self) -> bool:
         """Do one receive and one send if possible; True if anything happened."""
         did = False
+        if self._curve is not None and self._client_keys is not self._client_keys_set:
+            self._use_client_keys()
+            for dest in self._connected:  # with the new key
+                self._sock.disconnect(dest)
+                self._sock.connect(dest)
         events: int = self._sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
         if events & zmq.POLLIN:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             did = True
             if len(frames) == 2:
-                sender = frames[0].decode("utf-8", "replace")
+                sender = frames[0].bytes.decode("utf-8", "replace")
                 self._known.add(sender)
                 try:
-                    self.inbound_send.send_nowait((sender, frames[1]))
+                    self.inbound_send.send_nowait((sender, frames[1].bytes,
+                                                   _user_id(frames[1])))
                     self._received += 1
                 except trio.WouldBlock:
                     self._drop_in += 1
@@ -140,6 +195,8 @@ class ZmqRouter:
         if dest not in self._known:
             self._known.add(dest)
             self._sock.connect(dest)
+            if self._curve is not None:
+                self._connected.add(dest)
         try:
             self._sock.send_multipart([dest.encode(), data], zmq.NOBLOCK)
             self._sent += 1
@@ -160,5 +217,15 @@ class ZmqRouter:
             self._drop_out += 1
             self._first_try.pop(dest, None)
             self._known.discard(dest)
+            self._connected.discard(dest)
             return
         self._retry.append((now + _RETRY_EVERY, dest, data))
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP user id (a member name) of a frame from a client; None otherwise."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:  # no such property: NULL mechanism, or a connection we made
+        return None
+    return user if isinstance(user, str) and user else None

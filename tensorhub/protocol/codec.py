@@ -126,6 +126,14 @@ def _to_wire(obj: Any) -> Any:
     return obj
 
 
+def fields_bytes(tag: bytes, *fields: Any) -> bytes:
+    """The bytes a signature covers: ``tag`` (one per kind of signed claim, so a
+    signature of one kind never passes for another) + the msgpack wire form of
+    ``fields`` (each a wire value or message dataclass, as :func:`encode` writes it)."""
+    packed: bytes = msgpack.packb(_to_wire(fields), use_bin_type=True)
+    return tag + packed
+
+
 def register(type_id: int, cls: type[T]) -> type[T]:
     """Give ``cls`` the wire id ``type_id`` (ids are never reused or renumbered)."""
     if type_id in _by_id or cls in _ids:

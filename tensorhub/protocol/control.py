@@ -15,22 +15,30 @@ clocks.  It composes two protocols:
   sender answers in turn (push-pull).  A local change is also pushed at once.
 
 When membership declares a peer dead or departed, its references are forgotten here,
-so a fetch is never routed to it.  ``changes`` counts table changes, so the shell can
-wake waiters (``wait_for_version``, fetches waiting for a holder).
+so a fetch is never routed to it; when it is seen alive again (it refuted), they are
+welcome again, and a peer that refutes re-stamps its own entry so the others pull it.
+
+Secure mode (``PeerConfig.security``): one :class:`~.trust.Trust` signs and checks for
+membership and the table; only version announcements signed by a publisher of the model
+count for sealing, and fetches are routed only to holdings of those announcements.
+
+``changes`` counts table changes, so the shell can wake waiters (``wait_for_version``,
+fetches waiting for a holder).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import PeerConfig
 from ..model import PeerInfo, VersionKey
 from .coordination import Coordination, CoordReply, CoordRequest
 from .membership import MemberEvent, Membership, Outbound
-from .refs import Holding, OriginEntry, RefTable, Stamp
+from .refs import Holding, OriginEntry, RefTable, Stamp, announcement_bytes
 from .topology import NodeInfo
+from .trust import Trust
 from .versions import Seal, ShardClaim, VersionView
 
 
@@ -59,17 +67,25 @@ class ControlPlane:
         self.me = me
         self.config = config
         self.rng = rng
-        self.membership = Membership(me, config, rng, now)
-        self.refs = RefTable(me.name, generation)
+        self.trust = Trust(config.security) if config.security is not None else None
+        """Signer and checker of gossip in secure mode (None: insecure)."""
+        self.membership = Membership(me, config, rng, now, self.trust,
+                                     generation if self.trust is not None else 0)
+        self.refs = RefTable(me.name, generation, self.trust)
+        self.generation = generation
         self.coordination = Coordination(me.name, me.control, generation)
         self.nic_bps = float(config.nic_bps)
         self.changes = 0
-        self.versions = VersionView()
+        self.versions = VersionView(
+            self.trust.version_window if self.trust is not None else None)
         """Which versions are sealed (published by every rank); ``latest`` per model."""
         self._fresh: set[str] = set()
         """Models whose seal status is current (others are recomputed when queried)."""
         self._next_gossip = now
         self._events: list[MemberEvent] = []
+        self._trusted: dict[str, frozenset[tuple[int, int, bytes, bytes]]] = {}
+        """Secure mode, per model: the (version, shard, layout, manifest id) of the
+        announcements that count (recomputed after table changes)."""
 
     # -- driving ------------------------------------------------------------------
 
@@ -97,6 +113,7 @@ class ControlPlane:
             merged = [e for e in msg.entries if self._accept(e.origin) and self.refs.merge(e)]
             if merged:
                 self._table_changed(merged)
+                return self._readopt()
             return []
         if isinstance(msg, CoordRequest):
             return self._on_coord_request(msg)
@@ -104,9 +121,71 @@ class ControlPlane:
             self.coordination.on_reply(msg)
             self.changes += 1
             return []
+        inc = self.membership.incarnation
         out = self.membership.receive(now, msg)
         self._absorb_events()
+        if self.membership.incarnation != inc:  # we refuted: peers that forgot us pull again
+            self.refs.bump_local()
+            self._table_changed([self.refs.local])
+            out += self._push_local()
         return out
+
+    def renew(self, now: float) -> list[Outbound]:
+        """After a key rotation: re-announce ourselves and our entry, signed anew."""
+        out = self.membership.renew(now)
+        self.refs.bump_local(tuple(self._resigned(h) for h in self.refs.local.holdings))
+        self._table_changed([self.refs.local])
+        return out + self._push_local()
+
+    def keyring_changed(self) -> None:
+        """The keyring was replaced: re-examine every announcement (cached verdicts are
+        dropped with the keyring generation)."""
+        self._fresh.clear()
+        self.changes += 1
+
+    def sign_announcement(self, holding: Holding) -> Holding:
+        """Our publish of ``holding``: stamped with our generation, signed in secure mode."""
+        return self._resigned(replace(holding, publisher=self.me.name,
+                                      publisher_gen=self.generation))
+
+    def _current_announcement(self, h: Holding) -> Holding:
+        """Our copy ``h`` of another publisher's announcement, with the publisher's
+        current signature: after it rotated its key, the one it re-signed with (found in
+        its own entry), so that the copy still counts once the old key is removed."""
+        if (self.trust is None or h.derived or h.publisher == self.me.name
+                or self._signed_by_publisher(h)):
+            return h
+        entry = self.refs.entry(h.publisher)
+        for p in entry.holdings if entry is not None else ():
+            if replace(p, bitmap=h.bitmap, publisher_sig=h.publisher_sig) == h \
+                    and self._signed_by_publisher(p):
+                return replace(h, publisher_sig=p.publisher_sig)
+        return h
+
+    def _readopt(self) -> list[Outbound]:
+        """Re-sign-adopt our copies (see :meth:`_current_announcement`); push if any."""
+        if self.trust is None:
+            return []
+        mine = self.refs.local.holdings
+        fresh = tuple(self._current_announcement(h) for h in mine)
+        if fresh == mine:
+            return []
+        self.refs.bump_local(fresh)
+        self._table_changed([self.refs.local])
+        return self._push_local()
+
+    def _resigned(self, h: Holding) -> Holding:
+        if self.trust is None or h.publisher != self.me.name or h.derived:
+            return h
+        return replace(h, publisher_sig=self.trust.sign(announcement_bytes(h)))
+
+    def announcement(self, key: VersionKey, manifest_id: bytes) -> tuple[int, bytes]:
+        """The publisher's ``(generation, signature)`` of ``key`` with ``manifest_id``,
+        as a holder we trust announces it: a fetched copy carries it along."""
+        for _, h in self.holders(key):
+            if not h.derived and h.manifest_id == manifest_id:
+                return h.publisher_gen, h.publisher_sig
+        return 0, b""
 
     def drain_events(self) -> list[MemberEvent]:
         events, self._events = self._events, []
@@ -115,7 +194,7 @@ class ControlPlane:
     # -- local holdings -----------------------------------------------------------
 
     def put_holding(self, holding: Holding) -> list[Outbound]:
-        self.refs.put_local(holding)
+        self.refs.put_local(self._current_announcement(holding))
         self._table_changed([self.refs.local])
         return self._push_local()
 
@@ -149,6 +228,8 @@ class ControlPlane:
         members = self.membership.members()
         out = []
         for origin, holding in self.refs.holders(key):
+            if not self._counts(holding):
+                continue
             if origin == self.me.name:
                 out.append((self.me, holding))
             elif origin in members and self.membership.is_live(origin):
@@ -160,7 +241,7 @@ class ControlPlane:
         members = self.membership.members()
         out = []
         for origin, h in self.refs.of_model(model):
-            if h.version != version:
+            if h.version != version or not self._counts(h):
                 continue
             if origin == self.me.name:
                 out.append((self.me, h))
@@ -169,14 +250,33 @@ class ControlPlane:
         return out
 
     def claims(self, model: str) -> list[ShardClaim]:
-        """What live holders announce of the publish shards of ``model``'s versions."""
+        """What live holders announce of the publish shards of ``model``'s versions
+        (secure mode: only announcements signed by a publisher of the model)."""
         members = self.membership.members()
         return [ShardClaim(origin, h.version, h.shard, h.world, h.layout, h.complete,
-                           h.manifest_id)
+                           h.manifest_id, h.publisher_gen)
                 for origin, h in self.refs.of_model(model)
-                if not h.derived and h.shard < h.world
+                if not h.derived and h.shard < h.world and self._signed_by_publisher(h)
                 and (origin == self.me.name
                      or (origin in members and self.membership.is_live(origin)))]
+
+    def _signed_by_publisher(self, h: Holding) -> bool:
+        trust = self.trust
+        return trust is None or (trust.keyring.may_publish(h.model, h.publisher)
+                                 and trust.check_cached(h.publisher, announcement_bytes(h),
+                                                        h.publisher_sig))
+
+    def _counts(self, h: Holding) -> bool:
+        """Secure mode: may fetches be routed to holding ``h``?  Derived holdings (a
+        consumer's own layout) yes; copies of a publish only of an announcement that
+        counts (signed by a publisher, the manifest that wins the version)."""
+        if self.trust is None or h.derived:
+            return True
+        self._refresh(h.model)
+        trusted = self._trusted.get(h.model)
+        if trusted is None:
+            trusted = self._trusted[h.model] = self.versions.counted(h.model)
+        return (h.version, h.shard, h.layout, h.manifest_id) in trusted
 
     def readable(self, model: str) -> list[int]:
         """Versions of ``model`` sealed now (every shard has a live complete holder and
@@ -203,6 +303,7 @@ class ControlPlane:
     def _refresh(self, model: str) -> None:
         if model not in self._fresh:
             self._fresh.add(model)
+            self._trusted.pop(model, None)
             self.versions.update(model, self.claims(model))
 
     # -- internals ----------------------------------------------------------------
@@ -217,6 +318,8 @@ class ControlPlane:
             if ev.kind in ("dead", "left") and self.refs.forget(ev.name):
                 self.changes += 1
                 self._fresh.clear()
+            elif ev.kind in ("alive", "joined"):
+                self.refs.unforget(ev.name)
         for ev in events:
             if ev.kind in ("dead", "left"):
                 self.coordination.peer_gone(ev.name)

@@ -22,6 +22,8 @@ NOT_YET = 2
 """The holder is still fetching this chunk itself."""
 BAD_REQUEST = 3
 """The request names a chunk outside the manifest or is otherwise invalid."""
+UNAUTHORIZED = 4
+"""The reader did not prove a member identity (see :class:`AuthHello`): nothing is served."""
 
 FRAME_HEADER = 4
 MAX_FRAME = 1 << 20  # requests and reply headers are small; manifests travel as payload
@@ -181,3 +183,43 @@ class ShmRevoke:
 
 
 MESSAGES_2 = (ShmVersionRequest, ShmVersionGrant, ShmRelease, ShmRevoke)
+
+
+# -- authentication (third id block): the handshake that opens every data connection ----
+#
+# When the holder has keys, every data connection (TCP or same-host) opens with a mutual
+# challenge-response before any request:
+#
+#   reader -> holder   AuthHello(reader's name, reader's nonce)
+#   holder -> reader   AuthHello("", holder's nonce)
+#   reader -> holder   AuthProof(reader's signature)
+#   holder -> reader   AuthProof(holder's signature), or Reply(0, UNAUTHORIZED) and close
+#
+# Each signs (a domain tag, its role, both nonces, its own name, the other's name) with
+# its Ed25519 identity; each checks the other's signature under the keys the keyring
+# lists for the name it expects.  The holder answers nothing -- not even its own proof --
+# before the reader's proof checks out.  Fresh nonces on both sides make a recorded
+# handshake useless on another connection.  (The bytes that follow are not encrypted:
+# integrity comes from the publisher's chunk digests; this keeps outsiders out.)
+
+NONCE_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class AuthHello:
+    """Who the sender is (empty from the holder: it says so only once the reader is
+    known) and its fresh random ``nonce`` (:data:`NONCE_BYTES`)."""
+
+    name: str
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AuthProof:
+    """The sender's Ed25519 signature over the handshake (see
+    :func:`tensorhub.transport.handshake.transcript`)."""
+
+    signature: bytes
+
+
+MESSAGES_3 = (AuthHello, AuthProof)

@@ -29,6 +29,13 @@ are forgotten after ``dead_reap_after``; the addresses of failed members are kep
 RECONNECT_TIMEOUT and, as Serf does, we now and then exchange state with one, which
 heals partitions.
 
+Signed claims (with ``PeerConfig.security``; see trust.py).  Every claim is signed by
+its origin; claims.py says which count (nobody speaks, refutes or accuses in advance
+for another, nor takes its address), and is asked only when a claim would change the
+view.  Only alive claims carry info that counts (the signature covers it).  A secure
+member starts at the incarnation it is given (the shell passes its boot stamp), so a
+restarted member outranks every claim about its previous life.
+
 Inputs carry ``now``; outputs are :class:`Outbound` messages, plus :class:`MemberEvent`
 records the caller drains.  No clock, no socket, randomness only from the rng given.
 """
@@ -48,8 +55,11 @@ from ..config import PeerConfig
 from ..errors import LocalProtocolError
 from ..model import PeerInfo
 from .broadcast import BroadcastQueue
+from .claims import ClaimCheck
+from .codec import fields_bytes
 from .probe import Probe, Prober
 from .suspicion import Health, Suspicion
+from .trust import Trust
 from .view import ALIVE, DEAD, LEFT, RANK, STATUSES, SUSPECT, MemberState, View
 
 __all__ = [
@@ -69,6 +79,7 @@ RECONNECT_MAX = 4096       # ... and at most this many (oldest forgotten first)
 EVENTS_MAX = 65536         # undrained events kept; older ones are dropped and counted
 
 _T_SUSPECT, _T_REAP, _T_FORGET = range(3)
+_TAG = b"tensorhub/member-claim/1\0"
 
 
 # -- wire messages ---------------------------------------------------------------------
@@ -77,13 +88,15 @@ _T_SUSPECT, _T_REAP, _T_FORGET = range(3)
 class Update:
     """One claim about one member.  ``kind`` indexes STATUSES; ``origin`` is who made
     it (the accuser of a suspicion or death, the member itself otherwise); ``info`` is
-    carried by alive claims and by full-state records."""
+    carried by alive claims and by full-state records; ``sig`` is the origin's
+    signature (empty without security; see :meth:`signed_bytes`)."""
 
     kind: int
     name: str
     incarnation: int
     origin: str
     info: PeerInfo | None
+    sig: bytes = b""
 
     def __post_init__(self) -> None:
         if not 0 <= self.kind <= _L or self.incarnation < 0:
@@ -92,6 +105,12 @@ class Update:
             self.info is not None and self.info.name != self.name
         ):
             raise ValueError("update info missing or about another member")
+
+    def signed_bytes(self) -> bytes:
+        """What ``sig`` covers: the claim, with ``info`` only where it is the claim's
+        own (alive), so records may carry a member's info beside any claim."""
+        info = self.info if self.kind == _A else None
+        return fields_bytes(_TAG, self.kind, self.name, self.incarnation, self.origin, info)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +170,11 @@ Message = Ping | IndirectPing | Ack | Nack | Gossip | PushPull
 _HANDLED = frozenset(MESSAGES)
 
 
+def _with_info(u: Update, info: PeerInfo | None) -> Update:
+    """``u`` carrying ``info`` (its signature stays valid: see :meth:`Update.signed_bytes`)."""
+    return Update(u.kind, u.name, u.incarnation, u.origin, info, u.sig)
+
+
 # -- outputs -------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +215,15 @@ class Membership:
     :meth:`next_deadline`, :meth:`receive` for every message; send what they return."""
 
     def __init__(self, me: PeerInfo, config: PeerConfig, rng: random.Random,
-                 now: float) -> None:
+                 now: float, trust: Trust | None = None, incarnation: int = 0) -> None:
         self.me = me
         self._cfg = config
         self._rng = rng
         self._name = me.name
         self._addr = me.control
-        self._inc = 0
+        self._inc = incarnation
+        self._trust = trust
+        self._check = ClaimCheck(trust, me.name) if trust is not None else None
         self._left = False
         self._seeds: tuple[str, ...] = ()
         self._view = View(me.name, RECONNECT_MAX)
@@ -378,7 +404,14 @@ class Membership:
                 new = u.incarnation * 4 + kind
                 if new < key or (new == key and kind != _S):
                     continue
+            if self._check is not None and u.name != self._name \
+                    and not self._check.about_other(u, self._live_infos()):
+                continue
             self._apply(now, u, kind, out)
+
+    def _live_infos(self) -> Iterable[PeerInfo]:
+        states = self._view.states
+        return (states[n].info for n in (*self._view.live, self._name))
 
     def _apply(self, now: float, u: Update, kind: int, out: list[Outbound]) -> None:
         name = u.name
@@ -392,17 +425,27 @@ class Membership:
             return
         if u.incarnation == st.incarnation and kind == RANK[st.status]:
             if kind == _S:
-                self._confirm(name, u.origin)
+                if u.kind != kind and self._trust is not None:  # a remote "dead": ours now
+                    self._confirm(name, self._name, None)
+                else:
+                    self._confirm(name, u.origin, u.sig)
             return
-        info = st.info if u.info is None or u.info == st.info else u.info
+        # Secure mode: only a member's own (signed) alive claim may change its info.
+        info = u.info
+        if info is None or info == st.info or (self._trust is not None and u.kind != _A):
+            info = st.info
         self._change(now, name, kind, u.incarnation, u.origin, info, u)
 
     def _change(self, now: float, name: str, kind: int, inc: int, origin: str,
                 info: PeerInfo, heard: Update | None = None) -> None:
-        if heard is not None and heard.kind == kind and heard.info is info:
-            record = heard  # share the record we were sent: peers' views hold one object
-        else:
-            record = Update(kind, name, inc, origin, info)
+        if heard is not None and heard.kind == kind:
+            # Share the record we were sent (peers' views hold one object) and its
+            # signature, which does not depend on info except for alive claims, and
+            # those carry the info they are stored with.
+            record = heard if heard.info is info else _with_info(heard, info)
+        else:  # ours, or a remote "dead" taken as a suspicion: secure mode makes it ours
+            record = self._signed(Update(kind, name, inc, self._name if self._trust
+                                         else origin, info))
         old = self._view.set(name, MemberState(info, STATUSES[kind], inc), record, now)
         old_kind = RANK[old.status] if old is not None else _L
         if kind <= _S < old_kind:
@@ -417,21 +460,32 @@ class Membership:
             self._push_timer(now + self._cfg.dead_reap_after, _T_REAP, name)
         if kind != _A:  # suspicions and deaths travel without the member's info
             record = heard if heard is not None and heard.kind == kind and heard.info is None \
-                else Update(kind, name, inc, origin, None)
+                else _with_info(record, None)
         self._queue.put(name, record)
         event = ("joined" if old_kind >= _D else ALIVE) if kind == _A else STATUSES[kind]
         self._emit(MemberEvent(event, name, inc))
 
-    def _confirm(self, name: str, accuser: str) -> None:
+    def _confirm(self, name: str, accuser: str, sig: bytes | None) -> None:
+        """Count ``accuser``'s suspicion (``sig``: its signature; None: ours, to make)."""
         s = self._suspicions.get(name)
         if s is not None and s.confirm(accuser):
             self._push_timer(s.deadline(), _T_SUSPECT, name)
-            self._queue.put(name, Update(_S, name, s.incarnation, accuser, None))
+            claim = Update(_S, name, s.incarnation, accuser, None, b"" if sig is None else sig)
+            self._queue.put(name, self._signed(claim) if sig is None else claim)
+
+    def _signed(self, u: Update) -> Update:
+        """``u`` (our own claim) with our signature in secure mode."""
+        if self._trust is None:
+            return u
+        return Update(u.kind, u.name, u.incarnation, u.origin, u.info,
+                      self._trust.sign(u.signed_bytes()))
 
     def _about_me(self, now: float, u: Update, out: list[Outbound]) -> None:
         if self._left or u.incarnation < self._inc:
             return
         if u.incarnation == self._inc and u.kind == _A and u.info == self.me:
+            return
+        if self._check is not None and not self._check.about_me(u, self._inc):
             return
         if u.kind != _A:
             self._health.apply(1)
@@ -442,9 +496,19 @@ class Membership:
         out.extend(Outbound(self._view.control(n), Gossip(self._addr, self._name, (record,)))
                    for n in self._view.pick(self._rng, self._cfg.gossip_fanout, None))
 
+    def renew(self, now: float) -> list[Outbound]:
+        """Announce ourselves alive at a new incarnation (signed with the current key:
+        after a key rotation, so that our claims verify once the old key is removed)."""
+        if self._left:
+            return []
+        self._inc += 1
+        record = self._set_self(ALIVE, now)
+        return [Outbound(self._view.control(n), Gossip(self._addr, self._name, (record,)))
+                for n in self._view.pick(self._rng, self._cfg.gossip_fanout, None)]
+
     def _set_self(self, status: str, now: float) -> Update:
         kind = RANK[status]
-        record = Update(kind, self._name, self._inc, self._name, self.me)
+        record = self._signed(Update(kind, self._name, self._inc, self._name, self.me))
         self._view.set(self._name, MemberState(self.me, status, self._inc), record, now)
         self._queue.put(self._name, record)
         return record
@@ -457,7 +521,7 @@ class Membership:
         self._change(now, name, _D, s.incarnation, self._name, info)
         # If it is only slow, it refutes when it hears this.
         out.append(Outbound(info.control, Gossip(
-            self._addr, self._name, (Update(_D, name, s.incarnation, self._name, None),))))
+            self._addr, self._name, (_with_info(self._view.records[name], None),))))
 
     def _reap(self, now: float, name: str) -> None:
         if self._view.reap(name, now, self._cfg.dead_reap_after) and name in self._view.failed:
@@ -502,14 +566,14 @@ class Membership:
         self._health.apply(p.nacks_expected - p.nacks if p.nacks_expected else 1)
         st = self._view.states.get(p.target)
         if st is None or st.status == SUSPECT:
-            self._confirm(p.target, self._name)
+            self._confirm(p.target, self._name, None)
             return
         if st.status != ALIVE:
             return
         self._counts["suspicions"] += 1
         self._change(now, p.target, _S, st.incarnation, self._name, st.info)
         out.append(Outbound(st.info.control, Gossip(self._addr, self._name, (
-            Update(_S, p.target, st.incarnation, self._name, None),))))
+            _with_info(self._view.records[p.target], None),))))
 
     def _on_ack(self, msg: Ack, out: list[Outbound]) -> None:
         relay = self._prober.relays.pop(msg.seq, None)

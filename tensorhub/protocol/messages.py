@@ -6,7 +6,7 @@ a fixed id block so that a module can append messages without shifting anyone el
 
 from __future__ import annotations
 
-from . import codec, control, coordination, dataplane, groups, membership, retention
+from . import bans, codec, control, coordination, dataplane, groups, membership, retention
 
 _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (1, dataplane.MESSAGES),     # 1..9: data plane
@@ -16,6 +16,8 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (60, groups.MESSAGES),       # 60..69: model-parallel group switches
     (70, retention.MESSAGES),    # 70..79: retention hand-over
     (80, dataplane.MESSAGES_2),  # 80..89: data plane, continued (same-host version leases)
+    (90, bans.MESSAGES),         # 90..99: ban notices (hints about holders of bad bytes)
+    (100, dataplane.MESSAGES_3), # 100..109: data plane, continued (authentication)
 )
 
 

@@ -18,7 +18,18 @@ size, and asks back when the digest shows the sender knows something newer.
 
 Entries of peers that membership declares dead or departed are dropped
 (:meth:`RefTable.forget`) and refused until that origin shows a newer stamp, so a stale
-copy gossiped by a slow peer cannot bring a dead holder back.
+copy gossiped by a slow peer cannot bring a dead holder back -- or until membership sees
+the origin alive again (it refuted the suspicion: :meth:`RefTable.unforget`), when its
+current entry is welcome again whatever its stamp.
+
+Signatures (with ``PeerConfig.security``; see trust.py).  An entry carries its origin's
+signature over ``(stamp, holdings)``; :meth:`RefTable.merge` checks it before keeping
+an entry, so nobody writes entries on behalf of another origin.  Each holding of a
+published shard also carries its *publisher's* signature over what the publish
+announced (:func:`announcement_bytes`: model, version, shard, world, layout, manifest
+id, chunk count, publisher and the publisher's generation); copies made by fetchers
+carry the same signature, and sealing counts only holdings whose signature verifies
+(see versions.py).
 """
 
 from __future__ import annotations
@@ -27,6 +38,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from ..model import VersionKey
+from .codec import fields_bytes
+from .trust import Trust
+
+_TAG_ENTRY = b"tensorhub/ref-entry/1\0"
+_TAG_ANNOUNCEMENT = b"tensorhub/version/1\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +65,10 @@ class Holding:
     published in (a publishing rank, or an exact copy), so the holding counts towards
     sealing and retention.  True: slices a consumer assembled in its own layout; they
     serve readers of that layout but say nothing about the publish."""
+    publisher_gen: int = 0
+    """The publisher's generation (boot stamp) when it published: see versions.py."""
+    publisher_sig: bytes = b""
+    """The publisher's signature over :func:`announcement_bytes` (secure mode)."""
 
     @property
     def key(self) -> VersionKey:
@@ -68,6 +88,12 @@ class Holding:
         if not self.bitmap:
             return self.num_chunks
         return sum(bin(b).count("1") for b in self.bitmap)
+
+
+def announcement_bytes(h: Holding) -> bytes:
+    """What a publisher signs when it publishes (and every copy carries)."""
+    return fields_bytes(_TAG_ANNOUNCEMENT, h.model, h.version, h.shard, h.world, h.layout,
+                        h.manifest_id, h.num_chunks, h.publisher, h.publisher_gen)
 
 
 def bitmap_of(chunks: Iterable[int], num_chunks: int) -> bytes:
@@ -95,6 +121,11 @@ class Stamp:
 class OriginEntry:
     stamp: Stamp
     holdings: tuple[Holding, ...]
+    sig: bytes = b""
+    """The origin's signature over :meth:`signed_bytes` (secure mode)."""
+
+    def signed_bytes(self) -> bytes:
+        return fields_bytes(_TAG_ENTRY, self.stamp, self.holdings)
 
     @property
     def origin(self) -> str:
@@ -102,8 +133,8 @@ class OriginEntry:
 
     def wire_size(self) -> int:
         """An upper estimate of the encoded size, for splitting deltas into parts."""
-        return 64 + sum(
-            112 + len(h.model) + len(h.publisher) + len(h.bitmap) + len(h.layout)
+        return 128 + sum(
+            192 + len(h.model) + len(h.publisher) + len(h.bitmap) + len(h.layout)
             for h in self.holdings
         )
 
@@ -111,10 +142,11 @@ class OriginEntry:
 class RefTable:
     """This peer's view of every origin's holdings, plus its own entry."""
 
-    def __init__(self, me: str, generation: int) -> None:
+    def __init__(self, me: str, generation: int, trust: Trust | None = None) -> None:
         self.me = me
+        self._trust = trust
         self._entries: dict[str, OriginEntry] = {
-            me: OriginEntry(Stamp(me, generation, 0), ())
+            me: self._signed(OriginEntry(Stamp(me, generation, 0), ()))
         }
         self._forgotten: dict[str, Stamp] = {}
 
@@ -124,9 +156,19 @@ class RefTable:
     def local(self) -> OriginEntry:
         return self._entries[self.me]
 
+    def _signed(self, entry: OriginEntry) -> OriginEntry:
+        if self._trust is None:
+            return entry
+        return replace(entry, sig=self._trust.sign(entry.signed_bytes()))
+
     def _set_local(self, holdings: tuple[Holding, ...]) -> None:
         st = self.local.stamp
-        self._entries[self.me] = OriginEntry(replace(st, seq=st.seq + 1), holdings)
+        self._entries[self.me] = self._signed(OriginEntry(replace(st, seq=st.seq + 1), holdings))
+
+    def bump_local(self, holdings: tuple[Holding, ...] | None = None) -> None:
+        """Re-stamp (and re-sign) our entry, so every peer pulls it again: after we
+        refuted a suspicion (peers that forgot us want a newer stamp) or rotated keys."""
+        self._set_local(self.local.holdings if holdings is None else holdings)
 
     def put_local(self, holding: Holding) -> None:
         """Add or replace our holding of ``holding.key``."""
@@ -178,13 +220,16 @@ class RefTable:
         if origin == self.me:
             return False  # only we write our own entry
         gone = self._forgotten.get(origin)
-        if gone is not None:
-            if not entry.stamp.newer_than(gone):
-                return False
-            del self._forgotten[origin]
+        if gone is not None and not entry.stamp.newer_than(gone):
+            return False
         held = self._entries.get(origin)
         if not entry.stamp.newer_than(held.stamp if held else None):
             return False
+        if self._trust is not None and not self._trust.check(
+                origin, entry.signed_bytes(), entry.sig):
+            self._trust.refuse("reference entry")
+            return False
+        self._forgotten.pop(origin, None)
         self._entries[origin] = entry
         return True
 
@@ -195,7 +240,15 @@ class RefTable:
             self._forgotten[origin] = entry.stamp
         return entry is not None
 
+    def unforget(self, origin: str) -> None:
+        """``origin`` is alive again (it refuted a suspicion or death): accept its
+        entry again, whatever its stamp."""
+        self._forgotten.pop(origin, None)
+
     # -- queries -----------------------------------------------------------------
+
+    def entry(self, origin: str) -> OriginEntry | None:
+        return self._entries.get(origin)
 
     def origins(self) -> Iterator[OriginEntry]:
         return iter(self._entries.values())

@@ -29,6 +29,20 @@ the versions newer than everything reported before, ascending, each exactly once
 view's lifetime: the shell wakes ``wait_for_version`` waiters with exactly that list.
 The view is per process; a restarted peer starts a new, again monotonic, history.
 
+Trusted announcements (secure mode: the view is built with a ``window``).  The shell
+passes only claims whose publisher signature verifies and whose publisher may publish
+the model.  On top of that the view (1) refuses versions more than ``window`` past
+``latest`` (none while nothing is sealed: the first version sets the base), so a
+publisher key cannot jump the numbering out of reach; (2) keeps, per version and shard,
+the manifest it saw sealed, and ignores claims of another manifest for it afterwards:
+a sealed version is never taken over; (3) before a version is sealed, when signed
+claims of one shard name different manifests (a restarted publisher re-publishing the
+number, a replay of an old announcement), counts only the *earliest* publish -- the
+lowest ``(publisher generation, manifest id)`` -- so every peer that sees the same
+claims picks the same manifest, and a later re-publish of a number is ignored rather
+than reported as a conflict.  :meth:`VersionView.counted` says which announcements
+count, so that fetches are routed only to their holders.
+
 Retention.  A :class:`RetentionPolicy` per model says which versions must stay
 readable: the ``keep_latest`` newest sealed versions plus every pinned one
 (:func:`retained`).  Before a holder drops its copy of a shard (unpublish, or making
@@ -62,6 +76,8 @@ class ShardClaim:
     layout_id: bytes
     complete: bool
     manifest_id: bytes = b""
+    generation: int = 0
+    """The publisher's generation when it published (secure mode's tie-break)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard < self.world:
@@ -154,6 +170,26 @@ def seal_status(claims: Iterable[ShardClaim]) -> dict[int, Seal]:
 class _ModelState:
     latest: int | None = None
     seals: dict[int, Seal] = field(default_factory=dict)
+    sealed_manifests: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    """Secure mode: ``(version, shard) -> manifest id`` of every version seen sealed."""
+    counted: frozenset[tuple[int, int, bytes, bytes]] = frozenset()
+
+
+def _winning(claims: list[ShardClaim], state: _ModelState, window: int
+             ) -> list[ShardClaim]:
+    """The claims that count in secure mode (see the module docstring)."""
+    ceiling = None if state.latest is None else state.latest + window
+    best: dict[tuple[int, int], tuple[int, bytes]] = {}
+    for c in claims:
+        if ceiling is not None and c.version > ceiling:
+            continue
+        at = (c.version, c.shard)
+        sealed = state.sealed_manifests.get(at)
+        rank = (c.generation, c.manifest_id) if sealed is None else (0, sealed)
+        if at not in best or rank < best[at]:
+            best[at] = rank
+    return [c for c in claims if (c.version, c.shard) in best
+            and best[(c.version, c.shard)][1] == c.manifest_id]
 
 
 class VersionView:
@@ -163,19 +199,42 @@ class VersionView:
     for that model; wake ``wait_for_version`` waiters with what it returns.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        """``window``: secure mode's version window (None: insecure, every claim counts)."""
         self._models: dict[str, _ModelState] = {}
+        self._window = window
 
     def update(self, model: str, claims: Iterable[ShardClaim]) -> tuple[int, ...]:
         """Take a new table snapshot of ``model``; return the versions sealed in it that
         are newer than every version reported before, ascending (each reported once)."""
         state = self._models.setdefault(model, _ModelState())
+        claims = list(claims)
+        if self._window is not None:
+            # A seal is kept while anyone announces its version, even with another
+            # manifest (then forgotten: a version nobody holds any more is decided
+            # afresh, by the earliest publish, if it comes back).
+            mentioned = {c.version for c in claims}
+            state.sealed_manifests = {at: m for at, m in state.sealed_manifests.items()
+                                      if at[0] in mentioned}
+            claims = _winning(claims, state, self._window)
+            state.counted = frozenset((c.version, c.shard, c.layout_id, c.manifest_id)
+                                      for c in claims)
         state.seals = seal_status(claims)
+        if self._window is not None:
+            for c in claims:
+                if state.seals[c.version].sealed:
+                    state.sealed_manifests.setdefault((c.version, c.shard), c.manifest_id)
         floor = -1 if state.latest is None else state.latest
         newer = tuple(v for v, s in state.seals.items() if s.sealed and v > floor)
         if newer:
             state.latest = newer[-1]
         return newer
+
+    def counted(self, model: str) -> frozenset[tuple[int, int, bytes, bytes]]:
+        """Secure mode: the ``(version, shard, layout id, manifest id)`` announcements
+        of ``model`` that counted in the latest snapshot."""
+        state = self._models.get(model)
+        return frozenset() if state is None else state.counted
 
     def latest(self, model: str) -> int | None:
         """The highest version of ``model`` ever seen sealed here (None if none)."""

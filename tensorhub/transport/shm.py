@@ -1,7 +1,8 @@
 """Same-host data plane: one copy, straight from the holder's arrays into the reader's.
 
-A reader on the holder's host uses the ordinary TCP data connection
-(:mod:`tensorhub.transport.tcp`) for control only.  For each chunk it sends a
+A reader on the holder's host talks to it over a Unix socket (:mod:`.local`: the
+kernel tells the holder who connected), with the framing of the TCP data connection
+(:mod:`tensorhub.transport.tcp`), for control only.  For each chunk it sends a
 ``ShmChunkRequest``; the holder leases the chunk and says where its bytes lie.  If they
 lie in shared memory files (arrays from :func:`tensorhub.transport.shmem.shared_empty`,
 and every fetched version) the grant names the files (``ShmFileGrant``) and the reader
@@ -26,7 +27,9 @@ refused (``NOT_HELD``).  Any other holder (still receiving, plain arrays, the co
 hook armed) answers the request as a ``ShmChunkRequest``, and the connection asks chunk
 by chunk from then on.
 
-Three checks make this safe.  At connect the holder sends its pid and a random token that
+Four checks make this safe.  The holder answers only its own user (or root), as the
+kernel reports the socket's other end (``SO_PEERCRED``); the reader checks the same of
+the holder.  At connect the holder sends its pid and a random token that
 lies in its memory (``ShmWelcome``); reading the token back proves that the reader shares
 the holder's host and pid namespace and is allowed to read its memory (the kernel's
 ptrace rules: same user, ``kernel.yama.ptrace_scope`` 0, no seccomp filter).  The holder
@@ -37,6 +40,9 @@ go of the lease during a copy makes the read fail instead of returning bytes tha
 changed under it.  A memory file is used only if it is the very file granted (its inode
 matches: descriptor numbers get reused), sealed against shrinking (so a mapping cannot
 fault past its end) and long enough for the piece granted.
+
+A reader that stops answering loses its lease (revocation, in :mod:`.shm_serve`); the
+check after each copy makes sure it never uses a copy that outlived its lease.
 
 This module is the reader side.  The holder side is :mod:`.shm_serve`; the kernel copy
 :mod:`.crossmem`, the memory files :mod:`.shmem`, the copy threads :mod:`.copypool`.
@@ -74,11 +80,15 @@ from ..protocol.dataplane import (
 from . import copypool
 from .base import NotServing, Verifier, read_each
 from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
+from .frames import _recv_frame, _send_frame
+from .handshake import DataAuth
+from .local import credentials, local_name, same_user
 from .shmem import MappedFiles, Pieces
-from .tcp import TcpConnection, _recv_frame, _send_frame
+from .tcp import TcpConnection, _dial
 
 __all__ = ["ShmConnection", "shm_available"]
 
+_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 RELEASE_CHUNKS = 131072  # chunk indices per ShmRelease frame: 512 KiB
 
 
@@ -114,10 +124,10 @@ def _land_batch(files: MappedFiles, jobs: Sequence[tuple[Pieces, Sequence[memory
 
 
 class ShmConnection(TcpConnection):
-    """A reader's same-host connection: TCP for control; payload copied from the holder's
-    memory files or with ``process_vm_readv``.
+    """A reader's same-host connection: a Unix socket for control; payload copied from the
+    holder's memory files or with ``process_vm_readv``.
 
-    Manifests travel over TCP as usual.  :meth:`connect` fails with a
+    Manifests travel over the same socket, framed as over TCP.  :meth:`connect` fails with a
     :class:`TransportError` naming the reason when the holder's memory cannot be read.
     """
 
@@ -144,9 +154,16 @@ class ShmConnection(TcpConnection):
         """Chunks granted one by one on this connection (statistics, tests)."""
 
     @classmethod
-    async def connect(cls, address: str, peer: str, timeout: float) -> ShmConnection:
-        conn = await super().connect(address, peer, timeout)
-        assert isinstance(conn, ShmConnection)
+    async def connect(cls, address: str, peer: str, timeout: float,
+                      auth: DataAuth | None = None) -> ShmConnection:
+        """Connect to the same-host socket of the holder whose data address is
+        ``address`` (see :mod:`.local`), authenticate as over TCP, and check that we can
+        read its memory."""
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        await _dial(sock, local_name(address), peer, timeout, auth,
+                    f"no same-host connection to {peer} (on another host or in another "
+                    "network namespace?)")
+        conn = cls(sock, peer)
         try:
             with trio.fail_after(timeout):
                 await conn._hello()
@@ -177,6 +194,10 @@ class ShmConnection(TcpConnection):
         except OSError as exc:
             raise TransportError(f"{elsewhere}: {exc.strerror}; it runs on another host "
                                  "or in another pid namespace") from None
+        pid, uid, _ = credentials(self._sock)
+        if not same_user(uid) or pid != welcome.pid:
+            raise TransportError(f"{elsewhere}: the kernel says pid {pid} of user {uid} "
+                                 "holds the socket")
         self._pid = self._files.pid = welcome.pid
         echo = bytearray(len(welcome.token))
         token_at = np.array([[welcome.token_at, len(echo)]], dtype=np.uint64)
@@ -190,19 +211,22 @@ class ShmConnection(TcpConnection):
         self._check_holder()
 
     def _holder_state(self) -> tuple[bool, bool]:
-        """(the holder exited, its socket has something to say or hung up)."""
+        """(the holder exited or ended the connection, its socket has something to say).
+        A connection the holder ended is a lease it let go of (revoked, or closed)."""
         if self._poll is None:
             self._poll = select.poll()
             self._poll.register(self._pidfd, select.POLLIN)
             self._poll.register(self._sock.fileno(), select.POLLIN | select.POLLRDHUP)
         ready = dict(self._poll.poll(0))
-        return self._pidfd in ready, self._sock.fileno() in ready
+        ended = ready.get(self._sock.fileno(), 0) & _HUNG_UP
+        return self._pidfd in ready or bool(ended), self._sock.fileno() in ready
 
     def _check_holder(self) -> None:
         """Fail unless the holder is alive and the connection open (after every copy)."""
         dead, spoke = self._holder_state()
         if dead:
-            raise TransportError(f"{self.peer} (pid {self._pid}) exited during the copy")
+            raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
+                                 "connection during the copy")
         if spoke:
             raise TransportError(f"{self.peer} closed the connection (or spoke out of turn) "
                                  "during the copy")
@@ -364,7 +388,8 @@ class ShmConnection(TcpConnection):
         released if any check failed."""
         dead, spoke = self._holder_state()
         if dead:
-            raise TransportError(f"{self.peer} (pid {self._pid}) exited")
+            raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
+                                 "connection")
         if spoke:
             await self._heard(lease)  # an unpublish (or a hang-up) since the last read
         if lease.revoked:
@@ -385,7 +410,8 @@ class ShmConnection(TcpConnection):
         bad = await copypool.pool.run(_land_batch, self._files, jobs)
         dead, spoke = self._holder_state()
         if dead:
-            raise TransportError(f"{self.peer} (pid {self._pid}) exited during the copy")
+            raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
+                                 "connection during the copy")
         if spoke:
             await self._heard(lease)  # a revoke still covers these copies: they were leased
         lease.copied.extend(chunks)

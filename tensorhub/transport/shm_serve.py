@@ -1,13 +1,33 @@
 """Same-host transport, holder side: answering ``ShmHello``, ``ShmChunkRequest`` and
-``ShmVersionRequest`` (handed over by :class:`~tensorhub.transport.tcp.TcpServer`); see
-:mod:`tensorhub.transport.shm` for the protocol and the reader side."""
+``ShmVersionRequest`` (handed over by :class:`~tensorhub.transport.server.TcpServer`
+from its same-host socket only); see :mod:`tensorhub.transport.shm` for the protocol and
+the reader side.
+
+Revocation.  A reader that does not end a chunk lease (``ShmDone``) within the holder's
+``lease_timeout``, or a version lease within it of a ``ShmRevoke``, is cut off: the holder
+shuts the connection down, and only then lets go of the memory, so ``unpublish`` returns
+within about ``lease_timeout`` even when a reader hangs.  The holder may then overwrite
+or free that memory while a copy is still running; that copy is harmless and never
+used.  With ``process_vm_readv`` the kernel reads the holder's pages on the reader's
+behalf, so a freed page makes the call fail (``EFAULT``) instead of faulting the reader;
+with a mapped memory file the reader copies from its own mapping, which the holder's
+letting go does not unmap (the file is sealed against shrinking), so the pages stay
+readable.  Either way the bytes may have changed, and the reader's check after every copy
+sees the connection ended (``POLLRDHUP``) -- the holder ended it before letting go, the
+copy ended after the memory changed, so the check comes after the end -- and fails the
+read; a ``ShmRevoke`` alone, the connection still up, means the copy was covered.  A
+reader therefore never returns bytes from memory it no longer leases; it reports a
+transport error and the fetcher takes the chunk from another holder.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,8 +52,8 @@ from ..protocol.dataplane import (
 )
 from .base import NotServing, Provider
 from .crossmem import iovecs_of
+from .frames import _recv_frame, _send_frame
 from .shmem import Pieces, address_of, pieces_of
-from .tcp import _recv_frame, _send_frame
 
 GRANT_IOVECS = 32768  # iovecs per ShmGrant frame: 512 KiB, well under MAX_FRAME
 GRANT_PIECES = 16384  # pieces per ShmFileGrant frame: 512 KiB
@@ -60,11 +80,23 @@ def _flipped_copy(segments: Sequence[memoryview]) -> memoryview:
     return memoryview(buf)
 
 
+@dataclass(frozen=True)
+class LeaseTerms:
+    """How a same-host reader's lease ends, from the holder's side."""
+
+    timeout: float
+    """Seconds a reader may take to end a chunk lease (ShmDone), or a revoked version
+    lease (ShmRelease), before the holder revokes it by closing the connection."""
+    on_sent: Callable[[str, int], None]
+    on_revoked: Callable[[str], None]
+    """Called with the reader's name each time a lease is revoked for lack of an answer."""
+
+
 async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
                     req: ShmHello | ShmChunkRequest | ShmVersionRequest,
-                    on_sent: Callable[[str, int], None]) -> None:
+                    terms: LeaseTerms) -> None:
     """Answer one same-host request; a chunk stays leased until the reader's ShmDone, a
-    version until its ShmRelease (or the connection's end)."""
+    version until its ShmRelease (or the connection's end, or revocation)."""
     if isinstance(req, ShmHello):
         await _send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
         return
@@ -78,14 +110,23 @@ async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
                 if pieces is not None:
                     corrupt = provider.corrupt_hook(peer)
                     if not corrupt:
-                        await _lease_version(sock, peer, local, req.req_id, pieces, on_sent)
+                        await _lease_version(sock, peer, local, req.req_id, pieces, terms)
                         return
-    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, on_sent, corrupt)
+    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, terms, corrupt)
+
+
+def _revoke(sock: trio.socket.SocketType) -> None:
+    """End a reader's lease by ending its connection -- before the lease's memory is
+    let go (the caller's context exits after this): a reader checks the connection
+    after every copy, so a copy that overlaps the end of the lease is never used.
+    ``shutdown``, not ``close``: the connection's thread-side twin shares the socket."""
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provider,
-                       key: VersionKey, req_id: int, chunk: int,
-                       on_sent: Callable[[str, int], None], corrupt: bool) -> None:
+                       key: VersionKey, req_id: int, chunk: int, terms: LeaseTerms,
+                       corrupt: bool) -> None:
     with ExitStack() as stack:
         try:
             await provider.wait_chunk(key, chunk)
@@ -99,16 +140,25 @@ async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provid
         rows, grant, per_frame = ((iovecs_of(segments), ShmGrant, GRANT_IOVECS) if files is None
                                   else (files, ShmFileGrant, GRANT_PIECES))
         total = int(rows[:, -1].sum())
-        for start in range(0, max(len(rows), 1), per_frame):
-            part = rows[start:start + per_frame].astype("<u8").tobytes()
-            await _send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
-        try:
-            done = await _recv_frame(sock)
-        except TransportError:
-            return  # the reader went away; its lease ends here
+        done: Any = None
+        with trio.move_on_after(terms.timeout) as waited:
+            for start in range(0, max(len(rows), 1), per_frame):
+                part = rows[start:start + per_frame].astype("<u8").tobytes()
+                await _send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
+            try:
+                done = await _recv_frame(sock)
+            except TransportError:
+                return  # the reader went away; its lease ends here
+        if waited.cancelled_caught:
+            with trio.move_on_after(0.1), suppress(TransportError, OSError):
+                await _send_frame(sock, ShmRevoke(req_id))
+            _revoke(sock)
+            terms.on_revoked(peer)
+            raise TransportError(f"{peer} held chunk {chunk} of {key} for over "
+                                 f"{terms.timeout}s; lease revoked")
         if done != ShmDone(req_id):
             raise RemoteProtocolError(f"expected ShmDone({req_id}), got {done!r:.80}")
-        on_sent(peer, total)
+        terms.on_sent(peer, total)
 
 
 _WHOLE: weakref.WeakKeyDictionary[Any, Pieces | None] = weakref.WeakKeyDictionary()
@@ -136,10 +186,11 @@ def _whole_version(local: Any) -> Pieces | None:
 
 
 async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, req_id: int,
-                         pieces: Pieces, on_sent: Callable[[str, int], None]) -> None:
+                         pieces: Pieces, terms: LeaseTerms) -> None:
     """Grant the whole version and keep it leased (we run inside ``Store.hold``) until
     the reader's ShmRelease or the connection's end.  If the version is unpublished
-    meanwhile, tell the reader (ShmRevoke): it releases once its copy in flight is done."""
+    meanwhile, tell the reader (ShmRevoke): it releases once its copy in flight is done,
+    or, silent for ``terms.timeout``, loses the lease with its connection."""
     manifest = local.manifest
     total = manifest.total_bytes
     for start in range(0, len(pieces), GRANT_PIECES):
@@ -153,7 +204,11 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
         # Shielded: never leave half a frame on the socket.  A reader that went away
         # ends the lease by the connection's end.
         with trio.CancelScope(shield=True), suppress(TransportError, OSError):
-            await _send_frame(sock, ShmRevoke(req_id))
+            with trio.move_on_after(terms.timeout):
+                await _send_frame(sock, ShmRevoke(req_id))
+        await trio.sleep(terms.timeout)
+        _revoke(sock)  # the release waited on below fails: the hold ends
+        terms.on_revoked(peer)
 
     copied: list[npt.NDArray[np.uint32]] = []
     got: Any = None
@@ -182,5 +237,5 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
     last = manifest.num_chunks - 1
     tail = total - last * manifest.chunk_size
     for c in chunks.tolist():
-        on_sent(peer, manifest.chunk_size if c != last else tail)
+        terms.on_sent(peer, manifest.chunk_size if c != last else tail)
     await _send_frame(sock, Reply(req_id, OK, 0))

@@ -12,11 +12,15 @@ whether a leased chunk lies in such files and, if so, grant the reader
 numbers get reused), maps the pages read-only and copies them with an ordinary memory
 copy instead of the kernel's cross-process copy (``process_vm_readv``).
 
-Lifetime: every view of the array keeps the mapping alive.  When the last one goes, a
-finalizer removes the registry entry and closes the descriptor *before* the pages are
-unmapped (so no lookup can find a stale range), and the kernel frees the memory once no
-process maps or holds the file any more -- a reader's mapping keeps it readable until the
-reader lets go.
+Lifetime: every view of the array keeps the mapping alive.  When the last one goes, the
+mapping's finalizer (``__del__``, which the interpreter runs before the base type's
+deallocation unmaps the pages) removes the registry entry and closes the descriptor:
+no lookup can find a stale range, and no other thread can map a new file at the same
+address while the old entry is still there.  (A weak-reference callback would run
+*after* the unmapping, which releases the GIL: two threads then raced, and one found its
+fresh mapping "registered twice".)  The kernel frees the memory once no process maps
+or holds the file any more -- a reader's mapping keeps it readable until the reader lets
+go.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import os
 import stat
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,8 +58,16 @@ def address_of(view: memoryview) -> int:
 
 
 class _Mapping(mmap.mmap):
-    """A memory file's mapping.  A Python subclass, because for those the interpreter
-    runs weak-reference callbacks (our finalizer) before the base type unmaps the pages."""
+    """A memory file's mapping, registered while it lives.  A Python subclass, for the
+    finalizer that the interpreter runs before the base type unmaps the pages."""
+
+    start = 0
+    fd = -1
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            _release(self.start, fd)
 
 
 _lock = threading.Lock()
@@ -88,14 +99,14 @@ def shared_empty(shape: int | Sequence[int], dtype: npt.DTypeLike = np.float32
         raise
     start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     _register(start, start + nbytes, fd, os.fstat(fd).st_ino)
-    weakref.finalize(mapping, _release, start, fd).atexit = False  # the OS cleans up then
+    mapping.start, mapping.fd = start, fd
     return np.frombuffer(mapping, dtype=dt).reshape(dims)
 
 
 def _register(start: int, end: int, fd: int, inode: int) -> None:
     with _lock:
         i = bisect.bisect_left(_starts, start)
-        if i < len(_starts) and _starts[i] == start:  # pragma: no cover - cannot happen
+        if i < len(_starts) and _starts[i] == start:  # pragma: no cover - a bug
             raise AssertionError(f"memory at {start:#x} registered twice")
         _starts.insert(i, start)
         _regions[start] = (end, fd, inode)

@@ -1,6 +1,6 @@
 """Data plane over TCP (trio sockets), payload landed with ``recv_into``.
 
-The server answers one request at a time per connection (see
+The holder's server (:mod:`.server`) answers one request at a time per connection (see
 :mod:`tensorhub.protocol.dataplane` for the framing).  Chunk payload is sent from the
 holder's own array memory and received straight into the reader's destination arrays:
 no ``bytes`` object is ever made of payload.
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import itertools
 import os
 import socket
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,39 +26,23 @@ from typing import Any
 import trio
 
 from ..errors import RemoteProtocolError, TransportError
+from ..limits import MAX_MANIFEST_BYTES
 from ..model import VersionKey
 from ..protocol import codec
 from ..protocol.dataplane import (
-    BAD_REQUEST,
     FRAME_HEADER,
     MAX_FRAME,
     OK,
     ChunkRequest,
     ManifestRequest,
     Reply,
-    ShmChunkRequest,
-    ShmHello,
-    ShmVersionRequest,
 )
-from .base import NotServing, Provider, Verifier, read_each
+from .base import NotServing, Verifier, read_each
+from .frames import _body_size, _recv_exact, _recv_frame, _send_frame
+from .handshake import DataAuth, prove_to_holder
 
-_LEN = struct.Struct(">I")
 _SOCKBUF = 4 << 20
 
-
-async def _recv_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = await sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise TransportError("connection closed mid-frame")
-        got += k
-
-
-async def _send_all(sock: trio.socket.SocketType, view: memoryview) -> None:
-    sent, n = 0, len(view)
-    while sent < n:
-        sent += await sock.send(view[sent:])
 
 
 # -- the payload path: plain sockets in threads ------------------------------------------
@@ -75,7 +57,7 @@ async def _send_all(sock: trio.socket.SocketType, view: memoryview) -> None:
 # ~8% on ``tensorhub bench transfer --only tcp``.
 
 _THREAD_TIMEOUT = 120.0  # a safety net; stalls are detected by the caller's deadline
-_MAX_MANIFEST = 64 << 20
+_MAX_MANIFEST = MAX_MANIFEST_BYTES  # the limits table's bound
 
 
 def _dup(sock: trio.socket.SocketType) -> socket.socket:
@@ -142,30 +124,6 @@ def _bytes_of(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _body_size(head: bytearray) -> int:
-    (size,) = _LEN.unpack(head)
-    if size > MAX_FRAME:
-        raise RemoteProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
-    return int(size)
-
-
-async def _recv_frame(sock: trio.socket.SocketType) -> Any:
-    head = bytearray(FRAME_HEADER)
-    await _recv_exact(sock, memoryview(head))
-    body = bytearray(_body_size(head))
-    await _recv_exact(sock, memoryview(body))
-    return codec.decode(bytes(body), MAX_FRAME)
-
-
-def _frame(msg: Any) -> bytes:
-    data = codec.encode(msg, MAX_FRAME)
-    return _LEN.pack(len(data)) + data
-
-
-async def _send_frame(sock: trio.socket.SocketType, msg: Any) -> None:
-    await _send_all(sock, memoryview(_frame(msg)))
-
-
 def _recv_frame_blocking(sock: socket.socket, on_idle: Callable[[], None]) -> Any:
     """The next frame, however long until its first byte: each time the socket's timeout
     passes with nothing, ``on_idle()`` decides whether to wait on (or raises)."""
@@ -189,121 +147,6 @@ def _tune(sock: trio.socket.SocketType) -> None:
     sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
     for opt in (trio.socket.SO_SNDBUF, trio.socket.SO_RCVBUF):
         sock.setsockopt(trio.socket.SOL_SOCKET, opt, _SOCKBUF)
-
-
-class TcpServer:
-    """Serves a :class:`Provider` to readers.  ``on_sent(peer_addr, nbytes)`` counts."""
-
-    def __init__(self, provider: Provider, on_sent: Callable[[str, int], None],
-                 on_bad: Callable[[str], None]) -> None:
-        self.provider = provider
-        self.on_sent = on_sent
-        self.on_bad = on_bad
-        self.port = 0
-        self._listener: trio.socket.SocketType | None = None
-        self._plains: dict[int, socket.socket] = {}
-
-    def bind(self, host: str, port: int) -> int:
-        """Bind the listening socket now, so a used port fails before anything starts."""
-        plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        plain.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            plain.bind((host, port))
-        except OSError as exc:
-            plain.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise TransportError(f"data address {host}:{port} is already in use") from None
-            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from None
-        plain.listen(128)
-        self._listener = trio.socket.from_stdlib_socket(plain)
-        self.port = plain.getsockname()[1]
-        return self.port
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                    ) -> None:
-        listener = self._listener
-        if listener is None:
-            raise RuntimeError("TcpServer.serve() before bind()")
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            with listener:
-                while True:
-                    sock, addr = await listener.accept()
-                    nursery.start_soon(self._serve_conn, sock, f"{addr[0]}:{addr[1]}")
-
-    async def _serve_conn(self, sock: trio.socket.SocketType, peer: str) -> None:
-        _tune(sock)
-        fd = sock.fileno()
-        try:
-            await self._serve_requests(sock, peer)
-        finally:
-            plain = self._plains.pop(fd, None)
-            if plain is not None:
-                plain.close()
-
-    async def _serve_requests(self, sock: trio.socket.SocketType, peer: str) -> None:
-        with sock:
-            try:
-                while True:
-                    try:
-                        req = await _recv_frame(sock)
-                    except TransportError:
-                        return  # reader went away between requests
-                    await self._answer(sock, peer, req)
-            except RemoteProtocolError as exc:
-                self.on_bad(f"{peer}: {exc}")
-            except OSError:
-                return  # reader reset the connection; nothing to clean up
-
-    def _plain(self, sock: trio.socket.SocketType) -> socket.socket:
-        """The thread-side twin of a connection (same descriptor, duplicated)."""
-        plain = self._plains.get(sock.fileno())
-        if plain is None:
-            plain = self._plains[sock.fileno()] = _dup(sock)
-        return plain
-
-    async def _answer(self, sock: trio.socket.SocketType, peer: str, req: Any) -> None:
-        if isinstance(req, ManifestRequest):
-            try:
-                key = VersionKey(req.model, req.version, req.shard, req.layout)
-                data = self.provider.manifest_bytes(key)
-            except NotServing as ns:
-                await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
-                return
-            await _send_frame(sock, Reply(req.req_id, OK, len(data)))
-            await _send_all(sock, memoryview(data))
-        elif isinstance(req, ChunkRequest):
-            key = VersionKey(req.model, req.version, req.shard, req.layout)
-            try:
-                await self.provider.wait_chunk(key, req.chunk)
-                lease = self.provider.lease(key, req.chunk)
-                segments = lease.__enter__()
-            except NotServing as ns:
-                await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
-                return
-            try:
-                total = sum(map(len, segments))
-                if self.provider.corrupt_hook(peer) and total:
-                    first = next(s for s in segments if len(s))
-                    flipped = bytes([first[0] ^ 0xFF])
-                    segments = [memoryview(flipped), first[1:],
-                                *segments[segments.index(first) + 1:]]
-                head = _frame(Reply(req.req_id, OK, total))
-                # Header and payload leave in one vectored write from a worker thread.
-                await trio.to_thread.run_sync(_send_segments_blocking, self._plain(sock),
-                                              [memoryview(head), *segments],
-                                              abandon_on_cancel=True)
-                self.on_sent(peer, total)
-            finally:
-                lease.__exit__(None, None, None)
-        elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
-            # Same-host transport: the payload does not use this socket (see shm.py, which
-            # builds on this module, hence the late import).
-            from .shm_serve import serve_shm
-            await serve_shm(sock, peer, self.provider, req, self.on_sent)
-        else:
-            await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
-            raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
 
 
 @dataclass(eq=False)
@@ -343,16 +186,15 @@ class TcpConnection:
         self._ended: BaseException | None = None  # why the reader thread stopped
 
     @classmethod
-    async def connect(cls, address: str, peer: str, timeout: float) -> TcpConnection:
+    async def connect(cls, address: str, peer: str, timeout: float,
+                      auth: DataAuth | None = None) -> TcpConnection:
+        """Connect to ``peer``'s data server at ``address``; with ``auth``, each side
+        proves its identity to the other first (:mod:`.handshake`)."""
         host, _, port = address.rpartition(":")
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         _tune(sock)
-        try:
-            with trio.fail_after(timeout):
-                await sock.connect((host, int(port)))
-        except (OSError, trio.TooSlowError) as exc:
-            sock.close()
-            raise TransportError(f"cannot connect to {peer} at {address}: {exc}") from None
+        await _dial(sock, (host, int(port)), peer, timeout, auth,
+                    f"cannot connect to {peer} at {address}")
         return cls(sock, peer)
 
     async def read_manifest(self, key: VersionKey) -> bytes:
@@ -485,6 +327,22 @@ class TcpConnection:
 
     async def aclose(self) -> None:
         self._shutdown()
+
+
+async def _dial(sock: trio.socket.SocketType, where: Any, peer: str, timeout: float,
+                auth: DataAuth | None, failed: str) -> None:
+    """Connect ``sock`` to ``where`` and, with ``auth``, run the handshake with ``peer``,
+    all within ``timeout``; the socket is closed if anything fails."""
+    try:
+        with trio.fail_after(timeout):
+            await sock.connect(where)
+            if auth is not None:
+                await prove_to_holder(sock, auth, peer)
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, OSError | trio.TooSlowError):
+            raise TransportError(f"{failed}: {str(exc) or 'timed out'}") from None
+        raise
 
 
 def _check_manifest_length(peer: str, reply: Reply) -> None:

@@ -1,0 +1,102 @@
+"""Where a fetch lands: new arrays laid out like the version's byte space, or the
+caller's ``into=`` arrays, checked before any byte moves."""
+
+from __future__ import annotations
+
+import ctypes
+from operator import attrgetter, eq
+from typing import Any
+
+import numpy as np
+
+from ..errors import LocalProtocolError
+from ..manifest import Manifest
+from ..model import as_host_array
+from ..transport.shmem import shared_empty
+
+
+def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memoryview | None]:
+    """New arrays for a fetch: views into one buffer laid out like the version's byte
+    space, so every chunk lands with one ``recv_into`` however many tensors it spans.
+    The buffer is shared memory (``shared_empty``), so same-host peers that fetch from us
+    later map it instead of copying through the kernel.  Falls back to separate plain
+    arrays if some tensor's offset does not suit its dtype."""
+    if any(t.offset % np.dtype(t.dtype).alignment for t in manifest.tensors):
+        return [np.empty(t.shape, dtype=np.dtype(t.dtype)) for t in manifest.tensors], None
+    flat = shared_empty(manifest.total_bytes, np.uint8)
+    arrays = [flat[t.offset:t.end].view(np.dtype(t.dtype)).reshape(t.shape)
+              for t in manifest.tensors]
+    return arrays, memoryview(flat)  # type: ignore[arg-type]
+
+
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
+_C_CONTIGUOUS = attrgetter("flags.c_contiguous")
+_WRITEABLE = attrgetter("flags.writeable")
+_NBYTES = attrgetter("nbytes")
+
+
+def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, Any]]:
+    """The caller's ``into`` arrays in manifest order, checked before any byte moves.
+
+    Plain numpy arrays of the right shape and dtype pass a handful of C-level passes
+    over all of them (10,000 tensors: about 2.5 ms here, against 5-9 ms one by one);
+    anything else, or any mismatch, goes through the per-tensor check, which names what
+    is wrong."""
+    if not hasattr(into, "keys"):
+        raise LocalProtocolError("into= must be a mapping of tensor name -> array")
+    table = manifest.table
+    names = table.names
+    if len(into.keys()) != len(names) or not into.keys() >= table.index().keys():
+        wanted = set(names)
+        extra = sorted(set(into.keys()) - wanted)
+        missing = sorted(wanted - set(into.keys()))
+        raise LocalProtocolError(
+            f"into= does not match {manifest.key}: missing {missing[:5]}, unknown {extra[:5]}")
+    given = list(map(into.__getitem__, names))
+    shapes, dtypes = table.expected()
+    # Each pass streams (``all(map(...))``): the 10,000 shape tuples and flag objects it
+    # makes die one by one instead of piling up for the garbage collector.
+    if (set(map(type, given)) <= {np.ndarray} and all(map(eq, map(_SHAPE, given), shapes))
+            and all(map(eq, map(_DTYPE, given), dtypes)) and all(map(_C_CONTIGUOUS, given))
+            and all(map(_WRITEABLE, given)) and not any(d.hasobject for d in set(dtypes))):
+        return _disjoint(manifest, given)
+    out = []
+    for t, obj, dt in zip(manifest.tensors, given, dtypes, strict=True):
+        arr = as_host_array(obj, t.name)
+        if arr.shape != t.shape or arr.dtype != dt:
+            raise LocalProtocolError(
+                f"into[{t.name!r}] is {arr.dtype}{list(arr.shape)}, "
+                f"{manifest.key} has {dt}{list(t.shape)}")
+        if not arr.flags.writeable:
+            raise LocalProtocolError(f"into[{t.name!r}] is read-only")
+        out.append(arr)
+    return _disjoint(manifest, out)
+
+
+def _address(arr: np.ndarray[Any, Any]) -> int:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(arr))  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # dtypes that export no buffer (datetimes)
+        return int(arr.__array_interface__["data"][0])
+
+
+def _disjoint(manifest: Manifest, arrays: list[np.ndarray[Any, Any]]
+              ) -> list[np.ndarray[Any, Any]]:
+    """``arrays``, if no two share a byte (each is C-contiguous); else the fetch would
+    land two tensors in the same memory, and its digests fail, blaming the holder."""
+    sizes = np.fromiter(map(_NBYTES, arrays), np.int64, len(arrays))
+    keep = np.flatnonzero(sizes)
+    if len(keep) < 2:
+        return arrays
+    starts = np.fromiter((_address(arrays[i]) for i in keep.tolist()), np.uint64, len(keep))
+    order = np.argsort(starts, kind="stable")
+    ends = starts[order] + sizes[keep][order].astype(np.uint64)
+    clash = np.flatnonzero(ends[:-1] > starts[order][1:])
+    if len(clash):
+        a, b = keep[order[clash[0]]], keep[order[clash[0] + 1]]
+        raise LocalProtocolError(
+            f"into[{manifest.tensors[a].name!r}] and into[{manifest.tensors[b].name!r}] "
+            "share memory (the same array twice, or overlapping views of one buffer); "
+            "every tensor needs memory of its own")
+    return arrays

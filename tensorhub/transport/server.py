@@ -1,0 +1,347 @@
+"""The holder's data server: serves a :class:`Provider` to readers over TCP, and to
+same-host readers over a Unix socket (:mod:`.local`), the only one where same-host
+requests are answered.
+
+One task per connection answers one request at a time (see
+:mod:`tensorhub.protocol.dataplane` for the framing); chunk payload leaves from the
+holder's own array memory in one vectored write from a worker thread.  Every reader is
+bounded by :class:`~.admission.ServerLimits`: connections in total and per address, the
+time a frame may take and a connection may idle, the request rate; accept() under
+descriptor pressure backs off instead of failing the peer.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Callable
+from contextlib import suppress
+from functools import partial
+from typing import Any
+
+import outcome
+import trio
+
+from ..errors import RemoteProtocolError, TransportError
+from ..model import VersionKey
+from ..protocol import codec
+from ..protocol.dataplane import (
+    BAD_REQUEST,
+    FRAME_HEADER,
+    MAX_FRAME,
+    OK,
+    ChunkRequest,
+    ManifestRequest,
+    Reply,
+    ShmChunkRequest,
+    ShmHello,
+    ShmVersionRequest,
+)
+from .admission import (
+    ACCEPT_BACKOFF_MAX,
+    ACCEPT_PRESSURE,
+    ACCEPT_TRANSIENT,
+    Admission,
+    RequestRate,
+    ServerLimits,
+    ServerStats,
+)
+from .base import NotServing, Provider
+from .frames import _body_size, _frame, _recv_body, _recv_exact, _send_all, _send_frame
+from .handshake import DataAuth, check_reader
+from .local import credentials, local_name, same_user
+from .shm_serve import LeaseTerms, serve_shm
+from .tcp import _send_segments_blocking, _tune
+
+_BACKLOG = 128
+
+
+class TcpServer:
+    """Serves a :class:`Provider` to readers.  ``on_sent(peer_addr, nbytes)`` counts
+    what was served, ``on_bad(what)`` each connection closed for bad input."""
+
+    def __init__(self, provider: Provider, on_sent: Callable[[str, int], None],
+                 on_bad: Callable[[str], None], limits: ServerLimits | None = None,
+                 auth: DataAuth | None = None) -> None:
+        self.provider = provider
+        self.auth = auth
+        """Set: every connection must prove a member identity first (:mod:`.handshake`)."""
+        self.on_sent = on_sent
+        self.on_bad = on_bad
+        self.limits = limits or ServerLimits()
+        self.port = 0
+        self._admission = Admission(self.limits)
+        self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._revoked)
+        self._listener: trio.socket.SocketType | None = None
+        self._local: trio.socket.SocketType | None = None
+        """The same-host socket (:mod:`.local`): the only one answering Shm* requests."""
+
+    def bind(self, host: str, port: int) -> int:
+        """Bind the listening socket now, so a used port fails before anything starts."""
+        plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        plain.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            plain.bind((host, port))
+        except OSError as exc:
+            plain.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise TransportError(f"data address {host}:{port} is already in use") from None
+            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from None
+        plain.listen(_BACKLOG)
+        self._listener = trio.socket.from_stdlib_socket(plain)
+        self.port = plain.getsockname()[1]
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            local.bind(local_name(f"{host}:{self.port}"))
+        except OSError as exc:
+            local.close()
+            self._listener.close()
+            raise TransportError(f"cannot listen for same-host readers of {host}:"
+                                 f"{self.port}: {exc}") from None
+        local.listen(_BACKLOG)
+        self._local = trio.socket.from_stdlib_socket(local)
+        return self.port
+
+    def _revoked(self, peer: str) -> None:
+        self._admission.counts["leases_revoked"] += 1
+
+    def statistics(self) -> ServerStats:
+        auth = "insecure: any client may read" if self.auth is None else \
+            f"members: {len(self.auth.keyring.members())} in the keyring"
+        return self._admission.statistics(auth)
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listener, local = self._listener, self._local
+        if listener is None or local is None:
+            raise RuntimeError("TcpServer.serve() before bind()")
+        async with trio.open_nursery() as nursery:
+            with listener, local:
+                nursery.start_soon(self._accept_forever, local, nursery, True)
+                task_status.started()
+                await self._accept_forever(listener, nursery, False)
+
+    async def _accept_forever(self, listener: trio.socket.SocketType,
+                              nursery: trio.Nursery, local: bool) -> None:
+        """Accept until cancelled.  Out of descriptors (or kernel memory), back off --
+        the pending connection waits in the backlog -- and keep serving the open ones;
+        over a cap, or (same-host socket) from another user, close the new connection at
+        once (counted)."""
+        backoff = 0.0
+        admission = self._admission
+        while True:
+            try:
+                sock, addr = await listener.accept()
+            except OSError as exc:
+                if exc.errno in ACCEPT_PRESSURE:
+                    backoff = min(max(2 * backoff, 0.005), ACCEPT_BACKOFF_MAX)
+                    admission.accept_failed(exc, backoff)
+                    await trio.sleep(backoff)
+                    continue
+                if exc.errno in ACCEPT_TRANSIENT:
+                    continue
+                raise
+            backoff = 0.0
+            admission.accepted()
+            if local:
+                try:
+                    pid, uid, _ = credentials(sock)
+                except OSError:
+                    sock.close()  # gone already
+                    continue
+                if not same_user(uid):
+                    admission.counts["refused_credentials"] += 1
+                    sock.close()
+                    continue
+                address, peer = f"uid {uid}", f"local pid {pid}"
+            else:
+                address, peer = str(addr[0]), f"{addr[0]}:{addr[1]}"
+            if not admission.admit(address):
+                sock.close()
+                continue
+            nursery.start_soon(self._serve_conn, sock, address, peer, local)
+
+    async def _serve_conn(self, sock: trio.socket.SocketType, address: str,
+                          peer: str, local: bool) -> None:
+        conn = _ServerConn(self, sock, peer, local)
+        try:
+            with sock:
+                await conn.serve()
+        finally:
+            conn.close()
+            self._admission.release(address)
+
+
+class _ServerConn:
+    """One reader's connection, as its server task sees it."""
+
+    def __init__(self, server: TcpServer, sock: trio.socket.SocketType, peer: str,
+                 local: bool) -> None:
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.local = local
+        """A same-host connection (Unix socket, the same user): Shm* requests allowed."""
+        self.counts = server._admission.counts
+        self.limits = server.limits
+        self._plain: socket.socket | None = None
+
+    def close(self) -> None:
+        if self._plain is not None:
+            self._plain.close()
+
+    def plain(self) -> socket.socket | None:
+        """The thread-side twin of the connection (same socket, duplicated descriptor),
+        or None when the process is out of descriptors.  Its timeout bounds one send: a
+        reader that stops taking a chunk for ``lease_timeout`` loses the connection and
+        the holder its lease."""
+        if self._plain is None:
+            try:
+                fd = socket.dup(self.sock.fileno())
+            except OSError as exc:
+                if exc.errno in ACCEPT_PRESSURE:
+                    return None
+                raise
+            self._plain = socket.socket(fileno=fd)
+            self._plain.settimeout(self.limits.lease_timeout)
+        return self._plain
+
+    async def serve(self) -> None:
+        rate = RequestRate(self.limits.requests_per_second, trio.current_time())
+        try:
+            if not self.local:
+                _tune(self.sock)
+            if self.server.auth is not None and not await self.authenticate(self.server.auth):
+                return
+            while True:
+                req = await self.next_request()
+                if req is None:
+                    return
+                wait = rate.delay(trio.current_time())
+                if wait:
+                    self.counts["throttled"] += 1
+                    await trio.sleep(wait)
+                await self.answer(req)
+        except (TransportError, OSError):
+            return  # the reader went away or reset the connection; nothing to clean up
+        except Exception as exc:  # RemoteProtocolError, or a request nothing checked
+            # One reader's bad input ends its connection, never the server: counted and
+            # reported, with the type when it is not a protocol error.
+            self.counts["bad_frames"] += 1
+            what = str(exc) if isinstance(exc, RemoteProtocolError) else \
+                f"{type(exc).__name__} answering a request: {exc}"
+            self.server.on_bad(f"{self.peer}: {what}")
+
+    async def authenticate(self, auth: DataAuth) -> bool:
+        """The reader proves a member identity (within ``frame_timeout``) before any
+        request is read; a refusal or a stall ends the connection (counted)."""
+        with trio.move_on_after(self.limits.frame_timeout):
+            try:
+                self.peer = f"{await check_reader(self.sock, auth)} at {self.peer}"
+            except TransportError:
+                self.counts["refused_auth"] += 1
+                return False
+            return True
+        self.counts["refused_auth"] += 1
+        return False
+
+    async def next_request(self) -> Any:
+        """The next request, or None when the reader closed the connection, left it
+        idle for ``idle_timeout`` or took over ``frame_timeout`` to send a frame."""
+        head = bytearray(FRAME_HEADER)
+        got = -1
+        with trio.move_on_after(self.limits.idle_timeout):
+            got = await self.sock.recv_into(head, FRAME_HEADER)
+        if got <= 0:
+            self.counts["idle_closed"] += got < 0
+            return None
+        with trio.move_on_after(self.limits.frame_timeout):
+            await _recv_exact(self.sock, memoryview(head)[got:])
+            body = await _recv_body(self.sock, _body_size(head))
+            return codec.decode(body, MAX_FRAME)
+        self.counts["frame_timeouts"] += 1
+        return None
+
+    async def answer(self, req: Any) -> None:
+        provider, sock = self.server.provider, self.sock
+        if isinstance(req, ManifestRequest):
+            try:
+                key = VersionKey(req.model, req.version, req.shard, req.layout)
+                data = provider.manifest_bytes(key)
+            except NotServing as ns:
+                await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
+                return
+            await _send_frame(sock, Reply(req.req_id, OK, len(data)))
+            await _send_all(sock, memoryview(data))
+        elif isinstance(req, ChunkRequest):
+            await self.send_chunk(req)
+        elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
+            if not self.local:  # a remote client never gets a lease on our memory
+                self.counts["shm_over_tcp"] += 1
+                await _send_frame(sock, Reply(req.req_id, BAD_REQUEST, 0, "same-host "
+                                              "requests are answered on the local socket only"))
+                return
+            await serve_shm(sock, self.peer, provider, req, self.server._terms)
+        else:
+            await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
+            raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
+
+    async def send_chunk(self, req: ChunkRequest) -> None:
+        provider = self.server.provider
+        key = VersionKey(req.model, req.version, req.shard, req.layout)
+        try:
+            await provider.wait_chunk(key, req.chunk)
+            lease = provider.lease(key, req.chunk)
+            segments = lease.__enter__()
+        except NotServing as ns:
+            await _send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
+            return
+        try:
+            total = sum(map(len, segments))
+            if provider.corrupt_hook(self.peer) and total:
+                first = next(s for s in segments if len(s))
+                flipped = bytes([first[0] ^ 0xFF])
+                segments = [memoryview(flipped), first[1:],
+                            *segments[segments.index(first) + 1:]]
+            views = [memoryview(_frame(Reply(req.req_id, OK, total))), *segments]
+            twin = self.plain()
+            try:
+                if twin is None:  # out of descriptors: slower, from the event loop
+                    with trio.fail_after(self.limits.lease_timeout):
+                        for view in views:
+                            await _send_all(self.sock, view)
+                else:  # header and payload in one vectored write from a worker thread
+                    await _send_from_thread(twin, views)
+            except (TimeoutError, trio.TooSlowError):
+                self.counts["leases_revoked"] += 1
+                raise TransportError(f"{self.peer} took no chunk for "
+                                     f"{self.limits.lease_timeout}s") from None
+            self.server.on_sent(self.peer, total)
+        finally:
+            lease.__exit__(None, None, None)
+
+
+async def _send_from_thread(twin: socket.socket, views: list[memoryview]) -> None:
+    """Send ``views`` on ``twin`` in a worker thread and wait for it, even when cancelled:
+    the thread reads leased memory, so the lease must outlive it.  A cancelled send is
+    cut short by shutting the connection down (the thread's send then fails at once)."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+    result: list[outcome.Outcome[None]] = []
+
+    def deliver(out: outcome.Outcome[None]) -> None:
+        result.append(out)
+        with suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    trio.lowlevel.start_thread_soon(partial(_send_segments_blocking, twin, views), deliver,
+                                    name="tensorhub chunk send")
+    try:
+        await done.wait()
+    except trio.Cancelled:
+        with suppress(OSError):
+            twin.shutdown(socket.SHUT_RDWR)
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        raise
+    result[0].unwrap()
