@@ -200,14 +200,20 @@ def config_for(args: argparse.Namespace) -> PeerConfig:
     if args.keys:
         security = importlib.import_module("tensorhub.security")
         extra["security"] = security.load(args.keys, args.name)
+    elif not args.listen.startswith("127.") and "allow_insecure" in _fields():
+        extra["allow_insecure"] = True  # an emulated host, by the driver's choice
     return PeerConfig.local(args.name, listen=args.listen, join=tuple(args.join),
                             chunk_size=args.chunk, retain_latest=0,
                             labels=(("host", args.host), ("role", args.role)), **extra)
 
 
+def _fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(PeerConfig)}
+
+
 def security_supported() -> bool:
     """Whether this tree's peers take a cluster key set (``PeerConfig.security``)."""
-    return "security" in {f.name for f in dataclasses.fields(PeerConfig)}
+    return "security" in _fields()
 
 
 async def main(args: argparse.Namespace) -> None:
