@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"{statistics.median(flooded or [0]):.3f} s flooded", flush=True)
             for seed in range(args.seed_base, args.seed_base + args.seeds):
                 runner.seed(seed)
+            runner.hung(wait=True)
         finally:
             mesh.close()
         starved = run_starved(args, runner, size, chunk, keys, Path(tmp))
@@ -126,6 +127,7 @@ def run_starved(args: argparse.Namespace, runner: Runner, size: int, chunk: int,
                 raise MeshError(f"the starved mesh did not converge: {mesh.unhealthy}")
             for seed in range(first, first + args.starved_seeds):
                 sub.seed(seed, " (starved)")
+            sub.hung(wait=True)
         finally:
             mesh.close()
     runner.absorb(sub)

@@ -22,9 +22,12 @@ from .chaos_check import COUNTS, Episode, Verdict, check
 from .chaos_mesh import TRAINER, Mesh, MeshError
 from .rogue import HEAVY, LIGHT
 
-SETTLE_GRACE = 8.0
-"""Seconds past the episode's end a fetch may still take: a source that stalls is given
-up after ``stall_timeout`` (3 s), and the chunks are then fetched again elsewhere."""
+SETTLE_GRACE = 4.0
+"""Seconds past the episode's end the check waits for the last version's fetches: a
+source that stalls is given up after ``stall_timeout`` (3 s)."""
+HANG_S = 30.0
+"""A fetch still running this long after its episode ended is counted as hung (a
+failure); until then it is followed across the next episodes."""
 CLAIM_FIRST = frozenset({"forged_chunks"})
 """Attacks whose episode starts the rollouts only after the rogue made its claim (a
 bad holder of the real version is tested only if readers can meet it)."""
@@ -76,6 +79,9 @@ class Runner:
         self.flood_errors: list[str] = []
         self.restarts = 0
         """Mesh restarts of absorbed runners."""
+        self.pending: dict[tuple[str, str, int], tuple[float, int]] = {}
+        """Fetches that had not ended when their episode was checked: (peer, model,
+        version) -> (when they count as hung, seed)."""
         self.recent: dict[str, Episode] = {}
         """The last episodes by model, for events that arrive after their episode."""
         self.kinds: tuple[str, ...] = LIGHT if args.attacks == "all" else tuple(
@@ -246,7 +252,7 @@ class Runner:
         late: dict[str, Episode] = {}
         for name, ev in self.mesh.take_async():
             model = ev.get("model", "")
-            if model == f"chaos{ep.seed}":
+            if model == f"chaos{ep.seed}" and ep.seed >= 0:
                 into = ep
             elif model in self.recent:
                 old = self.recent[model]
@@ -257,12 +263,45 @@ class Runner:
             {"fetch_started": into.started, "activated": into.activations,
              "fetch_error": into.fetch_errors}[ev["event"]].append({**ev, "peer": name})
         for part in late.values():
-            # Fetches that started then were counted when that episode was checked.
-            part.started = []
+            for e in (*part.activations, *part.fetch_errors):
+                self.pending.pop((e["peer"], e["model"], e["version"]), None)
+            part.started = []  # a late start is followed like this episode's own
             self._count(check(part))
+        # Fetches still running are followed until they end or HANG_S has passed.
+        ended = [(e["peer"], e["version"]) for e in (*ep.activations, *ep.fetch_errors)]
+        for st in list(ep.started):
+            key = (st["peer"], st["version"])
+            if key in ended:
+                ended.remove(key)
+            else:
+                ep.started.remove(st)
+                self.pending[(st["peer"], st["model"], st["version"])] = (
+                    time.monotonic() + HANG_S, ep.seed)
         self.recent[f"chaos{ep.seed}"] = ep
-        if len(self.recent) > 4:
+        if len(self.recent) > 64:
             del self.recent[next(iter(self.recent))]
+
+    def hung(self, wait: bool = False) -> None:
+        """Count the followed fetches that have run HANG_S seconds without ending;
+        with ``wait``, first wait (up to HANG_S) for the others to end."""
+        while wait and self.pending and time.monotonic() < max(
+                d for d, _ in self.pending.values()):
+            self.mesh.poll(time.monotonic() + 0.2)
+            self._file_async(Episode(-1))
+        now = time.monotonic()
+        for (peer, model, version), (deadline, seed) in list(self.pending.items()):
+            if now >= deadline:
+                del self.pending[(peer, model, version)]
+                self.totals["fetch_failures"] += 1
+                line = (f"seed {seed}: {peer}'s fetch of version {version} had not ended "
+                        f"{HANG_S:g} s after the episode")
+                self.problems.append(line)
+                print(f"  ! {line}", flush=True)
+
+    def forget_fetches_of(self, names: list[str]) -> None:
+        """A restarted peer's fetches end with it: not a hang."""
+        for key in [k for k in self.pending if k[0] in names]:
+            del self.pending[key]
 
     def seed(self, seed: int, label: str = "") -> None:
         """Run, check and print episode ``seed``; repair the mesh for the next."""
@@ -303,10 +342,13 @@ class Runner:
                 f.write(json.dumps(dataclasses.asdict(ep), default=sorted) + "\n")
         verdict = check(ep)
         self._count(verdict)
+        self.hung()
         restart = sorted(ep.killed | set(ep.exited))
+        self.forget_fetches_of(restart)
         if verdict.poisoned:
             print(f"  seed {ep.seed}: the mesh keeps the rogue's state; restarting it",
                   flush=True)
+            self.forget_fetches_of(self.mesh.names)
             self.mesh.restart_all()
         elif restart:
             self.mesh.restart(restart)
@@ -322,6 +364,7 @@ class Runner:
                 print(f"  ! {line}", flush=True)
             print(f"  seed {ep.seed}: the mesh did not heal ({self.mesh.unhealthy[:300]}); "
                   "restarting it", flush=True)
+            self.forget_fetches_of(self.mesh.names)
             self.mesh.restart_all()
         if not self.mesh.wait_healthy(self.args.heal):
             raise MeshError("a freshly started mesh did not converge")

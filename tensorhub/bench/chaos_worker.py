@@ -112,7 +112,9 @@ class Role:
         self.nbytes = model_bytes(size)
         self.nursery = nursery
         self.published: dict[tuple[str, int], np.ndarray[Any, Any]] = {}
-        self.follow_scope: trio.CancelScope | None = None
+        self.followed = ""
+        self.waiting: trio.CancelScope | None = None
+        """The followed model's wait for its next version (cancelled to follow another)."""
         self.held: list[tuple[str, int]] = []
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
@@ -132,11 +134,13 @@ class Role:
                 del self.published[key]
             return {"event": "dropped", "model": cmd["model"]}
         if kind == "follow":
-            if self.follow_scope is not None:
-                self.follow_scope.cancel()
+            # The previous model's loop stops waiting; a fetch it has begun runs to its
+            # end and reports (a fetch is never cut short by the harness).
+            self.followed = cmd["model"]
+            if self.waiting is not None:
+                self.waiting.cancel()
             await self._drop_held()
-            self.follow_scope = trio.CancelScope()
-            self.nursery.start_soon(self._follow, self.follow_scope, cmd["model"], cmd["seed"])
+            self.nursery.start_soon(self._follow, cmd["model"], cmd["seed"])
             return {"event": "following", "model": cmd["model"]}
         if kind == "fetch_once":
             t0 = time.monotonic()
@@ -161,13 +165,15 @@ class Role:
         if local is not None and not local.hidden:
             await self.peer.unpublish(model, version)
 
-    async def _follow(self, scope: trio.CancelScope, model: str, seed: int) -> None:
-        with scope:
-            last: int | None = None
-            while True:
-                version = await self.peer.wait_for_version(model, last)
-                last = version
-                await self._fetch_one(model, seed, version)
+    async def _follow(self, model: str, seed: int) -> None:
+        """Fetch each newer version of ``model`` while it is the one followed."""
+        last: int | None = None
+        while self.followed == model:
+            with trio.CancelScope() as self.waiting:
+                last = await self.peer.wait_for_version(model, last)
+            if self.followed != model or last is None:
+                return
+            await self._fetch_one(model, seed, last)
 
     async def _fetch_one(self, model: str, seed: int, version: int) -> None:
         # Keep the last version held (a source for others); drop the one before it.
