@@ -132,6 +132,7 @@ def test_a_short_real_run_reports_every_figure_and_the_faults_it_injected() -> N
     out = subprocess.run(
         [sys.executable, "-m", "simulations.chaos", "--seeds", "3", "--seed-base", str(base),
          "--attacks", "none", "--heavy", "off", "--flood-runs", "1", "--flood-timeout", "3",
+         "--starved-seeds", "0",
          "--json"], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

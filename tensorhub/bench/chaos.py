@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"totals": runner.totals, "problems": runner.problems, "quiet": quiet,
             "flooded": flooded, "by_attack": runner.by_attack, "faults": runner.faults,
             "silent": runner.silent, "mesh_restarts": mesh.restarts + runner.restarts,
-            "starved": starved,
+            "starved": starved, "slow_unpublishes": runner.slow_unpublishes,
+            "heal_failures": runner.heal_failures,
             "flood_errors": runner.flood_errors,
             "episode_s": runner.seconds, "seconds": time.monotonic() - started,
             "security": security_note, "size": size, "chunk": chunk}
@@ -167,7 +168,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="seconds between versions (default 0.6)")
     p.add_argument("--settle", type=float, default=0.8,
                    help="seconds after the last version before checking (default 0.8)")
-    p.add_argument("--heal", type=float, default=15.0,
+    p.add_argument("--heal", type=float, default=10.0,
                    help="seconds the mesh may take to see every peer alive again")
     p.add_argument("--flood-runs", type=int, default=5,
                    help="fetches with and without the flood (default 5 each)")
@@ -210,7 +211,9 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"faults: {', '.join(f'{k} {n}' for k, n in sorted(r['faults'].items()))}")
     print(f"activations {t['activations']}, VersionUnavailable {t['version_unavailable']}, "
           f"integrity failures detected {t['integrity_failures_detected']}, peers silent "
-          f"at a check {r['silent']}, mesh restarts {r['mesh_restarts']}")
+          f"at a check {r['silent']}, mesh restarts {r['mesh_restarts']} (after "
+          f"{len(r['heal_failures'])} episodes the mesh did not heal), unpublishes over 2 s "
+          f"{len(r['slow_unpublishes'])}")
     if r["problems"]:
         print(f"{len(r['problems'])} problems (first 20):")
         for line in r["problems"][:20]:
@@ -226,6 +229,8 @@ def run_cli(args: argparse.Namespace) -> int:
                           "totals": t, "attacks": r["by_attack"], "faults": r["faults"],
                           "peers_silent": r["silent"], "mesh_restarts": r["mesh_restarts"],
                           "starved_links": r["starved"],
+                          "slow_unpublishes": r["slow_unpublishes"],
+                          "heal_failures": r["heal_failures"],
                           "episode_s_median": statistics.median(r["episode_s"] or [0]),
                           "problems": r["problems"][:200]},
             "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}

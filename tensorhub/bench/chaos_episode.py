@@ -79,6 +79,9 @@ class Runner:
         self.flood_errors: list[str] = []
         self.restarts = 0
         """Mesh restarts of absorbed runners."""
+        self.slow_unpublishes: list[str] = []
+        self.heal_failures: list[str] = []
+        """Episodes after which the mesh did not see every peer alive in ``--heal`` s."""
         self.pending: dict[tuple[str, str, int], tuple[float, int]] = {}
         """Fetches that had not ended when their episode was checked: (peer, model,
         version) -> (when they count as hung, seed)."""
@@ -252,6 +255,11 @@ class Runner:
         late: dict[str, Episode] = {}
         for name, ev in self.mesh.take_async():
             model = ev.get("model", "")
+            if ev["event"] == "slow_unpublish":
+                self.slow_unpublishes.append(f"{name} {model}@{ev['version']} "
+                                             f"{ev['seconds']:.1f} s")
+                print(f"  ~ unpublish took {self.slow_unpublishes[-1]}", flush=True)
+                continue
             if model == f"chaos{ep.seed}" and ep.seed >= 0:
                 into = ep
             elif model in self.recent:
@@ -322,6 +330,8 @@ class Runner:
             for k, n in theirs.items():
                 mine[k] = mine.get(k, 0) + n
         self.silent += other.silent
+        self.slow_unpublishes += other.slow_unpublishes
+        self.heal_failures += other.heal_failures
         self.seconds += other.seconds
         self.restarts += other.mesh.restarts
 
@@ -362,6 +372,7 @@ class Runner:
                         f"{self.mesh.procs[name].stderr_tail()}")
                 self.problems.append(line)
                 print(f"  ! {line}", flush=True)
+            self.heal_failures.append(f"seed {ep.seed}: {self.mesh.unhealthy}")
             print(f"  seed {ep.seed}: the mesh did not heal ({self.mesh.unhealthy[:300]}); "
                   "restarting it", flush=True)
             self.forget_fetches_of(self.mesh.names)

@@ -24,7 +24,7 @@ from ..demo import _free_ports
 from ..errors import TensorHubError
 
 TRAINER = "trainer"
-ASYNC_EVENTS = ("fetch_started", "activated", "fetch_error")
+ASYNC_EVENTS = ("fetch_started", "activated", "fetch_error", "slow_unpublish")
 """What rollouts report on their own, at any time (everything else answers a command)."""
 
 

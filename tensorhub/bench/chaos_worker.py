@@ -12,6 +12,8 @@ commands on stdin, events on stdout, one object per line.
   id, ``content_ok``, the fetch report) or a ``fetch_error`` (the error's class and
   text).  The previous model's versions are unpublished first.  ``{"cmd": "fetch_once",
   "model", "version", "sources"}`` times one fetch (the flood measurement).
+* Unpublishing runs in the background (it waits for readers to drain); one that takes
+  over two seconds is reported as ``slow_unpublish``.
 * Every role: ``{"cmd": "view", "models": [...]}`` answers ``view``: this peer's
   membership (status and incarnation of each member), reference-table stamps and
   holdings, ``latest`` of the models, counters; ``{"cmd": "quit"}`` leaves the mesh.
@@ -40,6 +42,7 @@ from ..peer.node import Peer, open_peer
 from ..transport.shmem import shared_empty
 
 TENSOR_BYTES = 256 << 10
+SLOW_UNPUBLISH = 2.0
 
 
 def model_specs(size: int) -> list[tuple[str, tuple[int, ...], str]]:
@@ -130,8 +133,8 @@ class Role:
                     "manifest_id": manifest.manifest_id().hex()}
         if kind == "drop":
             for key in [k for k in self.published if k[0] == cmd["model"]]:
-                await self.peer.unpublish(*key)
                 del self.published[key]
+                self.nursery.start_soon(self._unpublish, *key)
             return {"event": "dropped", "model": cmd["model"]}
         if kind == "follow":
             # The previous model's loop stops waiting; a fetch it has begun runs to its
@@ -139,7 +142,7 @@ class Role:
             self.followed = cmd["model"]
             if self.waiting is not None:
                 self.waiting.cancel()
-            await self._drop_held()
+            self._drop_held()
             self.nursery.start_soon(self._follow, cmd["model"], cmd["seed"])
             return {"event": "following", "model": cmd["model"]}
         if kind == "fetch_once":
@@ -156,14 +159,21 @@ class Role:
             return {"event": "fetched_once", "seconds": seconds, "error": None}
         raise ValueError(f"unknown command {kind!r}")
 
-    async def _drop_held(self) -> None:
-        while self.held:
-            await self._unpublish(*self.held.pop())
+    def _drop_held(self, keep: int = 0) -> None:
+        while len(self.held) > keep:
+            self.nursery.start_soon(self._unpublish, *self.held.pop(0))
 
     async def _unpublish(self, model: str, version: int) -> None:
+        """Unpublish in the background (it waits for readers to drain); one that takes
+        over SLOW_UNPUBLISH seconds is reported."""
         local = self.peer.store.get(VersionKey(model, version))
-        if local is not None and not local.hidden:
-            await self.peer.unpublish(model, version)
+        if local is None or local.hidden:
+            return
+        t0 = time.monotonic()
+        await self.peer.unpublish(model, version)
+        if time.monotonic() - t0 > SLOW_UNPUBLISH:
+            emit(event="slow_unpublish", model=model, version=version,
+                 seconds=time.monotonic() - t0)
 
     async def _follow(self, model: str, seed: int) -> None:
         """Fetch each newer version of ``model`` while it is the one followed."""
@@ -176,9 +186,7 @@ class Role:
             await self._fetch_one(model, seed, last)
 
     async def _fetch_one(self, model: str, seed: int, version: int) -> None:
-        # Keep the last version held (a source for others); drop the one before it.
-        while len(self.held) > 1:
-            await self._unpublish(*self.held.pop(0))
+        self._drop_held(keep=1)  # the last version stays held: a source for others
         flat, arrays = allocate(self.size)
         t0 = time.monotonic()
         emit(event="fetch_started", model=model, version=version)
