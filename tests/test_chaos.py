@@ -149,3 +149,11 @@ def test_a_short_real_run_reports_every_figure_and_the_faults_it_injected() -> N
         assert figures[name]["value"] == 0, (name, out.stdout[-3000:])
     assert result["baselines"]["totals"]["activations"] > 0
     assert figures["flood_fetch_time_ratio"]["value"] > 0
+
+
+def test_the_cli_refuses_an_unknown_attack_in_one_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "tensorhub.cli", "bench", "chaos",
+                          "--attacks", "forged_chunks,teleport"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "teleport" in out.stderr, out.stderr
