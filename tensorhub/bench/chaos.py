@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "flooded": flooded, "by_attack": runner.by_attack, "faults": runner.faults,
             "silent": runner.silent, "mesh_restarts": mesh.restarts + runner.restarts,
             "starved": starved, "slow_unpublishes": runner.slow_unpublishes,
-            "heal_failures": runner.heal_failures,
+            "heal_failures": runner.heal_failures, "missed_wakeups": runner.missed_wakeups,
             "flood_errors": runner.flood_errors,
             "episode_s": runner.seconds, "seconds": time.monotonic() - started,
             "security": security_note, "size": size, "chunk": chunk}
@@ -213,7 +213,8 @@ def run_cli(args: argparse.Namespace) -> int:
           f"integrity failures detected {t['integrity_failures_detected']}, peers silent "
           f"at a check {r['silent']}, mesh restarts {r['mesh_restarts']} (after "
           f"{len(r['heal_failures'])} episodes the mesh did not heal), unpublishes over 2 s "
-          f"{len(r['slow_unpublishes'])}")
+          f"{len(r['slow_unpublishes'])}, rollouts left waiting with a newer version sealed "
+          f"{len(r['missed_wakeups'])}")
     if r["problems"]:
         print(f"{len(r['problems'])} problems (first 20):")
         for line in r["problems"][:20]:
@@ -231,6 +232,7 @@ def run_cli(args: argparse.Namespace) -> int:
                           "starved_links": r["starved"],
                           "slow_unpublishes": r["slow_unpublishes"],
                           "heal_failures": r["heal_failures"],
+                          "missed_wakeups": r["missed_wakeups"],
                           "episode_s_median": statistics.median(r["episode_s"] or [0]),
                           "problems": r["problems"][:200]},
             "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}

@@ -22,7 +22,7 @@ from .chaos_check import COUNTS, Episode, Verdict, check
 from .chaos_mesh import TRAINER, Mesh, MeshError
 from .rogue import HEAVY, LIGHT
 
-SETTLE_GRACE = 4.0
+SETTLE_GRACE = 3.0
 """Seconds past the episode's end the check waits for the last version's fetches: a
 source that stalls is given up after ``stall_timeout`` (3 s)."""
 HANG_S = 30.0
@@ -81,6 +81,7 @@ class Runner:
         """Mesh restarts of absorbed runners."""
         self.slow_unpublishes: list[str] = []
         self.heal_failures: list[str] = []
+        self.missed_wakeups: list[str] = []
         """Episodes after which the mesh did not see every peer alive in ``--heal`` s."""
         self.pending: dict[tuple[str, str, int], tuple[float, int]] = {}
         """Fetches that had not ended when their episode was checked: (peer, model,
@@ -131,6 +132,7 @@ class Runner:
             mesh.rogue.send(cmd="end")
             mesh.reply("rogue", "ended", 10.0)
         ep.views, silent = mesh.views([model], 20.0)
+        self._missed_wakeups(ep, model)
         self.silent += len(silent)
         self._file_async(ep)
         for name, proc in mesh.procs.items():
@@ -248,6 +250,17 @@ class Runner:
 
     # -- after a seed -----------------------------------------------------------------------
 
+    def _missed_wakeups(self, ep: Episode, model: str) -> None:
+        """Rollouts still waiting for a version newer than one they know is sealed:
+        ``wait_for_version`` missed its wake-up (not an invariant, a liveness note)."""
+        for name, v in ep.views.items():
+            waiting, latest = v.get("waiting"), v["latest"].get(model)
+            if waiting is not None and waiting[0] == model and latest is not None and (
+                    waiting[1] is None or latest > waiting[1]):
+                self.missed_wakeups.append(f"seed {ep.seed}: {name} waits for a version "
+                                           f"newer than {waiting[1]}; latest is {latest}")
+                print(f"  ~ {self.missed_wakeups[-1]}", flush=True)
+
     def _file_async(self, ep: Episode) -> None:
         """File the rollouts' fetch events with this episode; one of an earlier
         episode's model (a rollout that was stopped then, and resumed) is checked as a
@@ -332,6 +345,7 @@ class Runner:
         self.silent += other.silent
         self.slow_unpublishes += other.slow_unpublishes
         self.heal_failures += other.heal_failures
+        self.missed_wakeups += other.missed_wakeups
         self.seconds += other.seconds
         self.restarts += other.mesh.restarts
 

@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import importlib
 import json
-import sys
 import time
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..errors import TensorHubError, VersionUnavailable
 from ..model import VersionKey
 from ..peer.node import Peer, open_peer
 from ..transport.shmem import shared_empty
+from .worker import answer_commands
 
 TENSOR_BYTES = 256 << 10
 SLOW_UNPUBLISH = 2.0
@@ -117,13 +117,15 @@ class Role:
         self.published: dict[tuple[str, int], np.ndarray[Any, Any]] = {}
         self.followed = ""
         self.waiting: trio.CancelScope | None = None
+        self.waiting_for: list[Any] | None = None
+        """``[model, newer than]`` while the loop waits for a version (in ``view``)."""
         """The followed model's wait for its next version (cancelled to follow another)."""
         self.held: list[tuple[str, int]] = []
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
         kind = cmd["cmd"]
         if kind == "view":
-            return view(self.peer, cmd.get("models", []))
+            return {**view(self.peer, cmd.get("models", [])), "waiting": self.waiting_for}
         if kind == "publish":
             flat, arrays = allocate(self.size)
             flat[:] = content(cmd["seed"], cmd["version"], self.nbytes)
@@ -180,7 +182,9 @@ class Role:
         last: int | None = None
         while self.followed == model:
             with trio.CancelScope() as self.waiting:
+                self.waiting_for = [model, last]
                 last = await self.peer.wait_for_version(model, last)
+            self.waiting_for = None
             if self.followed != model or last is None:
                 return
             await self._fetch_one(model, seed, last)
@@ -233,19 +237,7 @@ def security_supported() -> bool:
 async def main(args: argparse.Namespace) -> None:
     async with open_peer(config_for(args)) as peer, trio.open_nursery() as nursery:
         emit(event="ready", name=args.name, control=peer.info.control, data=peer.info.data)
-        role = Role(peer, args.size, nursery)
-        stdin = trio.wrap_file(sys.stdin)
-        while line := (await stdin.readline()).strip():
-            cmd = json.loads(line)
-            if cmd["cmd"] == "quit":
-                break
-            try:
-                reply = await role.handle(cmd)
-            except TensorHubError as exc:  # reported to the driver, which decides
-                reply = {"event": "error", "cmd": cmd["cmd"], "version": cmd.get("version"),
-                         "error": f"{type(exc).__name__}: {exc}"}
-            if reply is not None:
-                print(json.dumps(reply), flush=True)
+        await answer_commands(Role(peer, args.size, nursery).handle, TensorHubError)
         nursery.cancel_scope.cancel()
 
 
