@@ -12,6 +12,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from .bounds import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_PEER_NAME
 from .errors import ConfigError
 from .limits import MAX_MANIFEST_BYTES, ManifestLimits
 from .manifest import DIGEST_ALGOS
@@ -92,6 +93,11 @@ class PeerConfig:
     gossip_queue: int = 1024
     """Inbound/outbound control messages buffered; excess gossip is dropped and counted."""
 
+    control_rate: float = 1000.0
+    """Control messages a second one sender may have handled (bursts of ``gossip_queue``
+    / 8); beyond that its messages are dropped and counted.  Peers send tens a second:
+    this only bounds what a flooding sender costs us."""
+
     # -- data plane -------------------------------------------------------------
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """Bytes per chunk: the unit of verification, so of store-and-forward.  Each level of a
@@ -160,7 +166,9 @@ class PeerConfig:
     """Data connections a holder keeps open at once; more are closed at once (counted in
     ``statistics().data_server``).  Each costs two descriptors: keep it well under the
     process's descriptor limit (1,024 by default).  A fetch opens one per holder it
-    reads from (``fetch_window`` at most); raise it for hundreds of concurrent readers."""
+    reads from (``fetch_window`` at most) and keeps them for its next reads (10 s at
+    most); at a cap, the connection that has waited longest for a request (over a
+    second) is closed to make room.  Raise it for hundreds of concurrent readers."""
 
     data_max_connections_per_address: int = 64
     """Data connections from one IP address (or one local user) at once: one host
@@ -206,16 +214,22 @@ class PeerConfig:
     """Free-form options for experiments; never read by the core."""
 
     def __post_init__(self) -> None:
-        if not self.name or len(self.name) > 200 or any(c.isspace() for c in self.name):
-            raise ConfigError(f"peer name must be 1-200 non-space chars, got {self.name!r}")
+        if not self.name or len(self.name) > MAX_PEER_NAME or any(c.isspace() for c in self.name):
+            raise ConfigError(f"peer name must be 1-{MAX_PEER_NAME} non-space chars, "
+                              f"got {self.name!r}")
         parse_hostport(self.listen)
         if self.data_listen is not None:
             parse_hostport(self.data_listen)
         for seed in self.join:
             parse_hostport(seed)
+        if len(self.labels) > MAX_LABELS:
+            raise ConfigError(f"at most {MAX_LABELS} labels")
         for item in self.labels:
-            if len(item) != 2 or not all(isinstance(s, str) and s for s in item):
-                raise ConfigError(f"labels must be (key, value) pairs of strings, got {item!r}")
+            if len(item) != 2 or not all(isinstance(s, str) and s for s in item) \
+                    or len(item[0]) > MAX_LABEL_KEY or len(item[1]) > MAX_LABEL_VALUE:
+                raise ConfigError(f"labels must be (key, value) pairs of non-empty strings of "
+                                  f"<= {MAX_LABEL_KEY} and <= {MAX_LABEL_VALUE} chars, "
+                                  f"got {item!r}")
         positive = (
             "gossip_interval", "probe_interval", "probe_timeout", "suspicion_mult",
             "push_pull_interval", "dead_reap_after", "stall_timeout", "connect_timeout",
@@ -236,6 +250,8 @@ class PeerConfig:
             raise ConfigError("max_message_bytes must be in [64 KiB, 1 GiB]")
         if self.gossip_queue < 16:
             raise ConfigError("gossip_queue must be >= 16")
+        if not self.control_rate > 0:
+            raise ConfigError("control_rate must be > 0")
         if not 0 <= self.retain_latest <= 1 << 20:
             raise ConfigError("retain_latest must be in [0, 2**20]")
         if not self.nic_bps > 0:

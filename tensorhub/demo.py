@@ -19,6 +19,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Any
@@ -27,6 +28,7 @@ import blake3
 import numpy as np
 import trio
 
+from . import security
 from .config import DEFAULT_CHUNK_SIZE, PeerConfig
 from .model import VersionKey
 from .transport.shmem import shared_empty
@@ -107,7 +109,8 @@ async def _worker(args: argparse.Namespace) -> None:
     join = tuple(s for s in args.join.split(",") if s)
     config = PeerConfig.local(args.name, listen=args.listen, join=join,
                               chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
-                              labels=(("host", "localhost"), ("role", args.role)))
+                              labels=(("host", "localhost"), ("role", args.role)),
+                              security=security.load(args.keys, args.name) if args.keys else None)
     specs = model_specs(args.size)
     buffers = [allocate(specs), allocate(specs)]
     held: list[int | None] = [None, None]
@@ -214,12 +217,26 @@ def _free_ports(n: int) -> list[int]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """A closed mesh (fresh keys in a temporary directory: only these processes may join,
+    and only the trainer may publish) unless ``--insecure``."""
+    n = args.rollouts
+    with tempfile.TemporaryDirectory(prefix="tensorhub-demo-keys-") as keys:
+        if not args.insecure:
+            names = ["trainer", *(f"rollout-{i}" for i in range(n))]
+            security.write_keys(keys, names, {MODEL: ["trainer"]})
+        return _run_mesh(args, "" if args.insecure else keys)
+
+
+def _run_mesh(args: argparse.Namespace, keys: str) -> int:
     size = parse_size(args.size)
     n = args.rollouts
     ports = _free_ports(n + 1)
     seed = f"127.0.0.1:{ports[0]}"
     base = [sys.executable, "-m", "tensorhub.demo", "worker", "--size", str(size),
-            "--expect", str(n + 1)]
+            "--expect", str(n + 1), *(["--keys", keys] if keys else [])]
+    if not args.json:
+        print("closed mesh: keys made for this run (members: trainer, rollouts; publisher: "
+              "trainer)" if keys else "insecure mesh (--insecure): no keys")
     procs = [_Proc("trainer", [*base, "--name", "trainer", "--role", "trainer",
                                "--listen", seed])]
     procs += [_Proc(f"rollout-{i}", [*base, "--name", f"rollout-{i}", "--role", "rollout",
@@ -227,7 +244,8 @@ def run_demo(args: argparse.Namespace) -> int:
               for i in range(n)]
     trainer, rollouts = procs[0], procs[1:]
     summary: dict[str, Any] = {"model": MODEL, "size_bytes": size, "rollouts": n,
-                               "versions": [], "all_verified": False}
+                               "versions": [], "all_verified": False,
+                               "security": "keys" if keys else "insecure"}
     try:
         for p in procs:
             p.expect("ready", 60)
@@ -288,6 +306,8 @@ def add_demo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions", type=int, default=3, help="versions to publish (default 3)")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--table", action="store_true", help="with --json, print the tables too")
+    p.add_argument("--insecure", action="store_true",
+                   help="run without keys (default: fresh keys for this run, a closed mesh)")
 
 
 def _worker_main(argv: list[str]) -> None:
@@ -300,6 +320,7 @@ def _worker_main(argv: list[str]) -> None:
     p.add_argument("--expect", type=int, required=True)
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--transports", default="shm,tcp")
+    p.add_argument("--keys", default="", help="a `tensorhub keygen` directory")
     trio.run(_worker, p.parse_args(argv))
 
 

@@ -11,12 +11,16 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import methodcaller
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
+from .bounds import ControlEndpoint, DataEndpoint, Labels, MaxLen, PeerName
 from .errors import LocalProtocolError
-from .limits import MAX_MODEL_NAME
+from .limits import MAX_LAYOUT_ID, MAX_MODEL_NAME
+
+ModelName = Annotated[str, MaxLen(MAX_MODEL_NAME)]
+LayoutId = Annotated[bytes, MaxLen(MAX_LAYOUT_ID)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -46,10 +50,10 @@ class PeerInfo:
     such as ``dc``, ``rack``, ``host``.
     """
 
-    name: str
-    control: str
-    data: str
-    labels: tuple[tuple[str, str], ...] = ()
+    name: PeerName
+    control: ControlEndpoint
+    data: DataEndpoint
+    labels: Labels = ()
 
     def label(self, key: str) -> str | None:
         for k, v in self.labels:

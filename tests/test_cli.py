@@ -7,7 +7,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from tensorhub.demo import _free_ports
 
@@ -15,17 +17,30 @@ CLI = [sys.executable, "-m", "tensorhub.cli"]
 
 
 def test_demo_json_reports_every_version_verified() -> None:
+    keydirs = set(Path(tempfile.gettempdir()).glob("tensorhub-demo-keys-*"))
     out = subprocess.run([*CLI, "demo", "--json", "--size", "24MiB", "--rollouts", "3",
                           "--versions", "2"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["all_verified"] is True
+    assert summary["security"] == "keys"  # the default demo is a closed mesh
+    assert set(Path(tempfile.gettempdir()).glob("tensorhub-demo-keys-*")) == keydirs  # removed
     assert [v["version"] for v in summary["versions"]] == [1, 2]
     for v in summary["versions"]:
         assert len(v["rollouts"]) == 3
         for r in v["rollouts"]:
             assert r["verified"] is True
             assert sum(r["bytes_by_source"].values()) == r["bytes"] > 0
+
+
+def test_demo_insecure_says_so() -> None:
+    out = subprocess.run([*CLI, "demo", "--json", "--insecure", "--size", "8MiB",
+                          "--rollouts", "1", "--versions", "1"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["all_verified"] is True and summary["security"] == "insecure"
+    assert "insecure: no keys" in out.stderr  # each peer warns in its log
 
 
 def _start_peer(port: int, name: str = "solo") -> subprocess.Popen[str]:

@@ -192,16 +192,17 @@ def test_messages_round_trip_through_the_wire_codec() -> None:
     from tensorhub.protocol import codec, messages
 
     messages.register_all()
-    info = PeerInfo("a", "a:1", "a:2", (("dc", "x"), ("rack", "r1")))
+    info = PeerInfo("a", "tcp://a:1", "a:2", (("dc", "x"), ("rack", "r1")))
     alive, suspect = Update(0, "a", 3, "a", info), Update(1, "b", 0, "a", None)
-    samples = [Ping("a:1", "a", 1, "b", (alive, suspect)),
-               IndirectPing("a:1", "a", 2, "b", "b:1", ()), Ack("a:1", "a", 1, (alive,)),
-               Nack("a:1", "a", 1), Gossip("a:1", "a", (suspect,)),
-               PushPull("a:1", "a", b"d" * 12, (alive,), True)]
+    samples = [Ping("tcp://a:1", "a", 1, "b", (alive, suspect)),
+               IndirectPing("tcp://a:1", "a", 2, "b", "tcp://b:1", ()),
+               Ack("tcp://a:1", "a", 1, (alive,)),
+               Nack("tcp://a:1", "a", 1), Gossip("tcp://a:1", "a", (suspect,)),
+               PushPull("tcp://a:1", "a", b"d" * 12, (alive,), True)]
     assert {type(m) for m in samples} == set(MESSAGES)
     for msg in samples:
         assert codec.decode(codec.encode(msg)) == msg
-    wire = bytearray(codec.encode(Gossip("a:1", "a", (suspect,))))
+    wire = bytearray(codec.encode(Gossip("tcp://a:1", "a", (suspect,))))
     wire[wire.index(b"\x01\xa1b")] = 9  # the update's kind: 1 -> 9
     with pytest.raises(RemoteProtocolError):
         codec.decode(bytes(wire))

@@ -135,6 +135,7 @@ HOLDERS: dict[str, Callable[[], Any]] = {
     "shm-memfd": partial(tcp_holder, ShmConnection),  # holder arrays from shared_empty
     "tcp+keys": partial(tcp_holder, TcpConnection, auth=True),
     "shm+keys": partial(tcp_holder, ShmConnection, auth=True),
+    "shm-memfd+keys": partial(tcp_holder, ShmConnection, auth=True),
 }
 
 
@@ -284,6 +285,64 @@ async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
             with trio.fail_after(5):  # ...or until the reader leaves or breaks the protocol
                 await pub.local.drained.wait()
         assert len(holder.bad) == 1 and "ShmDone" in holder.bad[0]
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+@pytest.mark.parametrize("bad", [b"\x00\x00\x00\x03\xc1\xc1\xc1",  # not msgpack
+                                 b"\xff\xff\xff\xff"])  # a frame over MAX_FRAME
+async def test_bad_input_under_a_version_lease_ends_only_that_connection(bad: bytes) -> None:
+    """Bad bytes where the holder waits for ShmRelease: that connection ends, its lease
+    with it, reported as the protocol error it is; the server serves the next reader."""
+    rng = rng_for("version-lease-bad-input")
+    async with tcp_holder(ShmConnection) as holder:
+        assert holder.address is not None
+        pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
+        async with local_connection(holder.address) as sock:
+            await _send_frame(sock, ShmVersionRequest(1, "m", 1, 0))
+            grant = await _recv_frame(sock)
+            assert isinstance(grant, ShmVersionGrant) and not grant.more
+            await sock.send(bad)
+            with trio.fail_after(5):  # the holder ends the connection
+                while await sock.recv(1 << 16):
+                    pass
+        with trio.fail_after(5):
+            await pub.local.drained.wait()
+        assert len(holder.bad) == 1
+        assert "malformed message" in holder.bad[0] or "exceeds" in holder.bad[0]
+        conn = await holder.connect()
+        await read_whole(conn, pub, 1)
+        await conn.aclose()
+
+
+class StoreWithABug(Store):
+    """A store whose manifest lookup fails the way an unforeseen bug would."""
+
+    def manifest_bytes(self, key: VersionKey) -> bytes:
+        raise KeyError(f"bug looking up {key}")
+
+
+async def test_a_request_that_meets_a_bug_ends_only_its_connection() -> None:
+    """No reader's input is known to raise anything but a protocol or transport error
+    (the test above was the last found); should one meet a bug, the server -- which runs
+    in the peer's nursery -- ends that connection, reports the error by type, and serves
+    on, instead of taking the peer down with it."""
+    rng = rng_for("bug")
+    store, bad = StoreWithABug(), list[str]()
+    pub = publish(store, rng, [10_000], chunk_size=4096)
+    server = TcpServer(store, lambda _peer, _n: None, bad.append)
+    address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        conn = await TcpConnection.connect(address, "holder", 5)
+        with pytest.raises(TransportError):
+            await conn.read_manifest(pub.local.manifest.key)
+        await conn.aclose()
+        assert len(bad) == 1 and "KeyError answering a request: 'bug looking up m@1'" in bad[0]
+        conn = await TcpConnection.connect(address, "holder", 5)
+        await read_whole(conn, pub, 2)
+        await conn.aclose()
+        nursery.cancel_scope.cancel()
 
 
 @needs_shm

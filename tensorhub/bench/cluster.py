@@ -28,6 +28,15 @@ Elastic: after the last TensorHub run, the last host's peer leaves and a fresh p
 same options; its time is compared with what that host took in the star run, where it
 pulled from a trainer busy serving every rollout.
 
+Security (``--keys``): ``on`` runs every peer with keys (``tensorhub keygen`` into a
+scratch directory, removed at the end). ``both`` starts a second, keyed mesh in the same
+namespaces (other ports) next to the keyless one, both up for the whole run; each run
+adds a keyed TensorHub fan-out next to the keyless one, alternating which goes first,
+and ``security_cost_cluster`` is the keyed median over the keyless one (bound 1.10). The
+keyed fan-out pays the data handshake on every connection, CURVE on the control
+messages (plans, holders), the manifest's signature check and the signed gossip running
+meanwhile; the digest is blake3 in both and data bytes are not encrypted in either.
+
 The peers are then ended and the baselines of :mod:`tensorhub.bench.baselines` (plain TCP
 star, gloo broadcast, Ray) run in the same namespaces to the same rollouts. Every time is
 printed next to its fluid lower bound; the figures of issue 6 follow, each with its bound
@@ -43,8 +52,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +62,7 @@ from typing import Any
 from ..config import DEFAULT_CHUNK_SIZE
 from ..errors import TensorHubError
 from ..protocol.topology import fluid_bound
+from ..security import write_keys
 from .baselines import BASELINES, BaselineError, parse_size
 from .figures import figure, print_figures
 from .netns import Cluster, Host, open_cluster
@@ -61,7 +72,8 @@ MODEL = "bench"
 TRAINER = "trainer"
 JOINER = "joiner"
 _PORT = 7700
-_JOINER_PORT = 7701  # the leaving peer's port may linger
+_KEYED_PORT = 7710
+"""With ``--keys both``: the keyed mesh's port (its joiner's would be the next one)."""
 _STALL_TIMEOUT_S = 60.0
 """Workers' stall limit per chunk read: a star fetch shares the trainer's NIC (or the WAN)
 ``window x rollouts`` ways, so one 8 MiB chunk can take ~10 s without anything stalling."""
@@ -81,7 +93,7 @@ class _Worker(WorkerClient):
     """One bench worker peer inside a host's namespace, spoken to in JSON lines."""
 
     def __init__(self, cluster: Cluster, host: Host, name: str, port: int, join: str,
-                 expect: int, chunk: int, plan: bool) -> None:
+                 expect: int, chunk: int, plan: bool, keys: str | None = None) -> None:
         self.name = name
         self.host = host
         self.control = f"{host.ip}:{port}"
@@ -94,6 +106,7 @@ class _Worker(WorkerClient):
                 "--label", f"nic_bps={cluster.nic_mbit * 1e6 / 8:g}",
                 "--planning", "on" if plan else "off",
                 "--stall-timeout", str(_STALL_TIMEOUT_S)]  # fmt: skip
+        argv += ["--keys", keys] if keys else []
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
         with self.log.open("w") as log:
             process: subprocess.Popen[str] = cluster.run(
@@ -148,12 +161,16 @@ class Fanout:
 class Mesh:
     """A TensorHub peer on every host of a cluster; made by :func:`open_mesh`."""
 
-    def __init__(self, cluster: Cluster, chunk: int, plan: bool) -> None:
+    def __init__(self, cluster: Cluster, chunk: int, plan: bool, port: int = _PORT,
+                 keys: str | None = None) -> None:
         self.cluster = cluster
         self.chunk = chunk
         self.plan = plan
+        self.port = port
+        self.keys = keys
+        """A directory of keys (:func:`~tensorhub.security.write_keys`) or None: keyless."""
         self.workers: dict[str, _Worker] = {}
-        self.seed = f"{cluster.hosts[0].ip}:{_PORT}"
+        self.seed = f"{cluster.hosts[0].ip}:{port}"
 
     @property
     def trainer(self) -> _Worker:
@@ -167,7 +184,7 @@ class Mesh:
         started = []
         for host, name, port in hosts:
             self.workers[name] = worker = _Worker(self.cluster, host, name, port, self.seed,
-                                                  expect, self.chunk, self.plan)
+                                                  expect, self.chunk, self.plan, self.keys)
             started.append(worker)
         for worker in started:
             worker.expect("ready", _SETUP_TIMEOUT_S)
@@ -201,7 +218,8 @@ class Mesh:
         ``fetched`` reply and the bytes that crossed between DCs meanwhile."""
         self.workers.pop(host.name).close()
         holders = len(self.workers)
-        self._start([(host, JOINER, _JOINER_PORT)], expect=holders + 1)
+        # Not the leaving peer's port: it may linger.
+        self._start([(host, JOINER, self.port + 1)], expect=holders + 1)
         joiner = self.workers[JOINER]
         joiner.prepare(size)
         joiner.call("holders", cmd="wait_holders", model=MODEL, version=version,
@@ -213,14 +231,15 @@ class Mesh:
 
 
 @contextmanager
-def open_mesh(cluster: Cluster, chunk: int = 8 << 20, plan: bool = True) -> Iterator[Mesh]:
+def open_mesh(cluster: Cluster, chunk: int = 8 << 20, plan: bool = True, port: int = _PORT,
+              keys: str | None = None) -> Iterator[Mesh]:
     """Start a TensorHub peer on every host (``trainer`` on ``h0``, rollouts named after
-    their hosts; ``plan``: they follow the coordinator's plans), yield the :class:`Mesh`,
-    and end the peers on the way out. If the block fails, the tail of every peer's log is
-    printed to stderr first."""
-    mesh = Mesh(cluster, chunk, plan)
+    their hosts; ``plan``: they follow the coordinator's plans; ``keys``: a directory made
+    by :func:`mesh_keys`), yield the :class:`Mesh`, and end the peers on the way out. If
+    the block fails, the tail of every peer's log is printed to stderr first."""
+    mesh = Mesh(cluster, chunk, plan, port, keys)
     try:
-        mesh._start([(h, TRAINER if i == 0 else h.name, _PORT)
+        mesh._start([(h, TRAINER if i == 0 else h.name, port)
                      for i, h in enumerate(cluster.hosts)], expect=len(cluster.hosts))
         yield mesh
     except BaseException:
@@ -232,6 +251,14 @@ def open_mesh(cluster: Cluster, chunk: int = 8 << 20, plan: bool = True) -> Iter
     finally:
         for worker in mesh.workers.values():
             worker.close()
+
+
+def mesh_keys(cluster: Cluster, directory: str) -> str:
+    """Keys for every peer :func:`open_mesh` and :meth:`Mesh.join_late` start on
+    ``cluster`` (the trainer publishes), written into ``directory``; returns it."""
+    names = [TRAINER, *(h.name for h in cluster.hosts[1:]), JOINER]
+    write_keys(directory, names, {MODEL: [TRAINER]})
+    return directory
 
 
 # -- the benchmark ------------------------------------------------------------------------
@@ -259,23 +286,41 @@ class Measured:
     """Rollouts outside the trainer's DC."""
     baselines: dict[str, float]
     baseline_wan_bytes: dict[str, int]
+    keyed: list[Fanout]
+    """With ``--keys both``: the keyed mesh's TensorHub fan-outs, else empty."""
 
 
 def measure(args: argparse.Namespace, size: int, chunk: int, baselines: Sequence[str]
             ) -> tuple[Measured, float, int]:
     """Build the cluster, run every measurement, remove it all; (results, bound, mtu)."""
-    with open_cluster(args.hosts, args.nic_mbit, dcs=args.dcs,
-                      wan_mbit=args.wan_mbit if args.dcs > 1 else None,
-                      wan_delay_ms=args.wan_delay_ms if args.dcs > 1 else 0.0) as cluster:
+    with (open_cluster(args.hosts, args.nic_mbit, dcs=args.dcs,
+                       wan_mbit=args.wan_mbit if args.dcs > 1 else None,
+                       wan_delay_ms=args.wan_delay_ms if args.dcs > 1 else 0.0) as cluster,
+          tempfile.TemporaryDirectory(prefix="tensorhub-keys-") as key_dir):
         bound = bound_s(cluster, size)
-        star, tensorhub = [], []
-        with open_mesh(cluster, chunk, args.plan) as mesh:
+        keys = mesh_keys(cluster, key_dir) if args.keys != "off" else None
+        star: list[Fanout] = []
+        tensorhub: list[Fanout] = []
+        keyed: list[Fanout] = []
+        with (open_mesh(cluster, chunk, args.plan,
+                        keys=keys if args.keys == "on" else None) as mesh,
+              ExitStack() as extra):
+            other = (extra.enter_context(open_mesh(cluster, chunk, args.plan, _KEYED_PORT,
+                                                   keys))
+                     if args.keys == "both" else None)
             for run in range(args.runs):
                 star.append(mesh.fanout(2 * run + 1, size, sources=[TRAINER]))
                 _say("star", star[-1], bound, size)
                 last = run == args.runs - 1
+                if other is not None and run % 2 == 1:
+                    keyed.append(other.fanout(2 * run + 2, size))
+                    _say("keyed TensorHub", keyed[-1], bound, size)
                 tensorhub.append(mesh.fanout(2 * run + 2, size, keep=last))
                 _say("TensorHub", tensorhub[-1], bound, size)
+                if other is not None and run % 2 == 0:
+                    keyed.append(other.fanout(2 * run + 2, size))
+                    _say("keyed TensorHub", keyed[-1], bound, size)
+            extra.close()  # the keyed mesh ends: the joiner meets one mesh, as without it
             joiner_host = cluster.hosts[-1]
             joiner, joiner_wan = mesh.join_late(joiner_host, 2 * args.runs, size)
         seconds: dict[str, float] = {}
@@ -291,7 +336,7 @@ def measure(args: argparse.Namespace, size: int, chunk: int, baselines: Sequence
             print(f"  measured {name} baseline: {seconds[name]:.2f} s", flush=True)
         remote = [h.name for h in cluster.hosts[1:] if h.dc != 0]
         return (Measured(star, tensorhub, joiner, joiner_wan, joiner_host.name, remote,
-                         seconds, wan_bytes), bound, cluster.mtu)
+                         seconds, wan_bytes, keyed), bound, cluster.mtu)
 
 
 def _planned(fans: list[Fanout]) -> str:
@@ -360,6 +405,10 @@ def report(m: Measured, bound: float, size: int, nic_mbit: float, plan: bool
              (f"{m.joiner_host} in the star run (busy trainer)", busy_s, one_fetch, "")]
     figures.append(figure("joiner_speedup_vs_trainer", busy_s / joiner_s, "ratio", 3,
                           "higher"))
+    if m.keyed:
+        keyed_s = med(f.seconds for f in m.keyed)
+        rows.insert(1, ("TensorHub fan-out, keyed", keyed_s, bound, crossed(m.keyed)))
+        figures.append(figure("security_cost_cluster", keyed_s / th_s, "ratio", 1.10, "lower"))
     return rows, figures
 
 
@@ -383,6 +432,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True,
                    help="TensorHub fetchers follow the coordinator's plan (default); "
                         "--no-plan: they choose holders themselves")
+    p.add_argument("--keys", choices=("off", "on", "both"), default="off",
+                   help="on: every peer runs with keys; both: a keyed mesh next to the "
+                        "keyless one, a keyed fan-out after or before each TensorHub one "
+                        "(the cost of security)")
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
 
 
@@ -409,7 +462,7 @@ def run_cli(args: argparse.Namespace) -> int:
              if args.dcs > 1 else "1 DC")
     print(f"cluster benchmark: trainer + {rollouts} rollouts, {args.nic_mbit:g} Mbit NICs, "
           f"{where}; {size / 2**20:g} MiB, chunk {chunk / 2**20:g} MiB, "
-          f"median of {args.runs} run(s)", flush=True)
+          f"median of {args.runs} run(s), keys {args.keys}", flush=True)
     m, bound, mtu = measure(args, size, chunk, chosen)
     rows, figures = report(m, bound, size, args.nic_mbit, args.plan)
     print(f"\nfluid lower bound: {bound:.2f} s")
@@ -426,9 +479,14 @@ def run_cli(args: argparse.Namespace) -> int:
                           "star_s": statistics.median(f.seconds for f in m.star),
                           **{f"{_KEYS[k]}_s": v for k, v in m.baselines.items()},
                           **{f"{_KEYS[k]}_wan_bytes": v
-                             for k, v in m.baseline_wan_bytes.items()}},
+                             for k, v in m.baseline_wan_bytes.items()},
+                          **({"keyless_fanout_median_s": statistics.median(
+                                  f.seconds for f in m.tensorhub),
+                              "keyed_fanout_median_s": statistics.median(
+                                  f.seconds for f in m.keyed)} if m.keyed else {})},
             "measured": {
                 "tensorhub_s": [f.seconds for f in m.tensorhub],
+                "keyed_tensorhub_s": [f.seconds for f in m.keyed],
                 "star_s": [f.seconds for f in m.star],
                 "tensorhub_wan_bytes": [f.wan_bytes for f in m.tensorhub],
                 "star_wan_bytes": [f.wan_bytes for f in m.star],
@@ -450,6 +508,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          "wan_mbit": args.wan_mbit if args.dcs > 1 else None,
                          "wan_delay_ms": args.wan_delay_ms if args.dcs > 1 else None,
                          "runs": args.runs, "plan": args.plan, "baselines": chosen,
+                         "keys": args.keys,
                          "mtu": mtu},
         }))
     return 0

@@ -15,8 +15,21 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
 
 It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
 ``--only tcp`` measures (a) and (b) alone, to iterate on the TCP data plane.
-``--keys on`` runs every peer with keys (``tensorhub keygen`` into a scratch directory):
-the cost of security.
+``--keys on`` runs every peer with keys (``tensorhub keygen`` into a scratch directory).
+
+The cost of security, ``--keys both``: two meshes (publisher and fetcher each) run side
+by side, one keyless and one keyed, so both see the same machine; each of ``--runs``
+rounds fetches over TCP from each, alternating which goes first, with a raw-socket run
+(a) just before each fetch. ``security_cost_transfer`` is the keyed median over the
+keyless one (bound 1.10). Only (a) and (b) are measured in this mode. What a keyed fetch
+pays inside its timed span: CURVE encryption of the control messages it
+sends and receives (manifest and plan requests), the manifest's publisher signature
+check, and the keyed mesh's signed gossip running meanwhile (signing and checking on
+the same cores). Not in it: ``publish`` (manifest signing), joining (the ZAP handshake),
+loading keys, and the data connection's handshake after the first round (the fetcher
+keeps its connections to the holder between fetches: :mod:`tensorhub.peer.connections`).
+The chunk digest is blake3 in both meshes (keys do not change it) and the
+data bytes are not encrypted in either, so the difference is the keys alone.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -101,13 +115,14 @@ def run(size: int, chunk: int, runs: int, only_tcp: bool = False, keys: bool = F
         return _run(names, size, chunk, runs, only_tcp, key_dir if keys else None)
 
 
-def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
-         key_dir: str | None) -> dict[str, Any]:
+@contextmanager
+def _mesh(names: list[str], chunk: int, key_dir: str | None
+          ) -> Iterator[dict[str, WorkerClient]]:
+    """One worker per name on loopback (``names[0]`` the seed), ready; ended on the way out."""
     ports = _free_ports(len(names))
     seed = f"127.0.0.1:{ports[0]}"
     transports = {"f_shm": "shm,tcp"}
     procs: dict[str, WorkerClient] = {}
-    results: dict[str, Any] = {}
     try:
         for i, name in enumerate(names):
             argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
@@ -119,6 +134,50 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
         for p in procs.values():
             p.expect("ready", 60)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.close()
+
+
+def _fetch_once(proc: WorkerClient, model: str) -> dict[str, Any]:
+    """One timed fetch of ``model@1`` from ``pub`` into prepared arrays, then dropped."""
+    got = proc.call("fetched", cmd="fetch", model=model, version=1, sources=["pub"],
+                    into=True)
+    proc.call("unpublished", cmd="unpublish", model=model, version=1)
+    return got
+
+
+def run_both(size: int, chunk: int, runs: int) -> dict[str, Any]:
+    """(a) and (b) over a keyless and a keyed mesh, both up for the whole run, fetches
+    interleaved (round ``i`` starts with the keyless mesh when ``i`` is even)."""
+    names = ["pub", "f_tcp"]
+    fetched: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    raw: dict[str, list[float]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory(prefix="tensorhub-keys-") as key_dir, ExitStack() as stack:
+        write_keys(key_dir, names, {"*": ["pub"]})
+        meshes = {"off": stack.enter_context(_mesh(names, chunk, None)),
+                  "on": stack.enter_context(_mesh(names, chunk, key_dir))}
+        for procs in meshes.values():
+            procs["pub"].call("published", cmd="publish", model="big", version=1,
+                              shape="model", size=size, shared=True)
+            procs["f_tcp"].call("prepared", cmd="prepare", model="big", shape="model",
+                                size=size)
+        security = {mode: {k: v for k, v in procs["f_tcp"].call("stats", cmd="stats").items()
+                           if k in ("security", "digest")} for mode, procs in meshes.items()}
+        for i in range(runs):
+            for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                raw[mode].append(raw_socket_seconds(size, 1)[0])
+                fetched[mode].append(_fetch_once(meshes[mode]["f_tcp"], "big"))
+    return {"raw": raw["off"] + raw["on"], "raw_keyless": raw["off"], "raw_keyed": raw["on"],
+            "tcp": fetched["off"], "tcp_keyed": fetched["on"], "security": security,
+            "fetcher_peak_rss_mib": max(r["peak_rss_mib"] for r in fetched["off"])}
+
+
+def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
+         key_dir: str | None) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with _mesh(names, chunk, key_dir) as procs:
         pub = procs["pub"]
         published = pub.call("published", cmd="publish", model="big", version=1,
                              shape="model", size=size, shared=True)
@@ -133,10 +192,7 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
             for _ in range(runs):
                 if baseline is not None and seen is not None:
                     seen.append(baseline())
-                got = proc.call("fetched", cmd="fetch", model=model, version=1,
-                                sources=["pub"], into=True)
-                proc.call("unpublished", cmd="unpublish", model=model, version=1)
-                out.append(got)
+                out.append(_fetch_once(proc, model))
             return out
 
         for name in names[1:]:
@@ -162,9 +218,6 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
         procs["f_tcp"].call("prepared", cmd="prepare", model="small", shape="small",
                             size=10_000 * 4096)
         small = single(procs["f_tcp"], "small")
-    finally:
-        for p in procs.values():
-            p.close()
     results.update(shm=shm, copy=copies, chain=chain, small=small)
     return results
 
@@ -183,14 +236,18 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
     p.add_argument("--only", choices=("all", "tcp"), default="all",
                    help="tcp: just (a) and (b), for iterating on the TCP data plane")
-    p.add_argument("--keys", choices=("on", "off"), default="off",
-                   help="on: every peer runs with keys (the cost of security)")
+    p.add_argument("--keys", choices=("on", "off", "both"), default="off",
+                   help="on: every peer runs with keys; both: a keyless and a keyed mesh "
+                        "in the same run, fetches interleaved, (a) and (b) only: the cost "
+                        "of security")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     size, chunk, runs = parse_size(args.size), parse_size(args.chunk), args.runs
-    only_tcp = args.only == "tcp"
-    r = run(size, chunk, runs, only_tcp, args.keys == "on")
+    both = args.keys == "both"
+    only_tcp = args.only == "tcp" or both
+    r = run_both(size, chunk, runs) if both else run(size, chunk, runs, only_tcp,
+                                                      args.keys == "on")
     copy_s: list[float] = r.get("copy", [])
     med = statistics.median
     raw_s = r["raw"]
@@ -200,11 +257,29 @@ def run_cli(args: argparse.Namespace) -> int:
     tcp_rate = model_bytes / tcp_s
     rows = [
         ("(a) raw socket sendall -> recv_into", med(raw_s), raw_rate),
-        ("(b) TensorHub fetch, TCP, integrity on", tcp_s, tcp_rate),
+        ("(b) TensorHub fetch, TCP, integrity on" + (", keyless" if both else ""), tcp_s,
+         tcp_rate),
     ]
     figures = [figure("tcp_vs_raw", tcp_rate / raw_rate, "ratio", 0.85, "higher")]
     measured: dict[str, Any] = {"tcp_s": [x["seconds"] for x in r["tcp"]],
                                 "model_bytes": model_bytes}
+    baselines: dict[str, Any] = {"raw_socket_s": raw_s, "numpy_copy_s": copy_s}
+    if both:
+        keyed_s = med([x["seconds"] for x in r["tcp_keyed"]])
+        rows.append(("(b) TensorHub fetch, TCP, integrity on, keyed", keyed_s,
+                     model_bytes / keyed_s))
+        figures.append(figure("security_cost_transfer", keyed_s / tcp_s, "ratio", 1.10,
+                              "lower"))
+        pairs = [k["seconds"] / x["seconds"] for k, x in zip(r["tcp_keyed"], r["tcp"],
+                                                             strict=True)]
+        measured.update(keyed_tcp_s=[x["seconds"] for x in r["tcp_keyed"]],
+                        keyed_over_keyless_by_round=pairs,
+                        cpu_s=[x["cpu_s"] for x in r["tcp"]],
+                        keyed_cpu_s=[x["cpu_s"] for x in r["tcp_keyed"]],
+                        raw_before_keyless_s=r["raw_keyless"],
+                        raw_before_keyed_s=r["raw_keyed"], fetchers=r["security"])
+        baselines.update(keyless_tcp_median_s=tcp_s, keyed_tcp_median_s=keyed_s,
+                         raw_socket_median_s=med(raw_s))
     if not only_tcp:
         small_bytes = r["small"][0]["report"]["bytes"]
         copy_rate = size / med(copy_s)
@@ -242,15 +317,21 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"{'path':<52} {'seconds':>8} {'GB/s':>7}")
     for label, secs, rate in rows:
         print(f"{label:<52} {secs:>8.3f} {rate / 1e9:>7.2f}")
+    if both:
+        pairs = measured["keyed_over_keyless_by_round"]
+        print(f"keyed / keyless by round (each pair back to back): "
+              f"{', '.join(f'{x:.3f}' for x in pairs)}; median {med(pairs):.3f}")
+        print(f"fetcher CPU seconds a fetch (every thread), median: keyless "
+              f"{med(measured['cpu_s']):.3f}, keyed {med(measured['keyed_cpu_s']):.3f}")
     print()
     print_figures(figures)
     if args.json:
         print(json.dumps({
             "figures": figures,
-            "baselines": {"raw_socket_s": raw_s, "numpy_copy_s": copy_s},
+            "baselines": baselines,
             "measured": measured,
-            "settings": {"size": size, "chunk": chunk, "runs": runs, "only": args.only,
-                         "keys": args.keys},
+            "settings": {"size": size, "chunk": chunk, "runs": runs,
+                         "only": "tcp" if only_tcp else "all", "keys": args.keys},
         }))
     return 0
 

@@ -10,10 +10,12 @@ line, answering each with one JSON line on stdout:
   (ROS: publishing must not copy).
 * ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers.
 * ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
-  and reports the fetch report, monotonic start / end times and the peak RSS.
+  and reports the fetch report, monotonic start / end times, the CPU seconds this
+  process spent meanwhile (every thread) and the peak RSS.
 * ``{"cmd": "wait_holders", "model", "version", "count", "timeout"}`` waits until
   ``count`` other live peers hold the version completely and names them.
-* ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "stats"}``, ``{"cmd": "quit"}``.
+* ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
+* ``{"cmd": "stats"}``: bytes served, members, and the peer's security and digest lines.
 
 Times are ``time.monotonic()``, one clock for every process on the machine.
 """
@@ -151,11 +153,12 @@ class Worker:
             return {"event": "prepared", "rss_mib": rss_mib()[0]}
         if kind == "fetch":
             into = self.buffers.get(f"into:{cmd['model']}") if cmd.get("into") else None
-            t0 = time.monotonic()
+            cpu0, t0 = time.process_time(), time.monotonic()
             got = await self.peer.fetch(cmd["model"], cmd["version"], into=into,
                                         sources=cmd.get("sources"))
-            t1 = time.monotonic()
+            t1, cpu1 = time.monotonic(), time.process_time()
             out = {"event": "fetched", "start": t0, "end": t1, "seconds": t1 - t0,
+                   "cpu_s": cpu1 - cpu0,
                    "report": got.report.to_dict(), "peak_rss_mib": rss_mib()[1]}
             if cmd.get("checksum"):
                 out["checksum"] = checksum(got.tensors)
@@ -170,7 +173,8 @@ class Worker:
         if kind == "stats":
             st = self.peer.statistics()
             return {"event": "stats", "bytes_served": st.bytes_served,
-                    "bytes_by_transport": st.bytes_by_transport, "members": st.members}
+                    "bytes_by_transport": st.bytes_by_transport, "members": st.members,
+                    "security": st.security, "digest": st.digest}
         raise ValueError(f"unknown command {kind!r}")
 
     async def wait_holders(self, key: VersionKey, count: int, timeout: float) -> list[str]:

@@ -44,6 +44,8 @@ other, and each level of a tree lags its parent by one chunk-time.  Measured in 
 
 HolderView = Callable[[VersionKey], list[tuple[PeerInfo, Holding]]]
 Connector = Callable[[PeerInfo], Awaitable[Connection]]
+Releaser = Callable[[Connection], Awaitable[None]]
+"""Takes a connection the fetch is done with (closes it, or keeps it for a later read)."""
 BanCheck = Callable[[str], Ban | None]
 """Holder name -> the peer's ban on it now (until when, and why), or None."""
 BadBytes = Callable[[str, VersionKey, str], None]
@@ -150,9 +152,11 @@ class Fetch:
                  upstream: frozenset[str], window: int, stall_timeout: float,
                  on_progress: Callable[[], None], banned: BanCheck, on_bad_bytes: BadBytes,
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
-                 only: Sequence[int] | None = None) -> None:
+                 only: Sequence[int] | None = None, release: Releaser | None = None
+                 ) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
-        needs just the chunks that overlap its slices)."""
+        needs just the chunks that overlap its slices); ``release`` takes each
+        connection a worker is done with (default: close it)."""
         self.me = me
         self.local = local
         self.manifest = local.manifest
@@ -165,6 +169,7 @@ class Fetch:
         """The coordinator's plan: the source of each chunk while it stays usable; a
         planned source is asked even before it advertises the chunk (it pipelines)."""
         self.connect = connect
+        self.release: Releaser = release or _close
         self.window = window
         self.stall_timeout = stall_timeout
         self.banned = banned
@@ -291,7 +296,7 @@ class Fetch:
                     self._notify()  # a slot or a source is free again
         finally:
             for conn in conns.values():
-                await conn.aclose()
+                await self.release(conn)
 
     def _batch(self, chunk: int, peer: PeerInfo, conn: Connection | None) -> list[int]:
         """``chunk`` and the pending chunks right after it that ``peer`` holds, as many
@@ -430,3 +435,7 @@ class Fetch:
         conn = conns.pop(name, None)
         if conn is not None:
             await conn.aclose()
+
+
+async def _close(conn: Connection) -> None:
+    await conn.aclose()

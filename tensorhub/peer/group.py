@@ -259,6 +259,10 @@ class Group:
             except RemoteProtocolError as exc:
                 self._count_bad(f"group {self.name!r} message from {env.sender!r}: {exc}")
                 continue
+            except Exception as exc:  # a bug on remote input: counted, the group goes on
+                self.peer.internal_error(f"group {self.name!r} message from {env.sender!r}: "
+                                         f"{type(exc).__name__}: {exc}", exc)
+                continue
             self._apply(out)
 
     async def _tick(self) -> None:

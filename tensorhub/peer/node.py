@@ -4,6 +4,12 @@ One nursery holds every task: the ZeroMQ socket's owner, the control dispatcher 
 feed :class:`ControlPlane`, send what it returns), the timer task that ticks it at its
 deadlines, and the TCP data server.  Time comes from trio's clock only.
 
+No input ends the dispatcher: a frame that does not decode, a message of a kind the
+control port does not take, or one whose sender field is not the connection it came on
+(the only address a reply may go to) is dropped and counted (``malformed_dropped``); an
+exception a handler raises on remote input is a bug, counted in ``internal_errors`` with
+its text, logged, and the peer goes on.
+
 Security (``PeerConfig.security``): the ZAP handler and the handshake monitor
 (:mod:`.zap`) run beside the control socket, which serves with CURVE; a message whose
 sender name differs from the member ZAP authenticated its connection as is refused.
@@ -41,6 +47,7 @@ from ..model import (
     check_version,
 )
 from ..protocol import codec
+from ..protocol.addressing import misaddressed
 from ..protocol.bans import MAX_REASON, Ban, BanNotice, BanTable
 from ..protocol.control import ControlPlane, RefsDelta, RefsDigest
 from ..protocol.coordination import CoordinatorAnswer, CoordRequest
@@ -59,6 +66,7 @@ from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
+from .connections import ConnectionPool
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView
 from .operations import Operations, operation
@@ -70,6 +78,7 @@ from .zmq_trio import CurveKeys, ZmqRouter
 
 register_all()
 log = logging.getLogger("tensorhub.peer")
+INTERNAL_ERRORS_KEPT = 16
 INSECURE = "insecure: no keys; any local process can join, read and publish"
 
 
@@ -108,6 +117,10 @@ class PeerStats:
     gossip_dropped: int
     control_received: int
     control_sent: int
+    internal_errors: int
+    """Exceptions our own code raised on remote input (bugs: always expected to be 0)."""
+    internal_error_texts: tuple[str, ...]
+    """The last few of them."""
     shm: str
     """Whether the same-host transport is usable here, and if not why."""
     shm_fallbacks: dict[str, str]
@@ -156,7 +169,7 @@ class Peer:
         self._sender_mismatch = 0
         try:
             self._router = ZmqRouter(ctx, f"tcp://{host}:{port}", config.max_message_bytes,
-                                     config.gossip_queue, curve)
+                                     config.gossip_queue, curve, config.control_rate)
             if sec is not None:
                 self._monitor = HandshakeMonitor(self._router.socket)
         except BaseException:
@@ -167,6 +180,11 @@ class Peer:
         security = getattr(config, "security", None)  # PeerConfig.security: keys, or None
         self._data_auth = None if security is None else \
             DataAuth(config.name, security.identity, security.keyring)
+        keyring = None if security is None else security.keyring
+        self._pool = ConnectionPool(self._connect,
+                                    lambda: 0 if keyring is None else keyring.generation,
+                                    max_idle=min(10.0, config.data_idle_timeout))
+        """Data connections kept between reads (see :mod:`.connections`)."""
         self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
             config.data_max_connections, config.data_max_connections_per_address,
             config.data_idle_timeout, config.data_frame_timeout,
@@ -190,6 +208,8 @@ class Peer:
         """The API calls in flight: closing the peer ends them with PeerClosed."""
         self._served = self._chunks_served = self._fetched = self._nfetches = 0
         self._malformed = 0
+        self._internal_errors = 0
+        self._internal_texts: list[str] = []
         self._by_source: dict[str, int] = {}
         self._by_transport: dict[str, int] = {}
         self._integrity: dict[str, int] = {}
@@ -235,13 +255,18 @@ class Peer:
     async def _leave(self) -> None:
         await self.operations.close(self.config.stall_timeout)
         self._closed = True
+        self._pool.close()
         self._send(self.control.leave(trio.current_time()))
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
 
     def _send(self, out: list[Outbound]) -> None:
         for item in out:
-            self._router.send_nowait(item.dest, codec.encode(item.msg,
-                                                             self.config.max_message_bytes))
+            try:
+                data = codec.encode(item.msg, self.config.max_message_bytes)
+            except LocalProtocolError as exc:
+                self.internal_error(f"cannot send {type(item.msg).__name__}: {exc}")
+                continue
+            self._router.send_nowait(item.dest, data, reply=item.reply)
         self._after_change()
 
     def _after_change(self) -> None:
@@ -256,31 +281,50 @@ class Peer:
         self._wake_ticker.set()
 
     async def _dispatch(self) -> None:
-        async for _sender, data, member in self._router.inbound:
+        while True:
+            try:
+                sender, data, member = await self._router.receive()
+            except trio.EndOfChannel:
+                return
             try:
                 msg = codec.decode(data, self.config.max_message_bytes)
             except RemoteProtocolError as exc:
-                self._count_bad(f"control message from {_sender}: {exc}")
+                self._count_bad(f"control message from {sender[:100]!r}: {exc}")
                 continue
             if member is not None and _claimed_name(msg) not in (None, member):
                 self._sender_mismatch += 1
                 self._count_bad(f"{type(msg).__name__} from member {member} claims to come "
                                 f"from {_claimed_name(msg)!r}")
                 continue
-            if isinstance(msg, BanNotice):
-                self.bans.hint(msg)
-                continue
-            if isinstance(msg, KeepQuery | KeepAnswer):
-                self.retention.on_message(_sender, msg)
-                continue
-            if isinstance(msg, GroupEnvelope):
-                handler = self._group_inbox.get(msg.group)
-                if handler is None:
-                    self._count_bad(f"group message for unknown group {msg.group!r}")
-                else:
-                    handler(msg)
-                continue
+            try:
+                self._handle(sender, msg)
+            except Exception as exc:  # a bug on remote input: count it, keep serving
+                self.internal_error(f"{type(msg).__name__} from {sender[:100]!r}: "
+                                    f"{type(exc).__name__}: {exc}", exc)
+
+    def _handle(self, sender: str, msg: object) -> None:
+        """One decoded message from the connection with routing id ``sender``."""
+        problem = misaddressed(msg, sender, self.control.membership.members())
+        if problem:
+            self._count_bad(f"{type(msg).__name__} from {sender[:100]!r}: {problem}")
+        elif isinstance(msg, BanNotice):
+            self.bans.hint(msg)
+        elif isinstance(msg, KeepQuery | KeepAnswer):
+            self.retention.on_message(sender, msg)
+        elif isinstance(msg, GroupEnvelope):
+            handler = self._group_inbox.get(msg.group)
+            if handler is None:
+                self._count_bad(f"group message for unknown group {msg.group[:100]!r}")
+            else:
+                handler(msg)
+        else:
             self._send(self.control.receive(trio.current_time(), msg))
+
+    def internal_error(self, what: str, exc: BaseException | None = None) -> None:
+        """Our own code failed on remote input: count, keep the text, log, go on."""
+        self._internal_errors += 1
+        self._internal_texts = [*self._internal_texts[-(INTERNAL_ERRORS_KEPT - 1):], what]
+        log.error("tensorhub peer %s: internal error: %s", self.info.name, what, exc_info=exc)
 
     def send_to(self, peer: str, msg: object) -> bool:
         """Send a control message to peer ``peer`` by name (False if it is not a live
@@ -513,24 +557,27 @@ class Peer:
                 last[0] = now
                 self._send(self.control.put_holding(local.holding()))
 
-        self._send(self.control.put_holding(local.holding()))  # downstream can find us
-        plan: list[tuple[PeerInfo, int, int]] = []
-        plan_note = "planning off"
-        if allowed is None and self.config.planning and key.whole:
-            plan, plan_note = await self._ask_plan(key, manifest)
-        elif not key.whole:
-            plan_note = "no plan: shards are fetched from their holders directly"
-        job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
-                    upstream=allowed or frozenset(), plan=plan, connect=self._connect,
-                    window=self._window(manifest),
-                    stall_timeout=self.config.stall_timeout, on_progress=progress,
-                    banned=self.banned, on_bad_bytes=self.ban)
-        job.report.plan = plan_note
-        self._fetches.add(job)
-        try:
+        job: Fetch | None = None
+        try:  # from here on, a failure or a cancellation (planning too) drops it
+            self._send(self.control.put_holding(local.holding()))  # downstream can find us
+            plan: list[tuple[PeerInfo, int, int]] = []
+            plan_note = "planning off"
+            if allowed is None and self.config.planning and key.whole:
+                plan, plan_note = await self._ask_plan(key, manifest)
+            elif not key.whole:
+                plan_note = "no plan: shards are fetched from their holders directly"
+            job = Fetch(me=self.info.name, local=local, view=self._view(allowed),
+                        upstream=allowed or frozenset(), plan=plan,
+                        connect=self._pool.connect, release=self._pool.release,
+                        window=self._window(manifest),
+                        stall_timeout=self.config.stall_timeout, on_progress=progress,
+                        banned=self.banned, on_bad_bytes=self.ban)
+            job.report.plan = plan_note
+            self._fetches.add(job)
             report = await job.run()
         except BaseException:
-            self._count_integrity(job.report)
+            if job is not None:
+                self._count_integrity(job.report)
             local.end_receiving()
             self.store.hide(key)
             self._send(self.control.drop_holding(key))
@@ -538,7 +585,8 @@ class Peer:
                 await self.store.wait_drained(key)
             raise
         finally:
-            self._fetches.discard(job)
+            if job is not None:
+                self._fetches.discard(job)
         local.end_receiving()
         self._send(self.control.put_holding(local.holding()))
         self._account(report)
@@ -606,11 +654,11 @@ class Peer:
             for peer, holding in fresh:
                 tried[peer.name] = holding
                 try:
-                    conn = await self._connect(peer)
+                    conn = await self._pool.connect(peer)
                     try:
                         data = await conn.read_manifest(key)
-                    finally:
-                        await conn.aclose()
+                    finally:  # kept for the chunks, when it is in step
+                        await self._pool.release(conn)
                     manifest = await self._decode_manifest(data, holding.manifest_id)
                     if manifest.key != key:
                         raise RemoteProtocolError(f"{peer.name} sent a non-matching manifest")
@@ -707,6 +755,7 @@ class Peer:
         if self._data_auth is not None:  # new data connections prove the new key
             self._data_auth = replace(self._data_auth, identity=identity)
             self._server.auth = self._data_auth
+            self._pool.flush()  # and so do reads from now on
         self._router.set_client_keys(*identity.curve_keys())
         for local in self.store.versions.values():
             if local.publisher == self.info.name and not local.derived:
@@ -756,6 +805,8 @@ class Peer:
             integrity_failures=dict(self._integrity), malformed_dropped=self._malformed,
             gossip_dropped=rs.dropped_inbound + rs.dropped_outbound,
             control_received=rs.received, control_sent=rs.sent,
+            internal_errors=self._internal_errors,
+            internal_error_texts=tuple(self._internal_texts),
             shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
             shm_fallbacks=dict(self._shm_refused),
             security=self._security_text(), refused=self._refused(),

@@ -105,7 +105,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         part = LocalVersion(m, [], publisher, verified=False,
                             flat=memoryview(buf))  # type: ignore[arg-type]
         job = Fetch(me=peer.info.name, local=part, view=peer._view(allowed),
-                    upstream=allowed or frozenset(), connect=peer._connect,
+                    upstream=allowed or frozenset(), connect=peer._pool.connect,
+                    release=peer._pool.release,
                     window=peer._window(m), stall_timeout=peer.config.stall_timeout,
                     on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
                     only=plan.chunks[s])

@@ -5,37 +5,48 @@ Theory of operation
 The zmq FD is edge-triggered and a zmq socket is not thread- or task-safe, so a single
 task (:meth:`ZmqRouter.run`) does every operation on the socket.  Other tasks hand it
 outbound frames through a bounded deque (:meth:`send_nowait`: gossip is dropped and
-counted when the deque is full) and read inbound frames from a bounded channel
-(also drop-and-count).  After every operation the owner re-reads ``zmq.EVENTS``, the
-only truth about readiness; it parks in ``wait_readable(fd)`` only when EVENTS says
+counted when the deque is full) and take inbound frames with :meth:`receive` from a
+:class:`~tensorhub.peer.inbox.FairInbox`: per-sender bounded queues served round-robin,
+each sender also held to a rate, so a flooding sender delays nobody else and costs
+little (drop-and-count too).  After every operation the owner re-reads ``zmq.EVENTS``,
+the only truth about readiness; it parks in ``wait_readable(fd)`` only when EVENTS says
 there is nothing to read and nothing is waiting to be sent.  A sender wakes the parked
-owner by cancelling its wait.
+owner by cancelling its wait.  However busy, the owner yields to the scheduler every
+``_BATCH`` operations, so a flood cannot starve the rest of the peer (dispatcher, data
+plane, timers); reading no faster than that also throttles a flooder through TCP.
 
 Addressing: every peer's routing id is its own control endpoint (``tcp://host:port``),
 so the endpoint is all one needs to send to a peer.  ``ROUTER_MANDATORY`` turns a send to
 an unknown peer into an error instead of a silent drop; the owner then connects to that
-endpoint and retries the frame for a short while before dropping and counting it.
+endpoint and retries the frame for a short while before dropping and counting it.  A
+*reply* (``send_nowait(..., reply=True)``) goes only over the connection the request
+came on: the owner never connects to a reply's destination, so no message can make a
+peer contact an address it names.
 
 Security: with :class:`CurveKeys` the socket binds as a CURVE server with the cluster
 key (the ZAP handler in :mod:`.zap` admits members only), then takes this member's
 client keys for every connect (ZeroMQ captures the options at each bind and connect).
 Frames that arrive over a connection a client made carry the member name ZAP gave it;
-the inbound channel yields it beside the frame (None on connections we made).
+:meth:`receive` yields it beside the frame (None on connections we made).
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import trio
 import zmq
 
 from ..errors import ConfigError
+from .inbox import FairInbox
 
 _RETRY_FOR = 2.0
 _RETRY_EVERY = 0.02
+_BATCH = 8             # socket operations between two yields to the scheduler
+_KNOWN_INBOUND = 4096  # routing ids remembered from inbound frames (oldest forgotten)
 
 
 @dataclass(frozen=True)
@@ -55,11 +66,14 @@ class RouterStats:
     dropped_inbound: int
     dropped_outbound: int
     unreachable: int
+    inbound_waiting: int
+    inbound_senders: int
 
 
 class ZmqRouter:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
-                 max_bytes: int, queue: int, curve: CurveKeys | None = None) -> None:
+                 max_bytes: int, queue: int, curve: CurveKeys | None = None,
+                 rate: float = float("inf")) -> None:
         self.endpoint = endpoint
         sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTING_ID, endpoint.encode())
@@ -84,17 +98,21 @@ class ZmqRouter:
         self._client_keys = None if curve is None else (curve.client_public,
                                                         curve.client_secret)
         self._connected: set[str] = set()
+        """Endpoints we connected to."""
+        self._heard: OrderedDict[bytes, None] = OrderedDict()
+        """Routing ids that connected to us (bounded): sending to them needs no connect."""
         self._client_keys_set: tuple[bytes, bytes] | None = None
         if curve is not None:
             self._use_client_keys()
         self._queue = queue
-        self._out: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._out: collections.deque[tuple[str, bytes, bool]] = collections.deque()
         self._retry: list[tuple[float, str, bytes]] = []
-        self._known: set[str] = set()
         self._first_try: dict[str, float] = {}
         self._wake: trio.CancelScope | None = None
-        self.inbound_send, self.inbound = trio.open_memory_channel[
-            tuple[str, bytes, str | None]](queue)
+        self._inbox: FairInbox[tuple[bytes, str | None]] = FairInbox(
+            queue, max(4, queue // 8), rate)
+        self._inbox_ready = trio.Event()
+        self._closed = False
         self._received = self._sent = self._drop_in = self._drop_out = self._unreach = 0
 
     def close(self) -> None:
@@ -123,24 +141,48 @@ class ZmqRouter:
         self._client_keys_set = self._client_keys
 
     def statistics(self) -> RouterStats:
-        return RouterStats(self._received, self._sent, self._drop_in, self._drop_out,
-                           self._unreach)
+        return RouterStats(self._received, self._sent, self._drop_in + self._inbox.dropped,
+                           self._drop_out, self._unreach, len(self._inbox),
+                           self._inbox.senders)
 
-    def send_nowait(self, dest: str, data: bytes) -> None:
-        if len(self._out) >= self._queue:
+    def send_nowait(self, dest: str, data: bytes, *, reply: bool = False) -> None:
+        """Queue ``data`` for the peer whose routing id is ``dest``.  A ``reply`` goes
+        only over a connection that peer opened or we opened before (never a new
+        connection) and may use at most half the queue, so replies to a flood cannot
+        crowd out our own messages."""
+        limit = self._queue // 2 if reply else self._queue
+        if len(self._out) >= limit:
             self._drop_out += 1
             return
-        self._out.append((dest, data))
+        self._out.append((dest, data, reply))
         if self._wake is not None:
             self._wake.cancel()
+
+    async def receive(self) -> tuple[str, bytes, str | None]:
+        """The next inbound ``(routing id, frame, member name ZAP gave the connection
+        or None)``, senders served round-robin; raises :class:`trio.EndOfChannel` once
+        the socket is closed."""
+        while True:
+            await trio.lowlevel.checkpoint()
+            item = self._inbox.pop()
+            if item is not None:
+                sender, (frame, member) = item
+                return sender.decode("utf-8", "replace"), frame, member
+            if self._closed:
+                raise trio.EndOfChannel
+            self._inbox_ready = trio.Event()
+            await self._inbox_ready.wait()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         fd: int = self._sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         task_status.started()
         try:
             while True:
+                done = 0
                 while self._step():
-                    await trio.lowlevel.checkpoint_if_cancelled()
+                    done += 1
+                    if done % _BATCH == 0:
+                        await trio.lowlevel.checkpoint()
                 timeout = _RETRY_EVERY if self._retry else float("inf")
                 with trio.CancelScope() as self._wake, trio.move_on_after(timeout):
                     await trio.lowlevel.wait_readable(fd)
@@ -149,7 +191,8 @@ class ZmqRouter:
             self._wake = None
             trio.lowlevel.notify_closing(fd)
             self._sock.close(0)
-            self.inbound_send.close()
+            self._closed = True
+            self._inbox_ready.set()
 
     def _step(self) -> bool:
         """Do one receive and one send if possible; True if anything happened."""
@@ -164,14 +207,12 @@ class ZmqRouter:
             frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             did = True
             if len(frames) == 2:
-                sender = frames[0].bytes.decode("utf-8", "replace")
-                self._known.add(sender)
-                try:
-                    self.inbound_send.send_nowait((sender, frames[1].bytes,
-                                                   _user_id(frames[1])))
+                routing_id = frames[0].bytes
+                self._remember(routing_id)
+                if self._inbox.put(routing_id, (frames[1].bytes, _user_id(frames[1])),
+                                   trio.current_time()):
                     self._received += 1
-                except trio.WouldBlock:
-                    self._drop_in += 1
+                    self._inbox_ready.set()
             else:
                 self._drop_in += 1
         item = self._next_outbound()
@@ -180,7 +221,7 @@ class ZmqRouter:
             self._send(*item)
         return did
 
-    def _next_outbound(self) -> tuple[str, bytes] | None:
+    def _next_outbound(self) -> tuple[str, bytes, bool] | None:
         if self._out:
             return self._out.popleft()
         if self._retry:
@@ -188,15 +229,27 @@ class ZmqRouter:
             for i, (due, dest, data) in enumerate(self._retry):
                 if due <= now:
                     del self._retry[i]
-                    return dest, data
+                    return dest, data, False
         return None
 
-    def _send(self, dest: str, data: bytes) -> None:
-        if dest not in self._known:
-            self._known.add(dest)
-            self._sock.connect(dest)
-            if self._curve is not None:
-                self._connected.add(dest)
+    def _remember(self, routing_id: bytes) -> None:
+        heard = self._heard
+        if routing_id in heard:
+            heard.move_to_end(routing_id)
+            return
+        heard[routing_id] = None
+        if len(heard) > _KNOWN_INBOUND:
+            heard.popitem(last=False)
+
+    def _send(self, dest: str, data: bytes, reply: bool) -> None:
+        if not reply and dest not in self._connected and dest.encode() not in self._heard:
+            self._connected.add(dest)
+            try:
+                self._sock.connect(dest)
+            except zmq.ZMQError:  # not an endpoint zmq can use: nothing to send it to
+                self._connected.discard(dest)
+                self._drop_out += 1
+                return
         try:
             self._sock.send_multipart([dest.encode(), data], zmq.NOBLOCK)
             self._sent += 1
@@ -205,7 +258,10 @@ class ZmqRouter:
             if exc.errno == zmq.EHOSTUNREACH:
                 # Not connected yet (handshake in flight) or the peer went away.
                 self._unreach += 1
-                self._retry_later(dest, data)
+                if reply:
+                    self._drop_out += 1  # the connection it came on is gone
+                else:
+                    self._retry_later(dest, data)
             else:
                 self._drop_out += 1
 
@@ -216,8 +272,8 @@ class ZmqRouter:
         if now - first > _RETRY_FOR:
             self._drop_out += 1
             self._first_try.pop(dest, None)
-            self._known.discard(dest)
             self._connected.discard(dest)
+            self._heard.pop(dest.encode(), None)
             return
         self._retry.append((now + _RETRY_EVERY, dest, data))
 

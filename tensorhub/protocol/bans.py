@@ -18,6 +18,9 @@ holders mesh-wide).  Time is passed in; nothing here reads a clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from ..bounds import MaxLen, PeerName, Text
 
 MAX_REASON = 200
 """Characters of a ban reason kept or sent."""
@@ -31,10 +34,10 @@ class BanNotice:
     """From ``sender``: I banned ``banned``, whose chunk of ``version`` (``model@v``)
     failed its digest.  A hint only."""
 
-    sender: str
-    banned: str
-    version: str
-    reason: str
+    sender: PeerName
+    banned: PeerName
+    version: Text
+    reason: Annotated[str, MaxLen(MAX_REASON)]
 
 
 MESSAGES = (BanNotice,)

@@ -13,7 +13,11 @@ over-long strings or collections and oversized frames all raise
 exceed the size cap raises :class:`LocalProtocolError` (that is our own fault).
 
 Supported field types: ``int``, ``float``, ``str``, ``bytes``, ``bool``, ``X | None``,
-``tuple[X, ...]``, fixed ``tuple[X, Y]`` and other frozen dataclasses made of these.
+``tuple[X, ...]``, fixed ``tuple[X, Y]`` and other frozen dataclasses made of these,
+each optionally ``Annotated`` with the bounds of :mod:`tensorhub.bounds`: an ``int``
+needs a ``Range`` and a ``tuple[X, ...]`` a ``MaxLen`` (a ``str`` is capped at
+``MAX_STR`` characters and ``bytes`` at the frame size unless a ``MaxLen`` says less);
+``Valid`` adds a check of the value (endpoint syntax).
 
 The protocol version range this peer speaks is advertised in the join handshake
 (``PROTOCOL_MIN`` .. ``PROTOCOL_MAX``); a peer with no overlap is refused.
@@ -29,6 +33,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from ..bounds import MaxLen, Range, Valid
 from ..errors import LocalProtocolError, RemoteProtocolError
 
 PROTOCOL_MIN = 1
@@ -49,38 +54,91 @@ def _bad(what: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"malformed message: {what}")
 
 
-def _scalar(kind: type[Any]) -> Check:
+def _scalar(kind: type[Any], bounds: tuple[Any, ...]) -> Check:
+    lo = hi = 0
+    limit = MAX_STR if kind is str else None
+    for b in bounds:
+        if isinstance(b, Range) and kind is int:
+            lo, hi = b.lo, b.hi
+        elif isinstance(b, MaxLen) and kind in (str, bytes):
+            limit = b.n
+        elif not isinstance(b, Valid):
+            raise TypeError(f"{b!r} does not apply to a {kind.__name__} field")
+    if kind is int and not any(isinstance(b, Range) for b in bounds):
+        raise TypeError("an int wire field needs a Range (see tensorhub.bounds)")
+    if kind is int:
+        def check_int(value: Any) -> Any:
+            if type(value) is not int:
+                raise _bad(f"expected int, got {type(value).__name__}")
+            if not lo <= value <= hi:
+                raise _bad(f"integer {value} outside [{lo}, {hi}]")
+            return value
+
+        return check_int
+    if kind is float:
+        def check_float(value: Any) -> Any:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if type(value) is not float:
+                raise _bad(f"expected float, got {type(value).__name__}")
+            return value
+
+        return check_float
+
     def check(value: Any) -> Any:
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
         if type(value) is not kind:
             raise _bad(f"expected {kind.__name__}, got {type(value).__name__}")
-        if kind is str and len(value) > MAX_STR:
-            raise _bad("string too long")
-        if kind is int and not -(2**63) <= value < 2**64:
-            raise _bad("integer out of range")
+        if limit is not None and len(value) > limit:
+            raise _bad(f"{kind.__name__} of length {len(value)} > {limit}")
         return value
 
     return check
 
 
-def _checker(tp: Any) -> Check:
-    """Build a validating converter from wire objects to ``tp``."""
-    if tp in (int, float, str, bytes, bool):
-        return _scalar(tp)
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return _dataclass_checker(tp)
+def _validated(inner: Check, valid: list[Valid]) -> Check:
+    def check(value: Any) -> Any:
+        value = inner(value)
+        for v in valid:
+            try:
+                v.check(value)
+            except ValueError as exc:
+                raise _bad(str(exc)) from None
+        return value
+
+    return check
+
+
+def _checker(tp: Any, bounds: tuple[Any, ...] = ()) -> Check:
+    """Build a validating converter from wire objects to ``tp`` (within ``bounds``)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _checker(args[0], (*bounds, *tp.__metadata__))
+    valid = [b for b in bounds if isinstance(b, Valid)]
+    if valid:
+        return _validated(_checker(tp, tuple(b for b in bounds if not isinstance(b, Valid))),
+                          valid)
+    if tp in (int, float, str, bytes, bool):
+        return _scalar(tp, bounds)
+    if bounds and not (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+        raise TypeError(f"bounds {bounds!r} do not apply to {tp!r}")
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _dataclass_checker(tp)
     if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
         inner = _checker(next(a for a in args if a is not type(None)))
         return lambda v: None if v is None else inner(v)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        caps = [b.n for b in bounds if isinstance(b, MaxLen)]
+        if not caps:
+            raise TypeError(f"{tp!r} needs a MaxLen (see tensorhub.bounds)")
+        cap = min(caps)
         item = _checker(args[0])
 
         def check_var(value: Any) -> tuple[Any, ...]:
-            if not isinstance(value, list | tuple) or len(value) > MAX_ITEMS:
+            if not isinstance(value, list | tuple):
                 raise _bad("expected a sequence")
+            if len(value) > cap:
+                raise _bad(f"{len(value)} items > {cap}")
             return tuple(item(v) for v in value)
 
         return check_var
@@ -99,7 +157,7 @@ def _checker(tp: Any) -> Check:
 def _dataclass_checker(cls: type[Any]) -> Check:
     if cls in _decoders:
         return _decoders[cls]
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     checks: list[Check] = []
 
@@ -114,7 +172,11 @@ def _dataclass_checker(cls: type[Any]) -> Check:
             raise _bad(f"{cls.__name__}: {exc}") from None
 
     _decoders[cls] = check  # registered before recursing, so recursive types terminate
-    checks.extend(_checker(hints[f.name]) for f in fields)
+    try:
+        checks.extend(_checker(hints[f.name]) for f in fields)
+    except TypeError as exc:
+        del _decoders[cls]
+        raise TypeError(f"{cls.__name__}: {exc}") from None
     return check
 
 
@@ -140,7 +202,10 @@ def register(type_id: int, cls: type[T]) -> type[T]:
         raise LocalProtocolError(f"wire id {type_id} or class {cls.__name__} registered twice")
     if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise LocalProtocolError(f"{cls.__name__} must be a frozen dataclass")
-    _dataclass_checker(cls)
+    try:
+        _dataclass_checker(cls)
+    except TypeError as exc:
+        raise LocalProtocolError(f"wire message {exc}") from None
     _by_id[type_id] = cls
     _ids[cls] = type_id
     return cls
@@ -159,7 +224,10 @@ def encode(msg: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     cls = type(msg)
     if cls not in _ids:
         raise LocalProtocolError(f"{cls.__name__} is not a registered wire message")
-    data: bytes = msgpack.packb([_ids[cls], *_to_wire(msg)], use_bin_type=True)
+    try:
+        data: bytes = msgpack.packb([_ids[cls], *_to_wire(msg)], use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:  # an int beyond 64 bits, ...
+        raise LocalProtocolError(f"{cls.__name__} cannot be encoded: {exc}") from None
     if len(data) > max_bytes:
         raise LocalProtocolError(f"{cls.__name__} encodes to {len(data)} bytes > {max_bytes}")
     return data

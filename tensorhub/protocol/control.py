@@ -31,7 +31,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Annotated
 
+from ..bounds import MAX_PEERS, ControlEndpoint, MaxLen, PeerName
 from ..config import PeerConfig
 from ..model import PeerInfo, VersionKey
 from .coordination import Coordination, CoordReply, CoordRequest
@@ -44,17 +46,17 @@ from .versions import Seal, ShardClaim, VersionView
 
 @dataclass(frozen=True, slots=True)
 class RefsDigest:
-    sender: str
-    name: str
-    stamps: tuple[Stamp, ...]
+    sender: ControlEndpoint
+    name: PeerName
+    stamps: Annotated[tuple[Stamp, ...], MaxLen(MAX_PEERS)]
     answer_with_digest: bool
 
 
 @dataclass(frozen=True, slots=True)
 class RefsDelta:
-    sender: str
-    name: str
-    entries: tuple[OriginEntry, ...]
+    sender: ControlEndpoint
+    name: PeerName
+    entries: Annotated[tuple[OriginEntry, ...], MaxLen(MAX_PEERS)]
 
 
 MESSAGES = (RefsDigest, RefsDelta)
@@ -344,10 +346,7 @@ class ControlPlane:
         completed holdings turn fetchers into sources in the plans we keep."""
         self.changes += 1
         self._fresh.clear()  # cheap: each model is re-sealed on its next query
-        keys = {h.key for e in entries for h in e.holdings}
-        if not keys <= self.coordination.keys:
-            self.coordination.keys |= keys
-            self.coordination.elect(self)
+        self.coordination.learn({h.key for e in entries for h in e.holdings}, self)
         for e in entries:
             for h in e.holdings:
                 if h.complete and h.key in self.coordination.planners:
@@ -360,9 +359,13 @@ class ControlPlane:
                 self.coordination.on_reply(out)
                 self.changes += 1
                 return []
-            return [Outbound(msg.sender, out)]
+            if msg.hops == 0:  # straight from the asker: back over its connection
+                return [Outbound(msg.sender, out, True)]
+            dest = msg.name  # forwarded: to the asker's address in our own view
         member = self.membership.members().get(dest)
-        return [Outbound(member.info.control, out)] if member is not None else []
+        if member is None or not self.membership.is_live(dest):
+            return []
+        return [Outbound(member.info.control, out)]
 
     def _random_peers(self, k: int) -> list[PeerInfo]:
         live = [p for p in self.membership.live_members() if p.name != self.me.name]
@@ -380,10 +383,10 @@ class ControlPlane:
 
     def _on_digest(self, msg: RefsDigest) -> list[Outbound]:
         out = [
-            Outbound(msg.sender, RefsDelta(self.me.control, self.me.name, tuple(part)))
+            Outbound(msg.sender, RefsDelta(self.me.control, self.me.name, tuple(part)), True)
             for part in self.refs.newer_than(msg.stamps, _REFS_PART_BYTES)
         ]
         if msg.answer_with_digest and self.refs.wants_from(msg.stamps):
             out.append(Outbound(msg.sender, RefsDigest(
-                self.me.control, self.me.name, self.refs.digest(), False)))
+                self.me.control, self.me.name, self.refs.digest(), False), True))
         return out

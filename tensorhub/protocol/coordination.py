@@ -17,43 +17,52 @@ coordinator is recognisably stale and ignored.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Annotated, Protocol
 
+from ..bounds import U32, U63, U64, ControlEndpoint, MaxLen, PeerName, PeerNames, Range, Text
 from ..errors import LocalProtocolError, VersionUnavailable
-from ..model import VersionKey
+from ..model import ModelName, VersionKey
 from .planner import Planner, PlannerConfig, SourceRange
 from .ring import CoordinatorView, Epoch, EpochTracker, Local, Verdict, route
 from .topology import NodeInfo, Topology
 
 MAX_HOPS = 4
+MAX_ASKED = 1024
+MAX_REQUESTED_KEYS = 4096
+"""Versions we coordinate only because someone asked (none is in our reference table);
+beyond this many the least recently asked is forgotten: requests cannot grow our state
+or the cost of elections without bound."""
+"""Our own requests awaiting an answer (the oldest are forgotten); a reply to any other
+request id is unsolicited and ignored."""
 
 
 @dataclass(frozen=True, slots=True)
 class CoordRequest:
-    sender: str  # control address of the asking peer (replies go there directly)
-    name: str
-    req_id: int
-    model: str
-    version: int
+    sender: ControlEndpoint  # the asking peer (replies go there directly)
+    name: PeerName
+    req_id: U63
+    model: ModelName
+    version: U63
     seen: Epoch | None
-    hops: int
-    size: int = 0
+    hops: Annotated[int, Range(0, MAX_HOPS)]
+    size: U64 = 0
     """Bytes of the version (0: the asker only wants to know who coordinates)."""
-    chunks: int = 0
+    chunks: U32 = 0
 
 
 @dataclass(frozen=True, slots=True)
 class CoordReply:
-    req_id: int
-    model: str
-    version: int
+    req_id: U63
+    model: ModelName
+    version: U63
     ok: bool
     epoch: Epoch | None
-    fetchers: tuple[str, ...]
-    detail: str
-    sources: tuple[SourceRange, ...] = ()
+    fetchers: PeerNames
+    detail: Text
+    sources: Annotated[tuple[SourceRange, ...], MaxLen(1024)] = ()
     """The asker's part of the plan: which chunk ranges to pull from whom."""
 
 
@@ -98,13 +107,24 @@ class Coordination:
         self.tracker = EpochTracker()
         self._next_id = 0
         self.answers: dict[int, CoordinatorAnswer | str] = {}
-        self.forwarded = self.stale_replies = 0
+        self._asked: dict[int, None] = {}
+        self.forwarded = self.stale_replies = self.unsolicited = 0
         self.keys: set[VersionKey] = set()
         """Every version this peer knows of: the election runs over all of them."""
+        self._requested: OrderedDict[VersionKey, None] = OrderedDict()
+        """Keys known only from requests, least recently asked first."""
 
     def coordinator(self, key: VersionKey, live: Iterable[str]) -> str:
         found = route(key, live, self.me)
         return self.me if found is Local.LOCAL else str(found)
+
+    def learn(self, keys: set[VersionKey], mesh: MeshView) -> None:
+        """Versions seen in the reference table: elect over them, and keep them."""
+        for key in keys:
+            self._requested.pop(key, None)
+        if not keys <= self.keys:
+            self.keys |= keys
+            self.elect(mesh)
 
     def elect(self, mesh: MeshView) -> None:
         """Re-run the election (after a view change): take over or drop versions."""
@@ -131,6 +151,9 @@ class Coordination:
         """A registration for ``key``: (request id, message, member name to send to).
         With ``size`` and ``chunks`` the coordinator plans the asker into the transfer."""
         self._next_id += 1
+        self._asked[self._next_id] = None
+        if len(self._asked) > MAX_ASKED:
+            del self._asked[next(iter(self._asked))]
         msg = CoordRequest(self.address, self.me, self._next_id, key.model, key.version,
                            self.tracker.current(key), 0, size, chunks)
         return self._next_id, msg, self.coordinator(key, live)
@@ -149,9 +172,20 @@ class Coordination:
             fwd = CoordRequest(msg.sender, msg.name, msg.req_id, msg.model, msg.version,
                                msg.seen, msg.hops + 1, msg.size, msg.chunks)
             return str(target), fwd
-        if self.view.state(key) is None:
+        if msg.name not in live:
+            return "reply", CoordReply(msg.req_id, msg.model, msg.version, False, None, (),
+                                       f"{msg.name} is not a live member in {self.me}'s view")
+        if key not in self.keys:
             self.keys.add(key)
-            self.elect(mesh)
+            self._requested[key] = None
+            if len(self._requested) > MAX_REQUESTED_KEYS:
+                old, _ = self._requested.popitem(last=False)
+                self.keys.discard(old)
+                self.view.drop(old)
+                self.planners.pop(old, None)
+        elif key in self._requested:
+            self._requested.move_to_end(key)
+        self.view.adopt(key, [(n, None) for n in mesh.fetchers_of(key)])
         epoch = self.view.register(key, msg.name, None, msg.seen)
         state = self.view.state(key)
         fetchers = tuple(sorted(state.fetchers)) if state is not None else ()
@@ -186,6 +220,9 @@ class Coordination:
             return (), f"no plan: {exc}"
 
     def on_reply(self, msg: CoordReply) -> None:
+        if self._asked.pop(msg.req_id, 0) is not None:
+            self.unsolicited += 1
+            return
         if not msg.ok or msg.epoch is None:
             self.answers[msg.req_id] = msg.detail or "refused"
             return

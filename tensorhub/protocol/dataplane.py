@@ -14,6 +14,10 @@ tell "try another holder" (``NOT_HELD``, ``NOT_YET``) from "you asked nonsense"
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from ..bounds import U8, U32, U63, U64, MaxLen, PeerName, Range, Rank, Signature, Text
+from ..model import LayoutId, ModelName
 
 OK = 0
 NOT_HELD = 1
@@ -25,42 +29,45 @@ BAD_REQUEST = 3
 UNAUTHORIZED = 4
 """The reader did not prove a member identity (see :class:`AuthHello`): nothing is served."""
 
+ChunkIndex = Annotated[int, Range(-(2**31), 2**32 - 1)]
+"""A chunk index as asked: a negative one still decodes, and is answered BAD_REQUEST."""
+
 FRAME_HEADER = 4
 MAX_FRAME = 1 << 20  # requests and reply headers are small; manifests travel as payload
 
 
 @dataclass(frozen=True, slots=True)
 class ManifestRequest:
-    req_id: int
-    model: str
-    version: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkRequest:
-    req_id: int
-    model: str
-    version: int
-    chunk: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    chunk: ChunkIndex
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    req_id: int
-    status: int
-    length: int
-    detail: str = ""
+    req_id: U63
+    status: U8
+    length: U64
+    detail: Text = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ShmHello:
     """Same-host handshake: "show me where you are"; answered by :class:`ShmWelcome`."""
 
-    req_id: int
+    req_id: U63
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +76,10 @@ class ShmWelcome:
     of its memory: a reader that reads those bytes back shares the holder's host and pid
     namespace and may read its memory."""
 
-    req_id: int
-    pid: int
-    token: bytes
-    token_at: int
+    req_id: U63
+    pid: U32
+    token: Annotated[bytes, MaxLen(64)]
+    token_at: U64
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +87,12 @@ class ShmChunkRequest:
     """Lease chunk ``chunk`` and say where its bytes lie; answered by one or more
     :class:`ShmGrant` frames, or by a non-OK :class:`Reply` (no lease then)."""
 
-    req_id: int
-    model: str
-    version: int
-    chunk: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    chunk: ChunkIndex
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +102,8 @@ class ShmGrant:
     frame is granted in several frames, all but the last with ``more``.  The lease holds
     until the reader sends :class:`ShmDone` or the connection ends."""
 
-    req_id: int
-    length: int
+    req_id: U63
+    length: U64
     iovecs: bytes
     more: bool
 
@@ -105,7 +112,7 @@ class ShmGrant:
 class ShmDone:
     """The reader has copied the chunk of request ``req_id``: the holder ends the lease."""
 
-    req_id: int
+    req_id: U63
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +123,8 @@ class ShmFileGrant:
     ``/proc/<pid>/fd/<fd>``, checks the inode and maps the pages instead of copying
     through the kernel.  Same lease, same :class:`ShmDone`."""
 
-    req_id: int
-    length: int
+    req_id: U63
+    length: U64
     pieces: bytes
     more: bool
 
@@ -140,12 +147,12 @@ class ShmVersionRequest:
     :class:`ShmChunkRequest` of ``chunk`` (a chunk grant, then :class:`ShmDone`, or a
     non-OK :class:`Reply`)."""
 
-    req_id: int
-    model: str
-    version: int
-    chunk: int
-    shard: int = 0
-    layout: bytes = b""
+    req_id: U63
+    model: ModelName
+    version: U63
+    chunk: ChunkIndex
+    shard: Rank = 0
+    layout: LayoutId = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +162,9 @@ class ShmVersionGrant:
     cut into chunks of ``chunk_size``; several frames, all but the last with ``more``,
     when they do not fit in one.  The reader copies any chunk without asking again."""
 
-    req_id: int
-    length: int
-    chunk_size: int
+    req_id: U63
+    length: U64
+    chunk_size: U32
     pieces: bytes
     more: bool
 
@@ -169,7 +176,7 @@ class ShmRelease:
     counts), continued in further frames while ``more``.  Answered by ``Reply(req_id,
     OK, 0)`` once the lease has ended."""
 
-    req_id: int
+    req_id: U63
     chunks: bytes
     more: bool
 
@@ -179,7 +186,7 @@ class ShmRevoke:
     """The holder unpublished the leased version: the reader finishes the copy in flight
     (still leased), then sends :class:`ShmRelease`; further reads are refused."""
 
-    req_id: int
+    req_id: U63
 
 
 MESSAGES_2 = (ShmVersionRequest, ShmVersionGrant, ShmRelease, ShmRevoke)
@@ -210,8 +217,8 @@ class AuthHello:
     """Who the sender is (empty from the holder: it says so only once the reader is
     known) and its fresh random ``nonce`` (:data:`NONCE_BYTES`)."""
 
-    name: str
-    nonce: bytes
+    name: PeerName
+    nonce: Annotated[bytes, MaxLen(NONCE_BYTES)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +226,7 @@ class AuthProof:
     """The sender's Ed25519 signature over the handshake (see
     :func:`tensorhub.transport.handshake.transcript`)."""
 
-    signature: bytes
+    signature: Signature
 
 
 MESSAGES_3 = (AuthHello, AuthProof)

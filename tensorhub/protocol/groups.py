@@ -50,7 +50,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
+from ..bounds import MAX_PEER_NAME, U63, MaxLen, PeerName, Range, Rank, Text
 from ..errors import LocalProtocolError, RemoteProtocolError
 
 MAX_OUTCOMES = 64
@@ -63,8 +65,8 @@ MAX_OUTCOMES = 64
 class Round:
     """A ballot of rank ``count % size``'s incarnation ``boot``."""
 
-    count: int
-    boot: int
+    count: Annotated[int, Range(-1, 2**63 - 1)]
+    boot: Annotated[int, Range(-1, 2**63 - 1)]
 
     def __str__(self) -> str:
         return f"{self.count}.{self.boot}"
@@ -78,16 +80,16 @@ class Outcome:
     """The decision of one round (inside :class:`Promise`)."""
 
     round: Round
-    version: int
+    version: U63
     committed: bool
-    error: str
+    error: Text
 
 
 @dataclass(frozen=True, slots=True)
 class Propose:
-    sender: int
+    sender: Rank
     round: Round
-    version: int
+    version: U63
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,44 +97,44 @@ class Promise:
     """``sender`` accepts ``round``; ``blocked`` is the round it is ready in but that is
     undecided (:data:`NO_ROUND` for none), ``outcomes`` what it learnt since its last commit."""
 
-    sender: int
+    sender: Rank
     round: Round
     blocked: Round
-    blocked_version: int
-    outcomes: tuple[Outcome, ...]
+    blocked_version: U63
+    outcomes: Annotated[tuple[Outcome, ...], MaxLen(MAX_OUTCOMES + 1)]
 
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    sender: int
+    sender: Rank
     round: Round
-    version: int
+    version: U63
 
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    sender: int
+    sender: Rank
     round: Round
-    version: int
-    error: str
+    version: U63
+    error: Text
     promised: Round
     """The sender's promised round; above ``round`` when the proposal was stale."""
 
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    sender: int
+    sender: Rank
     round: Round
-    version: int
+    version: U63
     ballot: Round
 
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    sender: int
+    sender: Rank
     round: Round
-    version: int
-    error: str
+    version: U63
+    error: Text
     ballot: Round
 
 
@@ -142,8 +144,8 @@ class GroupEnvelope:
     messages above, for group ``group``, from peer ``sender``.  Peers may be in several
     groups; the envelope tells the shell which :class:`GroupMember` it is for."""
 
-    group: str
-    sender: str
+    group: Annotated[str, MaxLen(MAX_PEER_NAME)]
+    sender: PeerName
     body: bytes
 
 

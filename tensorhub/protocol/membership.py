@@ -56,9 +56,29 @@ from ..errors import LocalProtocolError
 from ..model import PeerInfo
 from .broadcast import BroadcastQueue
 from .claims import ClaimCheck
-from .codec import fields_bytes
 from .probe import Probe, Prober
 from .suspicion import Health, Suspicion
+from .swim_wire import (
+    _A,
+    _D,
+    _HANDLED,
+    _L,
+    _S,
+    MESSAGES,
+    PIGGYBACK_GOSSIP,
+    PIGGYBACK_PROBE,
+    Ack,
+    Gossip,
+    IndirectPing,
+    MemberEvent,
+    Message,
+    Nack,
+    Outbound,
+    Ping,
+    PushPull,
+    Update,
+    _with_info,
+)
 from .trust import Trust
 from .view import ALIVE, DEAD, LEFT, RANK, STATUSES, SUSPECT, MemberState, View
 
@@ -68,126 +88,15 @@ __all__ = [
     "Outbound", "Ping", "PushPull", "Update",
 ]
 
-_A, _S, _D, _L = range(4)  # an Update's kind: the rank of STATUSES
 
 HEALTH_LIMIT = 8           # Lifeguard: timeouts stretch up to 8x on an unhealthy peer
-PIGGYBACK_PROBE = 8        # updates riding on a ping or ack
-PIGGYBACK_GOSSIP = 256     # updates in one gossip message (TCP: no datagram limit)
 NACK_AFTER = 0.8           # a relay nacks after this fraction of probe_timeout
 RECONNECT_TIMEOUT = 24 * 3600.0  # failed members' addresses kept this long (as Serf)
 RECONNECT_MAX = 4096       # ... and at most this many (oldest forgotten first)
 EVENTS_MAX = 65536         # undrained events kept; older ones are dropped and counted
 
 _T_SUSPECT, _T_REAP, _T_FORGET = range(3)
-_TAG = b"tensorhub/member-claim/1\0"
-
-
-# -- wire messages ---------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Update:
-    """One claim about one member.  ``kind`` indexes STATUSES; ``origin`` is who made
-    it (the accuser of a suspicion or death, the member itself otherwise); ``info`` is
-    carried by alive claims and by full-state records; ``sig`` is the origin's
-    signature (empty without security; see :meth:`signed_bytes`)."""
-
-    kind: int
-    name: str
-    incarnation: int
-    origin: str
-    info: PeerInfo | None
-    sig: bytes = b""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.kind <= _L or self.incarnation < 0:
-            raise ValueError("update kind or incarnation out of range")
-        if (self.info is None and self.kind == _A) or (
-            self.info is not None and self.info.name != self.name
-        ):
-            raise ValueError("update info missing or about another member")
-
-    def signed_bytes(self) -> bytes:
-        """What ``sig`` covers: the claim, with ``info`` only where it is the claim's
-        own (alive), so records may carry a member's info beside any claim."""
-        info = self.info if self.kind == _A else None
-        return fields_bytes(_TAG, self.kind, self.name, self.incarnation, self.origin, info)
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    sender: str
-    sender_name: str
-    seq: int
-    target: str  # the name we expect to answer (an address may have been reused)
-    updates: tuple[Update, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class IndirectPing:
-    sender: str
-    sender_name: str
-    seq: int
-    target: str
-    target_control: str
-    updates: tuple[Update, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    sender: str
-    sender_name: str
-    seq: int
-    updates: tuple[Update, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Nack:
-    sender: str
-    sender_name: str
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class Gossip:
-    sender: str
-    sender_name: str
-    updates: tuple[Update, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PushPull:
-    """A view digest, optionally with full state (``members``: one record per member)."""
-
-    sender: str
-    sender_name: str
-    digest: bytes
-    members: tuple[Update, ...]
-    want_reply: bool
-
-
-MESSAGES = (Ping, IndirectPing, Ack, Nack, Gossip, PushPull)  # append only
-Message = Ping | IndirectPing | Ack | Nack | Gossip | PushPull
-_HANDLED = frozenset(MESSAGES)
-
-
-def _with_info(u: Update, info: PeerInfo | None) -> Update:
-    """``u`` carrying ``info`` (its signature stays valid: see :meth:`Update.signed_bytes`)."""
-    return Update(u.kind, u.name, u.incarnation, u.origin, info, u.sig)
-
-
-# -- outputs -------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Outbound:
-    dest: str     # control address
-    msg: object   # a wire message (membership's, or another protocol's riding along)
-
-
-@dataclass(frozen=True, slots=True)
-class MemberEvent:
-    kind: str  # joined, alive, suspect, dead, left
-    name: str
-    incarnation: int
+MAX_INCARNATION = 2**63 - 1  # what an incarnation field may carry (bounds.U63)
 
 
 @dataclass(frozen=True)
@@ -300,7 +209,7 @@ class Membership:
                 if entry is not None and entry[1] + RECONNECT_TIMEOUT <= now:
                     del self._view.failed[name]
         for requester, seq in self._prober.overdue_relays(now):
-            out.append(Outbound(requester, Nack(self._addr, self._name, seq)))
+            out.append(Outbound(requester, Nack(self._addr, self._name, seq), True))
         p = self._prober.current
         if p is not None:
             if not p.indirect and now >= p.ack_deadline:
@@ -326,7 +235,7 @@ class Membership:
         if self._left:
             if kind is Ping or kind is IndirectPing or kind is PushPull:
                 out.append(Outbound(m.sender, Gossip(
-                    self._addr, self._name, (self._view.records[self._name],))))
+                    self._addr, self._name, (self._view.records[self._name],)), True))
             return out
         self._refuted = False
         replied = False
@@ -335,7 +244,7 @@ class Membership:
             self._merge(now, ping.updates, False, out)
             if ping.target == self._name:
                 out.append(Outbound(ping.sender, Ack(
-                    self._addr, self._name, ping.seq, self._piggyback(ping.sender_name))))
+                    self._addr, self._name, ping.seq, self._piggyback(ping.sender_name)), True))
                 replied = True
             else:
                 self._counts["misdirected"] += 1
@@ -355,7 +264,7 @@ class Membership:
             replied = self._on_push_pull(now, cast(PushPull, m), out)
         if self._refuted and not replied:  # whoever accused us hears the refutation
             out.append(Outbound(m.sender, Gossip(
-                self._addr, self._name, (self._view.records[self._name],))))
+                self._addr, self._name, (self._view.records[self._name],)), True))
         return out
 
     def members(self) -> Mapping[str, MemberState]:
@@ -481,8 +390,8 @@ class Membership:
                       self._trust.sign(u.signed_bytes()))
 
     def _about_me(self, now: float, u: Update, out: list[Outbound]) -> None:
-        if self._left or u.incarnation < self._inc:
-            return
+        if self._left or u.incarnation < self._inc or u.incarnation >= MAX_INCARNATION:
+            return  # (at the top a refutation would not decode anywhere: nothing to do)
         if u.incarnation == self._inc and u.kind == _A and u.info == self.me:
             return
         if self._check is not None and not self._check.about_me(u, self._inc):
@@ -578,15 +487,19 @@ class Membership:
     def _on_ack(self, msg: Ack, out: list[Outbound]) -> None:
         relay = self._prober.relays.pop(msg.seq, None)
         if relay is not None:
-            out.append(Outbound(relay[0], Ack(self._addr, self._name, relay[1], ())))
+            out.append(Outbound(relay[0], Ack(self._addr, self._name, relay[1], ()), True))
         elif self._prober.acked(msg.seq):
             self._health.apply(-1)
 
     def _relay(self, now: float, msg: IndirectPing, out: list[Outbound]) -> None:
-        if msg.target == self._name:
+        """Ping ``msg.target`` at the address *our* view has for it (a member we do not
+        know is not pinged: the message's ``target_control`` is never contacted)."""
+        if msg.target == self._name or not self._view.is_live(msg.target):
+            self._counts["misdirected"] += 1
             return
         seq = self._prober.relay(msg.sender, msg.seq, now + NACK_AFTER * self._cfg.probe_timeout)
-        out.append(Outbound(msg.target_control, Ping(self._addr, self._name, seq, msg.target, ())))
+        out.append(Outbound(self._view.control(msg.target),
+                            Ping(self._addr, self._name, seq, msg.target, ())))
 
     # -- dissemination -------------------------------------------------------------------
 
@@ -638,7 +551,8 @@ class Membership:
         view = self._view
         if msg.want_reply or (not msg.members and msg.digest != view.digest()):
             out.append(Outbound(msg.sender, PushPull(
-                self._addr, self._name, view.digest(), view.full_state(), not msg.want_reply)))
+                self._addr, self._name, view.digest(), view.full_state(), not msg.want_reply),
+                True))
             return True
         return False
 

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import pairwise
 
+from ..bounds import U32, PeerName
 from ..errors import ConfigError, LocalProtocolError, VersionUnavailable
 from ..model import VersionKey
 from .topology import Locality, Topology, fluid_bound, locality
@@ -66,9 +67,9 @@ class PlannerConfig:
 class SourceRange:
     """Pull chunks ``[first, stop)`` from ``peer``."""
 
-    peer: str
-    first: int
-    stop: int
+    peer: PeerName
+    first: U32
+    stop: U32
 
 
 @dataclass(frozen=True)

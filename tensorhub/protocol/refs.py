@@ -36,38 +36,42 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import Annotated
 
-from ..model import VersionKey
+from ..bounds import U32, U63, MaxLen, PeerName, Rank, Signature, World
+from ..model import LayoutId, ModelName, VersionKey
 from .codec import fields_bytes
 from .trust import Trust
 
 _TAG_ENTRY = b"tensorhub/ref-entry/1\0"
 _TAG_ANNOUNCEMENT = b"tensorhub/version/1\0"
+MAX_HOLDINGS = 1 << 16
+"""Holdings in one origin's entry (versions x shards it holds)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Holding:
     """One peer's holding of one version."""
 
-    model: str
-    version: int
-    manifest_id: bytes
-    publisher: str
-    num_chunks: int
+    model: ModelName
+    version: U63
+    manifest_id: Annotated[bytes, MaxLen(64)]
+    publisher: PeerName
+    num_chunks: U32
     bitmap: bytes = b""
     """Verified chunks, bit ``i`` of byte ``i // 8`` for chunk ``i``; empty means all."""
-    shard: int = 0
-    world: int = 1
-    layout: bytes = b""
+    shard: Rank = 0
+    world: World = 1
+    layout: LayoutId = b""
     """Which shard of which layout (see :class:`~tensorhub.model.VersionKey`)."""
     derived: bool = False
     """False: these are the bytes of shard ``shard`` of the layout the version was
     published in (a publishing rank, or an exact copy), so the holding counts towards
     sealing and retention.  True: slices a consumer assembled in its own layout; they
     serve readers of that layout but say nothing about the publish."""
-    publisher_gen: int = 0
+    publisher_gen: U63 = 0
     """The publisher's generation (boot stamp) when it published: see versions.py."""
-    publisher_sig: bytes = b""
+    publisher_sig: Signature = b""
     """The publisher's signature over :func:`announcement_bytes` (secure mode)."""
 
     @property
@@ -109,9 +113,9 @@ def bitmap_of(chunks: Iterable[int], num_chunks: int) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Stamp:
-    origin: str
-    generation: int
-    seq: int
+    origin: PeerName
+    generation: U63
+    seq: U63
 
     def newer_than(self, other: Stamp | None) -> bool:
         return other is None or (self.generation, self.seq) > (other.generation, other.seq)
@@ -120,8 +124,8 @@ class Stamp:
 @dataclass(frozen=True, slots=True)
 class OriginEntry:
     stamp: Stamp
-    holdings: tuple[Holding, ...]
-    sig: bytes = b""
+    holdings: Annotated[tuple[Holding, ...], MaxLen(MAX_HOLDINGS)]
+    sig: Signature = b""
     """The origin's signature over :meth:`signed_bytes` (secure mode)."""
 
     def signed_bytes(self) -> bytes:

@@ -23,22 +23,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..bounds import U63, PeerName, Rank
+from ..model import LayoutId, ModelName
+
 
 @dataclass(frozen=True, slots=True)
 class KeepQuery:
     """From ``asker``: do you keep ``model@version`` shard ``shard`` of ``layout``?"""
 
-    asker: str
-    nonce: int
-    model: str
-    version: int
-    shard: int
-    layout: bytes
+    asker: PeerName
+    nonce: U63
+    model: ModelName
+    version: U63
+    shard: Rank
+    layout: LayoutId
 
 
 @dataclass(frozen=True, slots=True)
 class KeepAnswer:
-    nonce: int
+    nonce: U63
     keeps: bool
 
 

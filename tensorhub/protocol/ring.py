@@ -75,6 +75,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ..bounds import U63, PeerName
 from ..errors import LocalProtocolError
 from ..model import VersionKey
 
@@ -226,9 +227,9 @@ def moved(keys: Iterable[VersionKey], before: Iterable[str],
 class Epoch:
     """Stamp on every plan: compared by term, then coordinator name, then incarnation."""
 
-    term: int
-    coordinator: str
-    incarnation: int
+    term: U63
+    coordinator: PeerName
+    incarnation: U63
 
 
 MESSAGES = (Epoch,)
@@ -345,11 +346,23 @@ class CoordinatorView(Generic[R]):
         self._term = max(self._term, epoch.term)
 
     def _next_epoch(self) -> Epoch:
-        self._term += 1
+        # Terms stop at the wire's bound (a remote epoch can drive us there): past it
+        # no receiver would decode our replies.
+        self._term = min(self._term + 1, 2**63 - 1)
         return Epoch(self._term, self.me, self.incarnation)
 
     def state(self, key: VersionKey) -> CoordinatorState[R] | None:
         return self._states.get(key)
+
+    def adopt(self, key: VersionKey, registrations: Iterable[tuple[str, R]]) -> None:
+        """Take over ``key``, which the caller found this peer wins, without re-running
+        the election of every other version."""
+        if key not in self._states:
+            self._states[key] = CoordinatorState(key, self._next_epoch(), registrations)
+            self._takeovers += 1
+
+    def drop(self, key: VersionKey) -> None:
+        self._states.pop(key, None)
 
     def elect(self, keys: Iterable[VersionKey], live: Iterable[str],
               registrations: Callable[[VersionKey], Iterable[tuple[str, R]]]) -> Handover:

@@ -49,12 +49,18 @@ class ServerLimits:
     frame_timeout: float = 10.0
     requests_per_second: float = 20000.0
     lease_timeout: float = 10.0
+    evict_idle_after: float = 1.0
+    """A TCP connection that has waited this long for its next request may be closed to
+    make room for a new one that a cap would refuse (a reader keeps its connection
+    between fetches).  Long enough that a reader in the middle of a fetch, which asks
+    for its next chunk at once, is never the one closed."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_connections_per_address <= self.max_connections <= 1 << 20:
             raise ConfigError("data connection caps must satisfy "
                               "1 <= per address <= total <= 2**20")
-        for name in ("idle_timeout", "frame_timeout", "requests_per_second", "lease_timeout"):
+        for name in ("idle_timeout", "frame_timeout", "requests_per_second", "lease_timeout",
+                     "evict_idle_after"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be > 0 and finite")
 
@@ -89,6 +95,9 @@ class ServerStats:
     """Same-host leases ended by the holder because the reader did not let go in time."""
     shm_over_tcp: int
     """Same-host requests that arrived over TCP (answered BAD_REQUEST)."""
+    idle_evicted: int = 0
+    """Idle connections (a reader keeps one between reads) closed to make room for a
+    new one that a cap would have refused."""
 
 
 class Admission:
@@ -103,6 +112,11 @@ class Admission:
     @property
     def open(self) -> int:
         return sum(self.open_by_address.values())
+
+    def crowded(self, address: str) -> bool:
+        """True iff :meth:`admit` would refuse ``address`` now."""
+        return self.open >= self.limits.max_connections or \
+            self.open_by_address[address] >= self.limits.max_connections_per_address
 
     def admit(self, address: str) -> bool:
         """Take a connection slot for ``address``; False (and counted) if over a cap."""
@@ -134,6 +148,10 @@ class Admission:
     def accepted(self) -> None:
         self._pressure_logged = 0
 
+    def revoked(self, _reader: str) -> None:
+        """Count a lease revoked from a reader that did not end it in time."""
+        self.counts["leases_revoked"] += 1
+
     def statistics(self, auth: str) -> ServerStats:
         c = self.counts
         return ServerStats(
@@ -145,7 +163,7 @@ class Admission:
             accept_errors=c["accept_errors"], idle_closed=c["idle_closed"],
             frame_timeouts=c["frame_timeouts"], throttled=c["throttled"],
             bad_frames=c["bad_frames"], leases_revoked=c["leases_revoked"],
-            shm_over_tcp=c["shm_over_tcp"])
+            shm_over_tcp=c["shm_over_tcp"], idle_evicted=c["idle_evicted"])
 
 
 class RequestRate:

@@ -71,7 +71,13 @@ class TcpServer:
         self.limits = limits or ServerLimits()
         self.port = 0
         self._admission = Admission(self.limits)
-        self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._revoked)
+        # Not a method of ours: a server in a reference cycle would keep its provider's
+        # arrays, and their memory files, until the cyclic collector ran.
+        self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._admission.revoked)
+        self._idle: dict[_ServerConn, tuple[float, trio.CancelScope]] = {}
+        """TCP connections waiting for their next request, longest waiting first: a
+        reader keeps its connection between reads, and one of these is closed to make
+        room for a new connection rather than refusing it (:meth:`_make_room`)."""
         self._listener: trio.socket.SocketType | None = None
         self._local: trio.socket.SocketType | None = None
         """The same-host socket (:mod:`.local`): the only one answering Shm* requests."""
@@ -101,9 +107,6 @@ class TcpServer:
         local.listen(_BACKLOG)
         self._local = trio.socket.from_stdlib_socket(local)
         return self.port
-
-    def _revoked(self, peer: str) -> None:
-        self._admission.counts["leases_revoked"] += 1
 
     def statistics(self) -> ServerStats:
         auth = "insecure: any client may read" if self.auth is None else \
@@ -156,29 +159,53 @@ class TcpServer:
                 address, peer = f"uid {uid}", f"local pid {pid}"
             else:
                 address, peer = str(addr[0]), f"{addr[0]}:{addr[1]}"
+            if admission.crowded(address):
+                self._make_room(address)
             if not admission.admit(address):
                 sock.close()
                 continue
             nursery.start_soon(self._serve_conn, sock, address, peer, local)
 
+    def _make_room(self, address: str) -> None:
+        """Close the connection that has waited longest for a request -- from
+        ``address`` if that address is at its cap -- if it has waited at least
+        ``evict_idle_after``, and free its slot now."""
+        adm = self._admission
+        per_address = adm.open_by_address[address] >= self.limits.max_connections_per_address
+        victim = next((c for c in self._idle if not per_address or c.address == address),
+                      None)
+        if victim is None:
+            return
+        since, scope = self._idle[victim]
+        if trio.current_time() - since < self.limits.evict_idle_after:
+            return
+        del self._idle[victim]
+        scope.cancel()
+        victim.evicted = True
+        adm.release(victim.address)
+        adm.counts["idle_evicted"] += 1
+
     async def _serve_conn(self, sock: trio.socket.SocketType, address: str,
                           peer: str, local: bool) -> None:
-        conn = _ServerConn(self, sock, peer, local)
+        conn = _ServerConn(self, sock, address, peer, local)
         try:
             with sock:
                 await conn.serve()
         finally:
             conn.close()
-            self._admission.release(address)
+            if not conn.evicted:  # an evicted one's slot was freed already
+                self._admission.release(address)
 
 
 class _ServerConn:
     """One reader's connection, as its server task sees it."""
 
-    def __init__(self, server: TcpServer, sock: trio.socket.SocketType, peer: str,
-                 local: bool) -> None:
+    def __init__(self, server: TcpServer, sock: trio.socket.SocketType, address: str,
+                 peer: str, local: bool) -> None:
         self.server = server
         self.sock = sock
+        self.address = address
+        self.evicted = False
         self.peer = peer
         self.local = local
         """A same-host connection (Unix socket, the same user): Shm* requests allowed."""
@@ -224,9 +251,11 @@ class _ServerConn:
                 await self.answer(req)
         except (TransportError, OSError):
             return  # the reader went away or reset the connection; nothing to clean up
-        except Exception as exc:  # RemoteProtocolError, or a request nothing checked
-            # One reader's bad input ends its connection, never the server: counted and
-            # reported, with the type when it is not a protocol error.
+        except Exception as exc:  # RemoteProtocolError, or a bug some request met
+            # One reader's bad input ends its connection, never the server (nor the peer
+            # whose nursery runs it): counted and reported, with the type when it is not
+            # a protocol error.  No input is known to raise anything else; one did until
+            # a version lease reported protocol errors as an exception group.
             self.counts["bad_frames"] += 1
             what = str(exc) if isinstance(exc, RemoteProtocolError) else \
                 f"{type(exc).__name__} answering a request: {exc}"
@@ -250,8 +279,17 @@ class _ServerConn:
         idle for ``idle_timeout`` or took over ``frame_timeout`` to send a frame."""
         head = bytearray(FRAME_HEADER)
         got = -1
-        with trio.move_on_after(self.limits.idle_timeout):
-            got = await self.sock.recv_into(head, FRAME_HEADER)
+        with trio.move_on_after(self.limits.idle_timeout) as idle:
+            # Between requests a TCP connection holds nothing but its slot, so it may be
+            # closed for a new one; a same-host one may hold a version lease: never.
+            if not self.local:
+                self.server._idle[self] = (trio.current_time(), idle)
+            try:
+                got = await self.sock.recv_into(head, FRAME_HEADER)
+            finally:
+                self.server._idle.pop(self, None)
+        if self.evicted:
+            return None
         if got <= 0:
             self.counts["idle_closed"] += got < 0
             return None

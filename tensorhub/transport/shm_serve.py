@@ -225,6 +225,8 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
                     break
         except (TransportError, OSError):
             return  # the reader went away; the lease ends here
+        except RemoteProtocolError as exc:
+            got = exc  # raised below as what it is, not from the nursery (as a group)
         finally:
             nursery.cancel_scope.cancel()
     if not isinstance(got, ShmRelease) or got.req_id != req_id or got.more \

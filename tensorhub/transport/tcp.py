@@ -284,6 +284,9 @@ class TcpConnection:
             if ex is not None:  # it was sent after this thread's last look
                 ex.error = exc
                 _wake(token, ex)
+            # This frame lives on in the traceback of self._ended: not the last
+            # request's buffers (a cancelled fetch's memory would wait for the collector).
+            ex = None
         finally:
             sock.close()
 
@@ -325,8 +328,30 @@ class TcpConnection:
                 self._plain.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
+    def close(self) -> None:
+        """:meth:`aclose` without a checkpoint (for a pool of idle connections)."""
+        self._shutdown()
+
     async def aclose(self) -> None:
         self._shutdown()
+
+    def reusable(self) -> bool:
+        """True iff this connection is in step and open: nothing in flight, no reply
+        pending or stray byte waiting, not closed by either side.  A kept idle
+        connection is checked with this before each reuse (see
+        :mod:`tensorhub.peer.connections`)."""
+        if self._ended is not None or self._pending is not None or self._sock.fileno() < 0:
+            return False
+        probe = socket.socket(fileno=self._sock.fileno())
+        try:
+            probe.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True  # open, and nothing unasked-for has arrived
+        except OSError:
+            return False
+        finally:
+            probe.detach()
+        return False  # closed by the holder (b""), or a byte nobody asked for
 
 
 async def _dial(sock: trio.socket.SocketType, where: Any, peer: str, timeout: float,
