@@ -130,11 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import cluster, transfer
+    from .bench import chaos, cluster, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     cluster.add_options(bsub.add_parser("cluster", help="fan-out in an emulated cluster "
                                         "vs star, gloo and Ray (needs root)"))
+    chaos.add_options(bsub.add_parser("chaos", help="faults and a rogue peer against a "
+                                      "mesh of processes; invariants checked per seed"))
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
@@ -183,10 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "bench":
-            from .bench import cluster, transfer
+            from .bench import chaos, cluster, transfer
 
             if args.bench == "cluster":
                 return cluster.run_cli(args)
+            if args.bench == "chaos":
+                return chaos.run_cli(args)
             return transfer.run_cli(args)
         if args.command == "status":
             if not args.join:

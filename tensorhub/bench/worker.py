@@ -27,6 +27,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -204,16 +205,26 @@ async def main(args: argparse.Namespace) -> None:
         while len(peer.control.membership.live_members()) < args.expect:
             await trio.sleep(0.02)
         print(json.dumps({"event": "ready", "name": args.name}), flush=True)
-        worker = Worker(peer)
-        stdin = trio.wrap_file(sys.stdin)
-        while line := (await stdin.readline()).strip():
-            cmd = json.loads(line)
-            if cmd["cmd"] == "quit":
-                break
-            try:
-                reply = await worker.handle(cmd)
-            except Exception as exc:  # reported to the driver, which decides
-                reply = {"event": "error", "error": f"{type(exc).__name__}: {exc}"}
+        await answer_commands(Worker(peer).handle, Exception)
+
+
+async def answer_commands(handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]],
+                          errors: type[Exception]) -> None:
+    """Answer one JSON command per stdin line with ``handle``'s reply (none if it returns
+    None) until ``{"cmd": "quit"}`` or the end of input.  A command that raises
+    ``errors`` is answered ``{"event": "error", "cmd", "version", "error"}``: reported to
+    the driver, which decides."""
+    stdin = trio.wrap_file(sys.stdin)
+    while line := (await stdin.readline()).strip():
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            return
+        try:
+            reply = await handle(cmd)
+        except errors as exc:
+            reply = {"event": "error", "cmd": cmd["cmd"], "version": cmd.get("version"),
+                     "error": f"{type(exc).__name__}: {exc}"}
+        if reply is not None:
             print(json.dumps(reply), flush=True)
 
 

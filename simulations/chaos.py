@@ -1,0 +1,15 @@
+"""The chaos suite: faults and a rogue peer against a real mesh of processes.
+
+    python -m simulations.chaos --seeds 200 --json
+
+is ``tensorhub bench chaos``; see :mod:`tensorhub.bench.chaos` and docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tensorhub.bench.chaos import main
+
+if __name__ == "__main__":
+    sys.exit(main())
