@@ -10,6 +10,7 @@ import pytest
 from tensorhub import PeerConfig
 from tensorhub.model import PeerInfo, VersionKey
 from tensorhub.protocol.control import ControlPlane, RefsDelta
+from tensorhub.protocol.coordination import CoordReply, CoordRequest
 from tensorhub.protocol.membership import ALIVE, DEAD, SUSPECT, Gossip, Membership, Update
 from tensorhub.protocol.refs import Holding, OriginEntry, RefTable, Stamp
 from tensorhub.protocol.trust import Trust
@@ -196,3 +197,42 @@ def test_non_alive_records_may_carry_info_without_breaking_the_signature(kind: i
     assert replace(u, info=info("b")).signed_bytes() == u.signed_bytes()
     a = claim("b", A, "b", 1, info("b"))
     assert replace(a, info=info("b", 7555)).signed_bytes() != a.signed_bytes()
+
+
+def _plane(name: str) -> ControlPlane:
+    plane = ControlPlane(info(name), PeerConfig.local(name, security=security(name)),
+                         random.Random(2), 0.0, 100)
+    for other in NAMES:
+        if other != name:
+            plane.receive(0.5, Gossip(info(other).control, other,
+                                      (claim(other, A, other, 100, info(other)),)))
+    return plane
+
+
+def _coordinated_by(plane: ControlPlane) -> VersionKey:
+    return next(k for v in range(1000) if plane.coordinator(k := VersionKey("m", v))
+                == plane.me.name)
+
+
+def test_a_forwarded_coordinator_request_speaks_only_for_its_signed_asker() -> None:
+    coordinator = _plane("a")
+    assert set(coordinator.live_names()) == set(NAMES)
+    key = _coordinated_by(coordinator)
+    asker = _plane("c")
+    _req_id, (out,) = asker.ask_coordinator(key)
+    sent = out.msg
+    assert isinstance(sent, CoordRequest) and sent.sig  # signed by its asker
+    forwarded = replace(sent, hops=1)  # as a forwarder (b) passes it on, over b's connection
+    replies = coordinator.receive(1.0, forwarded)
+    (reply,) = replies
+    assert isinstance(reply.msg, CoordReply) and reply.msg.ok
+    assert reply.dest == info("c").control
+    state_of_key = coordinator.coordination.view.state(key)
+    assert state_of_key is not None and "c" in state_of_key.fetchers
+    # b registers c (signed by b, in c's name), or an unsigned request: refused
+    forged = replace(forwarded, req_id=forwarded.req_id + 1, sig=b"")
+    forged = replace(forged, sig=IDS["b"].sign(forged.signed_bytes()))
+    assert coordinator.receive(1.0, forged) == []
+    assert coordinator.receive(1.0, replace(forwarded, sig=b"")) == []
+    assert coordinator.trust is not None
+    assert coordinator.trust.refused["coordinator request"] == 2

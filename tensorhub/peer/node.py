@@ -85,7 +85,9 @@ def _claimed_name(msg: object) -> str | None:
     """The member name a control message says it comes from (None: it names none)."""
     if isinstance(msg, MEMBERSHIP_MESSAGES):
         return msg.sender_name
-    if isinstance(msg, RefsDigest | RefsDelta | CoordRequest):
+    if isinstance(msg, CoordRequest):  # forwarded: its asker's signature speaks for it
+        return msg.name if msg.hops == 0 else None
+    if isinstance(msg, RefsDigest | RefsDelta):
         return msg.name
     if isinstance(msg, GroupEnvelope):
         return msg.sender

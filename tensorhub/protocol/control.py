@@ -220,6 +220,8 @@ class ControlPlane:
         """Register with the coordinator of ``key`` (and, with ``size``/``chunks``, ask
         for a plan); the answer lands in ``coordination.answers[request id]``."""
         req_id, msg, target = self.coordination.request(key, self.live_names(), size, chunks)
+        if self.trust is not None:
+            msg = replace(msg, sig=self.trust.sign(msg.signed_bytes()))
         if target == self.me.name:
             return req_id, self._on_coord_request(msg)
         return req_id, [Outbound(self.membership.members()[target].info.control, msg)]
@@ -353,6 +355,10 @@ class ControlPlane:
                     self.coordination.peer_complete(h.key, e.origin)
 
     def _on_coord_request(self, msg: CoordRequest) -> list[Outbound]:
+        if self.trust is not None and not self.trust.check(msg.name, msg.signed_bytes(),
+                                                           msg.sig):
+            self.trust.refuse("coordinator request")  # nobody registers another member
+            return []
         dest, out = self.coordination.on_request(msg, self)
         if dest == "reply":
             if msg.sender == self.me.control and isinstance(out, CoordReply):

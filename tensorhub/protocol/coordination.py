@@ -22,14 +22,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Protocol
 
-from ..bounds import U32, U63, U64, ControlEndpoint, MaxLen, PeerName, PeerNames, Range, Text
+from ..bounds import (
+    U32,
+    U63,
+    U64,
+    ControlEndpoint,
+    MaxLen,
+    PeerName,
+    PeerNames,
+    Range,
+    Signature,
+    Text,
+)
 from ..errors import LocalProtocolError, VersionUnavailable
 from ..model import ModelName, VersionKey
+from .codec import fields_bytes
 from .planner import Planner, PlannerConfig, SourceRange
 from .ring import CoordinatorView, Epoch, EpochTracker, Local, Verdict, route
 from .topology import NodeInfo, Topology
 
 MAX_HOPS = 4
+_REQUEST_TAG = b"tensorhub/coordinator-request/1\0"
 MAX_ASKED = 1024
 MAX_REQUESTED_KEYS = 4096
 """Versions we coordinate only because someone asked (none is in our reference table);
@@ -51,6 +64,15 @@ class CoordRequest:
     size: U64 = 0
     """Bytes of the version (0: the asker only wants to know who coordinates)."""
     chunks: U32 = 0
+    sig: Signature = b""
+    """Secure mode: the asker's signature over :meth:`signed_bytes`, so that a forwarded
+    request (it arrives over the forwarder's connection) still speaks only for its asker."""
+
+    def signed_bytes(self) -> bytes:
+        """What the asker signs: everything but the hop count and the epoch seen, which
+        may change on the way (:func:`~tensorhub.protocol.codec.fields_bytes`)."""
+        return fields_bytes(_REQUEST_TAG, self.sender, self.name, self.req_id, self.model,
+                            self.version, self.size, self.chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +192,7 @@ class Coordination:
                                            f"no coordinator after {MAX_HOPS} hops")
             self.forwarded += 1
             fwd = CoordRequest(msg.sender, msg.name, msg.req_id, msg.model, msg.version,
-                               msg.seen, msg.hops + 1, msg.size, msg.chunks)
+                               msg.seen, msg.hops + 1, msg.size, msg.chunks, msg.sig)
             return str(target), fwd
         if msg.name not in live:
             return "reply", CoordReply(msg.req_id, msg.model, msg.version, False, None, (),
