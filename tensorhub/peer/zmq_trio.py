@@ -16,12 +16,20 @@ owner by cancelling its wait.  However busy, the owner yields to the scheduler e
 plane, timers); reading no faster than that also throttles a flooder through TCP.
 
 Addressing: every peer's routing id is its own control endpoint (``tcp://host:port``),
-so the endpoint is all one needs to send to a peer.  ``ROUTER_MANDATORY`` turns a send to
-an unknown peer into an error instead of a silent drop; the owner then connects to that
-endpoint and retries the frame for a short while before dropping and counting it.  A
-*reply* (``send_nowait(..., reply=True)``) goes only over the connection the request
-came on: the owner never connects to a reply's destination, so no message can make a
-peer contact an address it names.
+so the endpoint is all one needs to send to a peer.  That is the id *other* sockets give
+the connections we make to them.  Locally, a connection we make gets a private random id
+(``CONNECT_ROUTING_ID``), mapped back to the endpoint on receive: two peers that both
+connect to each other then hold two connections with four distinct ids, never one id
+named twice.  (With the endpoint as the local id too, a ROUTER keeps the first of two
+connections that carry one id and silently ignores the other; a peer restarted on its
+old address then raced the survivors' reconnects, and when each side kept a different
+connection, every frame either way fell into an ignored one: the mesh never healed.)
+``ROUTER_MANDATORY`` turns a send to an unknown peer into an error instead of a silent
+drop; the owner then connects to that endpoint (a frame to a connection still in its
+handshake waits in the connection's queue).  A *reply* (``send_nowait(..., reply=True)``)
+goes only over a connection that already exists -- the one the request came on, or
+one we made to that endpoint: the owner never connects to a reply's destination, so no
+message can make a peer contact an address it names.
 
 Security: with :class:`CurveKeys` the socket binds as a CURVE server with the cluster
 key (the ZAP handler in :mod:`.zap` admits members only), then takes this member's
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -97,8 +106,10 @@ class ZmqRouter:
         self._curve = curve
         self._client_keys = None if curve is None else (curve.client_public,
                                                         curve.client_secret)
-        self._connected: set[str] = set()
-        """Endpoints we connected to."""
+        self._connected: dict[str, bytes] = {}
+        """Endpoints we connected to, and the local routing id of that connection."""
+        self._ours: dict[bytes, str] = {}
+        """Local routing ids of connections we made (any generation): their endpoint."""
         self._heard: OrderedDict[bytes, None] = OrderedDict()
         """Routing ids that connected to us (bounded): sending to them needs no connect."""
         self._client_keys_set: tuple[bytes, bytes] | None = None
@@ -199,16 +210,20 @@ class ZmqRouter:
         did = False
         if self._curve is not None and self._client_keys is not self._client_keys_set:
             self._use_client_keys()
-            for dest in self._connected:  # with the new key
+            for dest in list(self._connected):  # with the new key
                 self._sock.disconnect(dest)
-                self._sock.connect(dest)
+                self._connect(dest)
         events: int = self._sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
         if events & zmq.POLLIN:
             frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             did = True
             if len(frames) == 2:
                 routing_id = frames[0].bytes
-                self._remember(routing_id)
+                ours = self._ours.get(routing_id)
+                if ours is None:
+                    self._remember(routing_id)
+                else:  # over a connection we made: its endpoint is the sender
+                    routing_id = ours.encode()
                 if self._inbox.put(routing_id, (frames[1].bytes, _user_id(frames[1])),
                                    trio.current_time()):
                     self._received += 1
@@ -241,29 +256,49 @@ class ZmqRouter:
         if len(heard) > _KNOWN_INBOUND:
             heard.popitem(last=False)
 
+    def _connect(self, dest: str) -> bytes | None:
+        """Connect to ``dest`` under a fresh local routing id (None: not an endpoint)."""
+        local = b"\0" + secrets.token_bytes(12)  # a peer cannot name it, so never clashes
+        self._sock.setsockopt(zmq.CONNECT_ROUTING_ID, local)
+        try:
+            self._sock.connect(dest)
+        except zmq.ZMQError:  # not an endpoint zmq can use: nothing to send it to
+            self._connected.pop(dest, None)
+            return None
+        self._connected[dest] = local
+        self._ours[local] = dest
+        return local
+
     def _send(self, dest: str, data: bytes, reply: bool) -> None:
-        if not reply and dest not in self._connected and dest.encode() not in self._heard:
-            self._connected.add(dest)
-            try:
-                self._sock.connect(dest)
-            except zmq.ZMQError:  # not an endpoint zmq can use: nothing to send it to
-                self._connected.discard(dest)
+        inbound = dest.encode()
+        ids = [inbound] if reply or inbound in self._heard else []
+        local = self._connected.get(dest)
+        if local is not None:
+            ids.append(local)
+        elif not reply and not ids:
+            local = self._connect(dest)
+            if local is None:
                 self._drop_out += 1
                 return
-        try:
-            self._sock.send_multipart([dest.encode(), data], zmq.NOBLOCK)
+            ids.append(local)
+        for rid in ids:
+            try:
+                self._sock.send_multipart([rid, data], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    self._drop_out += 1
+                    return
+                self._unreach += 1  # that connection is gone: try the next one
+                if rid == inbound:
+                    self._heard.pop(inbound, None)
+                continue
             self._sent += 1
             self._first_try.pop(dest, None)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                # Not connected yet (handshake in flight) or the peer went away.
-                self._unreach += 1
-                if reply:
-                    self._drop_out += 1  # the connection it came on is gone
-                else:
-                    self._retry_later(dest, data)
-            else:
-                self._drop_out += 1
+            return
+        if reply:
+            self._drop_out += 1  # the connection it came on is gone
+        else:
+            self._retry_later(dest, data)
 
     def _retry_later(self, dest: str, data: bytes) -> None:
         now = trio.current_time()
@@ -272,8 +307,9 @@ class ZmqRouter:
         if now - first > _RETRY_FOR:
             self._drop_out += 1
             self._first_try.pop(dest, None)
-            self._connected.discard(dest)
-            self._heard.pop(dest.encode(), None)
+            return
+        if dest not in self._connected and self._connect(dest) is None:
+            self._drop_out += 1
             return
         self._retry.append((now + _RETRY_EVERY, dest, data))
 
