@@ -81,8 +81,9 @@ def emit(**obj: Any) -> None:
 
 def view(peer: Peer, models: list[str]) -> dict[str, Any]:
     """What this peer believes: the driver looks here for the rogue's words."""
-    members = {n: [m.status, m.incarnation]
-               for n, m in peer.control.membership.members().items()}
+    known = peer.control.membership.members()
+    members = {n: [m.status, m.incarnation] for n, m in known.items()}
+    addresses = {n: m.info.control for n, m in known.items()}
     stamps, holdings = {}, []
     for entry in peer.control.refs.origins():
         stamps[entry.origin] = [entry.stamp.generation, entry.stamp.seq]
@@ -93,7 +94,9 @@ def view(peer: Peer, models: list[str]) -> dict[str, Any]:
     forgotten = {o: [s.generation, s.seq]
                  for o, s in getattr(peer.control.refs, "_forgotten", {}).items()}
     st = peer.statistics()
-    return {"event": "view", "members": members, "stamps": stamps, "holdings": holdings,
+    return {"event": "view", "members": members, "addresses": addresses,
+            "refused": dict(getattr(st, "refused", {})),
+            "stamps": stamps, "holdings": holdings,
             "forgotten": forgotten,
             "latest": {m: peer.control.latest(m) for m in models},
             "malformed_dropped": st.malformed_dropped, "gossip_dropped": st.gossip_dropped,
