@@ -20,7 +20,7 @@ from ..model import VersionKey
 from ..protocol.ring import coordinator
 from .chaos_check import ACCEPTED, COUNTS, Episode, Verdict, check, family
 from .chaos_mesh import TRAINER, Mesh, MeshError
-from .insider import INSIDER_ATTACKS
+from .insider import INSIDER, INSIDER_ATTACKS
 from .rogue import HEAVY, LIGHT
 
 SETTLE_GRACE = 3.0
@@ -30,6 +30,10 @@ HANG_S = 30.0
 """A fetch still running this long after its episode ended is counted as hung (a
 failure); until then it is followed across the next episodes."""
 CLAIM_FIRST = frozenset({"forged_chunks", "insider_forged_chunks"})
+PINNED = {"insider_forged_chunks": (TRAINER, INSIDER)}
+"""Attacks in whose episode rollout ``r0`` reads only from these sources: the
+coordinator's plan did not send readers to the insider in trial runs, and a reader
+that names its sources is how a forged holder surely meets one."""
 """Attacks whose episode starts the rollouts only after the rogue made its claim (a
 bad holder of the real version is tested only if readers can meet it)."""
 
@@ -107,7 +111,9 @@ class Runner:
         rollouts = [n for n in mesh.names if n != TRAINER]
         def follow() -> None:
             for r in rollouts:
-                mesh.procs[r].send(cmd="follow", model=model, seed=seed)
+                pinned = PINNED.get(ep.attack or "") if r == "r0" else None
+                mesh.procs[r].send(cmd="follow", model=model, seed=seed,
+                                   **({"sources": list(pinned)} if pinned else {}))
             for r in rollouts:
                 mesh.reply(r, "following", 0.0 if mesh.procs[r].stopped else 10.0)
 

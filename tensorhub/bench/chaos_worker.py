@@ -10,7 +10,8 @@ commands on stdin, events on stdout, one object per line.
   each newer ``latest`` of the model, fetches it into its own buffers and compares every
   byte with :func:`content`; each fetch ends in an ``activated`` event (version, manifest
   id, ``content_ok``, the fetch report) or a ``fetch_error`` (the error's class and
-  text).  The previous model's versions are unpublished first.  ``{"cmd": "fetch_once",
+  text).  The previous model's versions are unpublished first.  With ``"sources"``
+  the loop reads only from those peers (no plan).  ``{"cmd": "fetch_once",
   "model", "version", "sources"}`` times one fetch (the flood measurement).
 * Unpublishing runs in the background (it waits for readers to drain); one that takes
   over two seconds is reported as ``slow_unpublish``.
@@ -148,7 +149,8 @@ class Role:
             if self.waiting is not None:
                 self.waiting.cancel()
             self._drop_held()
-            self.nursery.start_soon(self._follow, cmd["model"], cmd["seed"])
+            self.nursery.start_soon(self._follow, cmd["model"], cmd["seed"],
+                                    cmd.get("sources"))
             return {"event": "following", "model": cmd["model"]}
         if kind == "fetch_once":
             t0 = time.monotonic()
@@ -180,7 +182,7 @@ class Role:
             emit(event="slow_unpublish", model=model, version=version,
                  seconds=time.monotonic() - t0)
 
-    async def _follow(self, model: str, seed: int) -> None:
+    async def _follow(self, model: str, seed: int, sources: list[str] | None) -> None:
         """Fetch each newer version of ``model`` while it is the one followed."""
         last: int | None = None
         while self.followed == model:
@@ -190,15 +192,16 @@ class Role:
             self.waiting_for = None
             if self.followed != model or last is None:
                 return
-            await self._fetch_one(model, seed, last)
+            await self._fetch_one(model, seed, last, sources)
 
-    async def _fetch_one(self, model: str, seed: int, version: int) -> None:
+    async def _fetch_one(self, model: str, seed: int, version: int,
+                         sources: list[str] | None = None) -> None:
         self._drop_held(keep=1)  # the last version stays held: a source for others
         flat, arrays = allocate(self.size)
         t0 = time.monotonic()
         emit(event="fetch_started", model=model, version=version)
         try:
-            got = await self.peer.fetch(model, version, into=arrays)
+            got = await self.peer.fetch(model, version, into=arrays, sources=sources)
         except VersionUnavailable as exc:
             emit(event="fetch_error", model=model, version=version,
                  kind="VersionUnavailable", error=str(exc), detail=exc.detail)

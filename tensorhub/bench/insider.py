@@ -33,11 +33,13 @@ import zmq
 from ..model import PeerInfo
 from ..protocol import codec
 from ..protocol.control import RefsDelta
+from ..protocol.coordination import CoordRequest
 from ..protocol.dataplane import MAX_FRAME, NONCE_BYTES, AuthHello, AuthProof
 from ..protocol.membership import Gossip, PushPull, Update
 from ..protocol.refs import Holding, OriginEntry, Stamp, announcement_bytes
 from ..security import load
 from ..transport.handshake import transcript
+from .chaos_worker import model_bytes
 from .rogue_wares import forged_offer, frame, read_frame
 
 if TYPE_CHECKING:
@@ -134,9 +136,10 @@ def join(rogue: Rogue, ins: Insider, peers: list[dict[str, Any]]) -> None:
 
 
 def own_info(rogue: Rogue, control: str | None = None, data: str | None = None) -> PeerInfo:
-    """On a host of its own (TCP, not shared memory), claiming a very fast NIC."""
+    """On the readers' host (they try shared memory, are refused, read over TCP),
+    claiming a very fast NIC: the planner wants to read from it."""
     return PeerInfo(INSIDER, control or rogue.control, data or rogue.server.address,
-                    (("host", "insider"), ("nic_bps", "1e15")))
+                    (("host", "localhost"), ("nic_bps", "1e15")))
 
 
 def leave(rogue: Rogue, ins: Insider) -> None:
@@ -158,6 +161,16 @@ def gossip(rogue: Rogue, peers: list[dict[str, Any]], *updates: Update,
             rogue.send(p["control"], Gossip(rogue.control, INSIDER, updates))
 
 
+def ask_coordinator(rogue: Rogue, peers: list[dict[str, Any]], h: Holding) -> None:
+    """Register as a fetcher of ``h``'s version with its coordinator (asked through
+    every peer), as a reader does before it fetches: the coordinator's plan may then
+    send later readers to us."""
+    for i, p in enumerate(peers):
+        rogue.send(p["control"], CoordRequest(rogue.control, INSIDER, (h.version << 8) + i,
+                                              h.model, h.version, None, 0,
+                                              model_bytes(rogue.size), h.num_chunks))
+
+
 def announce(rogue: Rogue, peers: list[dict[str, Any]], entry: OriginEntry) -> None:
     for p in peers:
         rogue.send(p["control"], RefsDelta(rogue.control, INSIDER, (entry,)))
@@ -177,7 +190,7 @@ def attack(rogue: Rogue, ins: Insider, cmd: dict[str, Any], mark: range,
                skip=victim["name"])
     elif kind == "insider_take_address":
         theirs = PeerInfo(victim["name"], rogue.control, rogue.server.address,
-                          (("host", "insider"), ("nic_bps", "1e15")))
+                          (("host", "localhost"), ("nic_bps", "1e15")))
         ins.incarnation = ins.tick()
         gossip(rogue, peers,
                ins.update(Update(ALIVE, victim["name"], mark[3], INSIDER, theirs)),

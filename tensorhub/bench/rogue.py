@@ -311,6 +311,8 @@ class Rogue:
                 seq += 1
                 self.announce(name, peers, self.insider.entry(OriginEntry(
                     Stamp(name, self.insider.tick(), seq), tuple(have.values()))))
+                for h in new:  # a fetcher of it, so the plan may send readers to us
+                    insider_mod.ask_coordinator(self, peers, h)
             elif new:
                 seq += 1
                 self.announce(name, peers, OriginEntry(
