@@ -103,7 +103,8 @@ def rogue_traces(seed: int, views: dict[str, dict[str, Any]]) -> list[str]:
             if gen in ours:
                 out.append(f"{peer} refuses entries of {origin} not newer than {gen}")
         for origin, _model, version, _mid, publisher, _complete in v.get("holdings", []):
-            if origin != name and (publisher.startswith("rogue") or version >= FORGED_VERSION):
+            if origin not in (name, INSIDER) and (publisher.startswith("rogue")
+                                                   or version >= FORGED_VERSION):
                 out.append(f"{peer} lists {origin} holding version {version} by {publisher}")
     return out
 
@@ -125,7 +126,7 @@ def insider_traces(ep: Episode) -> list[str]:
                 out.append(f"{peer} lists {member} at {owner[address]}'s address")
             elif member in ep.addresses and address != ep.addresses[member]:
                 out.append(f"{peer} lists {member} at {address}")
-    return out
+    return list(dict.fromkeys(out))  # a holding both checks find, once
 
 
 def poisoned(views: Iterable[dict[str, Any]]) -> bool:
