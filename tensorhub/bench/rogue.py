@@ -17,6 +17,10 @@ Every value the rogue invents that a peer might store is marked: its names start
 :func:`marks` of the episode's seed, so the driver can find the rogue's words in any
 peer's view and tell which episode put them there.  What the rogue cannot see (whether a
 peer believed it) the driver measures from the peers' own views and fetches.
+
+With ``--insider-keys DIR`` the same program is the *insider* (:mod:`.insider`): it
+speaks as member ``insider`` of that keyring (CURVE, data-plane handshake, signatures)
+and runs :data:`~tensorhub.bench.insider.INSIDER_ATTACKS`.
 """
 
 from __future__ import annotations
