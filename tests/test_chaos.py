@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tensorhub.bench.chaos_check import Episode, check, rogue_traces
+from tensorhub.bench.chaos_check import Episode, check, family, insider_traces, rogue_traces
 from tensorhub.bench.chaos_episode import draw_faults, episode_rng
 from tensorhub.bench.rogue import MARK, marks
 
@@ -125,6 +126,90 @@ def test_a_stamp_only_the_rogue_could_have_made_poisons_the_mesh() -> None:
     assert check(episode(views={"r0": view(stamps={"trainer": [MARK + 5, 1]})})).poisoned
 
 
+def insider_episode(attack: str = "insider_announce", **kw: Any) -> Episode:
+    return Episode(seed=7, attack=attack, published=dict(MID),
+                   addresses={"trainer": "tcp://h:1", "r0": "tcp://h:2"}, **kw)
+
+
+def test_the_insiders_refusable_words_in_any_view_are_found() -> None:
+    def at(addresses: dict[str, str], **kw: Any) -> dict[str, Any]:
+        return view(addresses=addresses, latest={"chaos7": 2}, **kw)
+
+    real = {"trainer": "tcp://h:1", "r0": "tcp://h:2", "insider": "tcp://h:9"}
+    # its own signed entry (holding what it "published") and its membership are its own
+    own = at(real, holdings=[["insider", "chaos7", 999, "ee" * 16, "insider", True]])
+    assert insider_traces(insider_episode(views={"r0": own})) == []
+    believed = {
+        "r0": at(real, holdings=[["r0", "chaos7", 999, "ee" * 16, "insider", True]]),
+        "r1": {**at(real), "latest": {"chaos7": 999}},
+        "r2": at({**real, "insider": "tcp://h:2"}),
+        "trainer": at({**real, "r0": "tcp://h:9"}),
+    }
+    traces = insider_traces(insider_episode(views=believed))
+    assert traces == ["r0 lists r0 holding version 999 by insider",
+                      "r1 takes version 999 as latest",
+                      "r2 lists insider at r0's address",
+                      "trainer lists r0 at tcp://h:9"]
+    v = check(insider_episode(views=believed, rogue={"reads": ["manifest of chaos7@1"]}))
+    assert v.counts["unauth_messages_accepted"] == 1
+    assert v.counts["unauth_reads"] == 0  # a member may read
+    # a marked incarnation (a "left" at a huge incarnation) is found as the rogue's is
+    left = {"r1": view({"trainer": ["left", marks(7)[1]]})}
+    assert check(insider_episode("insider_false_left", views=left)).counts[
+        "unauth_messages_accepted"] == 1
+
+
+def test_the_insiders_bytes_are_forged_chunks_and_its_bans_are_counted() -> None:
+    bad = activation(1, ok=False, sources={"insider": 600, "trainer": 400})
+    caught = activation(2, sources={"trainer": NBYTES})
+    caught["report"]["integrity_failures"] = {"insider": 3}
+    banned = activation(1, sources={"r1": NBYTES})
+    banned["report"]["banned_sources"] = {"insider": "chunk 3 failed its digest"}
+    v = check(insider_episode("insider_forged_chunks", activations=[bad, caught, banned]))
+    assert v.counts["forged_chunks_accepted"] == 1
+    assert v.counts["insider_bans"] == 2
+    assert v.counts["integrity_failures_detected"] == 3
+    assert [family(a) for a in (None, "forged_chunks", "insider_announce")] == [
+        "none", "keyless", "insider"]
+
+
+@pytest.mark.slow
+def test_an_insider_gets_in_and_none_of_its_words_is_accepted(tmp_path: Path) -> None:
+    """Seeds 47..49: the insider's announce, impersonate and forged-chunks attacks
+    (seed 49 has no fault: rollout r0 reads from it and the trainer)."""
+    log = tmp_path / "episodes.jsonl"
+    out = subprocess.run(
+        [sys.executable, "-m", "simulations.chaos", "--seeds", "0", "--seed-base", "47",
+         "--insider-seeds", "3", "--heavy", "off", "--flood-runs", "0",
+         "--starved-seeds", "0", "--security", "on", "--log", str(log), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = {f["name"]: f["value"] for f in result["figures"]}
+    for name in ("peer_crashes", "unauth_messages_accepted", "forged_versions_accepted",
+                 "forged_chunks_accepted", "partial_activations"):
+        assert figures[name] == 0, (name, out.stdout[-3000:])
+    assert figures["chaos_seeds"] == 3
+    assert result["baselines"]["by_family"]["insider"]["seeds"] == 3
+    episodes = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["attack"] for e in episodes] == ["insider_announce", "insider_impersonate",
+                                               "insider_forged_chunks"]
+    for e in episodes:
+        # In at the transport level: peers answered it over CURVE, counted no refused
+        # handshake, and listed it as a member; their rules refused the rest.
+        assert e["rogue"]["received"] > 0, e["rogue"]
+        for peer, v in e["views"].items():
+            assert "insider" in v["members"], peer
+            assert v["refused"].get("handshake", 0) == 0
+            assert v["refused"].get("not a member", 0) == 0
+    forged = episodes[-1]
+    assert forged["rogue"]["admitted"] > 0 and forged["rogue"]["chunks_served"] > 0
+    r0 = [a for a in forged["activations"] if a["peer"] == "r0"]
+    assert r0 and all(a["content_ok"] for a in r0)
+    assert sum(sum(a["report"]["integrity_failures"].values()) for a in r0) > 0
+    assert result["baselines"]["totals"]["insider_bans"] >= 1
+
+
 @pytest.mark.slow
 def test_a_short_real_run_reports_every_figure_and_the_faults_it_injected() -> None:
     base = next(s for s in range(1000) if any(
@@ -132,7 +217,7 @@ def test_a_short_real_run_reports_every_figure_and_the_faults_it_injected() -> N
     out = subprocess.run(
         [sys.executable, "-m", "simulations.chaos", "--seeds", "3", "--seed-base", str(base),
          "--attacks", "none", "--heavy", "off", "--flood-runs", "1", "--flood-timeout", "3",
-         "--starved-seeds", "0",
+         "--starved-seeds", "0", "--insider-seeds", "0",
          "--json"], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

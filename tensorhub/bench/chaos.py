@@ -14,6 +14,11 @@ trainer's content, and meanwhile, at moments drawn from the seed,
 * one attack of the rogue, in turn from :data:`~tensorhub.bench.rogue.LIGHT`; the heavy
   ones (a 4-million-tensor manifest, 1,000 half-sent data frames) every 50th seed.
 
+The **insider** family (``--insider-seeds``, with keys only) runs more seeds on the same
+mesh, each with one attack of :data:`~tensorhub.bench.insider.INSIDER_ATTACKS` by a
+second rogue process that holds the valid member key ``insider`` (no publisher rights):
+its words pass CURVE and the signature checks, so only the rules can refuse them.
+
 The **starved-links** family (``--starved-seeds``, root and ``ip netns`` only, else
 skipped with the reason) runs more seeds the same way with every peer and the rogue on an
 emulated host of its own, NICs capped by ``tc`` (:mod:`tensorhub.bench.netns`).
@@ -43,15 +48,18 @@ from typing import Any
 
 from ..demo import parse_size
 from . import netns
+from .chaos_check import ACCEPTED
 from .chaos_episode import Runner
 from .chaos_mesh import TRAINER, Host, Mesh, MeshError
 from .chaos_worker import security_supported
 from .figures import figure, print_figures
+from .insider import INSIDER
 from .rogue import LIGHT
 
 
 def _keys(mode: str, names: list[str], where: Path) -> tuple[str, str]:
-    """The keygen directory for the mesh ("" for none) and what was decided, and why."""
+    """The keygen directory for the mesh ("" for none) and what was decided, and why
+    (with keys: ``names`` and the insider's member key; only the trainer publishes)."""
     if mode == "off":
         return "", "off (--security off)"
     if not security_supported():
@@ -61,8 +69,9 @@ def _keys(mode: str, names: list[str], where: Path) -> tuple[str, str]:
     import importlib
 
     security = importlib.import_module("tensorhub.security")
-    security.write_keys(where, names, publishers={"*": [TRAINER]})
-    return str(where), "on (cluster key set; the rogue has no member key)"
+    security.write_keys(where, [*names, INSIDER], publishers={"*": [TRAINER]})
+    return str(where), ("on (cluster key set; the rogue has no member key, the insider "
+                        "has one and publishes nothing)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +83,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"chaos: {len(names)} peers, model {size / 2**20:g} MiB in "
               f"{chunk / 2**10:g} KiB chunks, seeds {args.seed_base}.."
               f"{args.seed_base + args.seeds - 1}, security {security_note}", flush=True)
-        mesh = Mesh(args.rollouts, size, chunk, Path(tmp), keys, args.huge_tensors)
+        insider_seeds = args.insider_seeds if keys else 0
+        if args.insider_seeds and not keys:
+            print("insider: skipped (no keys: nobody holds a member key)", flush=True)
+        mesh = Mesh(args.rollouts, size, chunk, Path(tmp), keys, args.huge_tensors,
+                    insider=insider_seeds > 0)
         runner = Runner(mesh, args, heavy=args.heavy == "on")
         try:
             mesh.start(mesh.names)
@@ -85,10 +98,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"{statistics.median(flooded or [0]):.3f} s flooded", flush=True)
             for seed in range(args.seed_base, args.seed_base + args.seeds):
                 runner.seed(seed)
+            first = args.seed_base + args.seeds
+            for seed in range(first, first + insider_seeds):
+                runner.seed(seed, " (insider)", insider=True)
             runner.hung(wait=True)
         finally:
             mesh.close()
-        starved = run_starved(args, runner, size, chunk, keys, Path(tmp))
+        starved = run_starved(args, runner, size, chunk, keys, Path(tmp),
+                              args.seed_base + args.seeds + insider_seeds)
     return {"totals": runner.totals, "problems": runner.problems, "quiet": quiet,
             "flooded": flooded, "by_attack": runner.by_attack, "faults": runner.faults,
             "silent": runner.silent, "mesh_restarts": mesh.restarts + runner.restarts,
@@ -96,11 +113,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "heal_failures": runner.heal_failures, "missed_wakeups": runner.missed_wakeups,
             "flood_errors": runner.flood_errors,
             "episode_s": runner.seconds, "seconds": time.monotonic() - started,
-            "security": security_note, "size": size, "chunk": chunk}
+            "security": security_note, "size": size, "chunk": chunk,
+            "insider_seeds": insider_seeds, "by_family": runner.by_family}
 
 
 def run_starved(args: argparse.Namespace, runner: Runner, size: int, chunk: int,
-                keys: str, tmp: Path) -> dict[str, Any]:
+                keys: str, tmp: Path, first: int) -> dict[str, Any]:
     """The starved-links family: ``--starved-seeds`` more episodes with every peer (and
     the rogue) on an emulated host of its own, NICs capped at ``--starved-mbit`` with
     ``tc`` (needs root and ``ip netns``; skipped, saying why, where unavailable).  Its
@@ -114,7 +132,6 @@ def run_starved(args: argparse.Namespace, runner: Runner, size: int, chunk: int,
         print(f"starved links: skipped ({exc})", flush=True)
         return {**note, "skipped": str(exc)}
     names = [TRAINER, *(f"r{i}" for i in range(args.rollouts)), "rogue"]
-    first = args.seed_base + args.seeds
     print(f"starved links: {len(names)} emulated hosts at {args.starved_mbit:g} Mbit, "
           f"seeds {first}..{first + args.starved_seeds - 1}", flush=True)
     with netns.open_cluster(len(names), args.starved_mbit) as cluster:
@@ -183,6 +200,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="tensors the rogue's huge manifest declares (default 4,000,000)")
     p.add_argument("--half-frames", type=int, default=1000,
                    help="half-sent data frames the rogue keeps open (default 1000)")
+    p.add_argument("--insider-seeds", type=int, default=40,
+                   help="more seeds, each an attack by a member key without publisher "
+                        "rights (with keys only; default 40, 0: off)")
     p.add_argument("--starved-seeds", type=int, default=10,
                    help="more seeds with every peer on its own emulated host behind a "
                         "tc-capped NIC (root and ip netns; default 10, 0: off)")
@@ -194,19 +214,26 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.rollouts < 1 or args.seeds < 0 or args.versions < 1:
-        raise MeshError("need --rollouts >= 1, --seeds >= 0, --versions >= 1")
+    if args.rollouts < 1 or args.seeds < 0 or args.versions < 1 or args.insider_seeds < 0:
+        raise MeshError("need --rollouts >= 1, --seeds >= 0, --versions >= 1, "
+                        "--insider-seeds >= 0")
     unknown = set(args.attacks.split(",")) - {*LIGHT, "all", "none", ""}
     if unknown:
         raise MeshError(f"unknown attacks {sorted(unknown)}; choose from {', '.join(LIGHT)}")
     r = run(args)
-    seeds = args.seeds + r["starved"]["seeds"]
+    seeds = args.seeds + r["insider_seeds"] + r["starved"]["seeds"]
     figures = figures_of(r, seeds)
     t = r["totals"]
     print()
-    print(f"{seeds} seeds ({r['starved']['seeds']} on starved links"
-          f"{': ' + r['starved']['skipped'] if 'skipped' in r['starved'] else ''}) in "
+    print(f"{seeds} seeds ({r['insider_seeds']} insider, {r['starved']['seeds']} on starved "
+          f"links{': ' + r['starved']['skipped'] if 'skipped' in r['starved'] else ''}) in "
           f"{r['seconds']:.0f} s; security {r['security']}")
+    for fam, c in sorted(r["by_family"].items()):
+        print(f"family {fam}: {c['seeds']} seeds, "
+              + ", ".join(f"{k} {c[k]}" for k in ACCEPTED))
+    print(f"insider: fetches that caught or banned it {t['insider_bans']}, integrity "
+          "failures detected (all families) "
+          f"{t['integrity_failures_detected']}")
     print(f"attacks: {', '.join(f'{k} {n}' for k, n in sorted(r['by_attack'].items()))}")
     print(f"faults: {', '.join(f'{k} {n}' for k, n in sorted(r['faults'].items()))}")
     print(f"activations {t['activations']}, VersionUnavailable {t['version_unavailable']}, "
@@ -228,6 +255,7 @@ def run_cli(args: argparse.Namespace) -> int:
             "baselines": {"flood_quiet_s": r["quiet"], "flood_flooded_s": r["flooded"],
                           "flood_errors": r["flood_errors"],
                           "totals": t, "attacks": r["by_attack"], "faults": r["faults"],
+                          "by_family": r["by_family"], "insider_seeds": r["insider_seeds"],
                           "peers_silent": r["silent"], "mesh_restarts": r["mesh_restarts"],
                           "starved_links": r["starved"],
                           "slow_unpublishes": r["slow_unpublishes"],

@@ -16,7 +16,13 @@ and the peers' views of the mesh), so they can be tested on crafted records:
   version has counts the excess (``verified_bytes_refetched``);
 * the rogue's words must not be found in any peer's view (``unauth_messages_accepted``:
   episodes in which some peer believed it) and it must not have read mesh state or
-  bytes (``unauth_reads``).
+  bytes (``unauth_reads``);
+* the insider (a member key, no publisher rights: :mod:`tensorhub.bench.insider`) may
+  read and its own signed words may be kept, but no peer may believe what only the
+  rules refuse (:func:`insider_traces`: a marked incarnation or stamp, a ``latest`` the
+  trainer did not publish, a copy of a version the insider "published", a member at
+  another member's address); its bytes count as the rogue's, and the fetches that
+  banned it are counted (``insider_bans``, expected).
 """
 
 from __future__ import annotations
@@ -25,12 +31,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .insider import INSIDER, INSIDER_ATTACKS
 from .rogue import FORGED_VERSION, MARK, marks, rogue_name
 
 COUNTS = ("peer_crashes", "unauth_reads", "unauth_messages_accepted",
           "forged_versions_accepted", "forged_chunks_accepted", "partial_activations",
           "verified_bytes_refetched", "fetch_failures", "activations", "version_unavailable",
-          "integrity_failures_detected", "rogue_chunks_served")
+          "integrity_failures_detected", "rogue_chunks_served", "insider_bans")
+ACCEPTED = ("unauth_messages_accepted", "forged_versions_accepted", "forged_chunks_accepted")
+"""The acceptance counts, printed per family of attacks."""
+
+
+def family(attack: str | None) -> str:
+    """``insider`` (a member key), ``keyless`` (the rogue) or ``none``."""
+    return "none" if attack is None else "insider" if attack in INSIDER_ATTACKS \
+        else "keyless"
+
+
+def bad_source(name: str) -> bool:
+    """A source only an attacker is: the keyless rogue or the insider."""
+    return name.startswith("rogue") or name == INSIDER
 
 
 @dataclass
@@ -53,6 +73,8 @@ class Episode:
     views: dict[str, dict[str, Any]] = field(default_factory=dict)
     rogue: dict[str, Any] = field(default_factory=dict)
     """The rogue's ``attacked`` reply (empty if it did not answer)."""
+    addresses: dict[str, str] = field(default_factory=dict)
+    """The peers' real control addresses when the attack began."""
 
 
 @dataclass
@@ -81,9 +103,30 @@ def rogue_traces(seed: int, views: dict[str, dict[str, Any]]) -> list[str]:
             if gen in ours:
                 out.append(f"{peer} refuses entries of {origin} not newer than {gen}")
         for origin, _model, version, _mid, publisher, _complete in v.get("holdings", []):
-            if origin != name and (publisher.startswith("rogue") or version >= FORGED_VERSION):
+            if origin not in (name, INSIDER) and (publisher.startswith("rogue")
+                                                   or version >= FORGED_VERSION):
                 out.append(f"{peer} lists {origin} holding version {version} by {publisher}")
     return out
+
+
+def insider_traces(ep: Episode) -> list[str]:
+    """Where the insider's refusable words of episode ``ep`` are found in the views."""
+    out = rogue_traces(ep.seed, ep.views)
+    model = f"chaos{ep.seed}"
+    owner = {a: n for n, a in ep.addresses.items()}
+    for peer, v in sorted(ep.views.items()):
+        latest = v.get("latest", {}).get(model)
+        if latest is not None and latest not in ep.published:
+            out.append(f"{peer} takes version {latest} as latest")
+        for origin, _model, version, _mid, publisher, _complete in v.get("holdings", []):
+            if origin != INSIDER and publisher == INSIDER:
+                out.append(f"{peer} lists {origin} holding version {version} by {publisher}")
+        for member, address in v.get("addresses", {}).items():
+            if owner.get(address, member) != member:
+                out.append(f"{peer} lists {member} at {owner[address]}'s address")
+            elif member in ep.addresses and address != ep.addresses[member]:
+                out.append(f"{peer} lists {member} at {address}")
+    return list(dict.fromkeys(out))  # a holding both checks find, once
 
 
 def poisoned(views: Iterable[dict[str, Any]]) -> bool:
@@ -121,7 +164,13 @@ def check(ep: Episode) -> Verdict:
             counts["fetch_failures"] += 1
             problems.append(f"{tag}: {key[0]}'s fetch of version {key[1]} had not ended "
                             "when the episode was checked")
-    if ep.attack is not None:
+    if ep.attack in INSIDER_ATTACKS:  # a member: its reads are its right
+        traces = insider_traces(ep)
+        if traces:
+            counts["unauth_messages_accepted"] += 1
+            problems.append(f"{tag}: insider ({ep.attack}) believed: " + "; ".join(traces[:4])
+                            + (f" (+{len(traces) - 4} more)" if len(traces) > 4 else ""))
+    elif ep.attack is not None:
         counts["unauth_reads"] += len(ep.rogue.get("reads", []))
         for r in ep.rogue.get("reads", []):
             problems.append(f"{tag}: rogue ({ep.attack}) read {r}")
@@ -139,7 +188,9 @@ def _activation(ep: Episode, a: dict[str, Any], counts: dict[str, int],
     report = a.get("report", {})
     sources = report.get("bytes_by_source", {})
     counts["integrity_failures_detected"] += sum(report.get("integrity_failures", {}).values())
-    counts["rogue_chunks_served"] += sum(n for s, n in sources.items() if s.startswith("rogue"))
+    counts["rogue_chunks_served"] += sum(n for s, n in sources.items() if bad_source(s))
+    counts["insider_bans"] += INSIDER in report.get("banned_sources", {}) \
+        or INSIDER in report.get("integrity_failures", {})
     excess = int(report.get("bytes", 0)) - int(a.get("nbytes", 0))
     if excess > 0:
         counts["verified_bytes_refetched"] += excess
@@ -153,7 +204,7 @@ def _activation(ep: Episode, a: dict[str, Any], counts: dict[str, int],
         problems.append(f"{what}, which the trainer did not publish (manifest "
                         f"{a.get('manifest_id')}; sources {sorted(sources)})")
     elif not a.get("content_ok") or not report.get("verified"):
-        if any(s.startswith("rogue") for s in sources):
+        if any(bad_source(s) for s in sources):
             counts["forged_chunks_accepted"] += 1
             problems.append(f"{what} with the rogue's bytes (sources {sorted(sources)})")
         else:

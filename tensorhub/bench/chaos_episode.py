@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from ..model import VersionKey
 from ..protocol.ring import coordinator
-from .chaos_check import COUNTS, Episode, Verdict, check
+from .chaos_check import ACCEPTED, COUNTS, Episode, Verdict, check, family
 from .chaos_mesh import TRAINER, Mesh, MeshError
+from .insider import INSIDER, INSIDER_ATTACKS
 from .rogue import HEAVY, LIGHT
 
 SETTLE_GRACE = 3.0
@@ -28,7 +29,11 @@ source that stalls is given up after ``stall_timeout`` (3 s)."""
 HANG_S = 30.0
 """A fetch still running this long after its episode ended is counted as hung (a
 failure); until then it is followed across the next episodes."""
-CLAIM_FIRST = frozenset({"forged_chunks"})
+CLAIM_FIRST = frozenset({"forged_chunks", "insider_forged_chunks"})
+PINNED = {"insider_forged_chunks": (TRAINER, INSIDER)}
+"""Attacks in whose episode rollout ``r0`` reads only from these sources: the
+coordinator's plan did not send readers to the insider in trial runs, and a reader
+that names its sources is how a forged holder surely meets one."""
 """Attacks whose episode starts the rollouts only after the rogue made its claim (a
 bad holder of the real version is tested only if readers can meet it)."""
 
@@ -71,6 +76,8 @@ class Runner:
         self.args = args
         self.heavy = heavy
         self.totals = dict.fromkeys(COUNTS, 0)
+        self.by_family: dict[str, dict[str, int]] = {}
+        """Seeds and acceptance counts per family of attacks (keyless, insider, none)."""
         self.problems: list[str] = []
         self.by_attack: dict[str, int] = {}
         self.faults: dict[str, int] = {}
@@ -93,15 +100,20 @@ class Runner:
 
     # -- one seed ---------------------------------------------------------------------------
 
-    def episode(self, seed: int) -> Episode:
+    def episode(self, seed: int, insider: bool = False) -> Episode:
         args, mesh = self.args, self.mesh
         rng = episode_rng(seed)
         model = f"chaos{seed}"
-        ep = Episode(seed, attack_for(seed, self.kinds, self.heavy))
+        ep = Episode(seed, INSIDER_ATTACKS[seed % len(INSIDER_ATTACKS)] if insider
+                     else attack_for(seed, self.kinds, self.heavy))
+        attacker = mesh.insider if insider else mesh.rogue
+        who = "insider" if insider else "rogue"
         rollouts = [n for n in mesh.names if n != TRAINER]
         def follow() -> None:
             for r in rollouts:
-                mesh.procs[r].send(cmd="follow", model=model, seed=seed)
+                pinned = PINNED.get(ep.attack or "") if r == "r0" else None
+                mesh.procs[r].send(cmd="follow", model=model, seed=seed,
+                                   **({"sources": list(pinned)} if pinned else {}))
             for r in rollouts:
                 mesh.reply(r, "following", 0.0 if mesh.procs[r].stopped else 10.0)
 
@@ -127,10 +139,10 @@ class Runner:
                 p.signal(signal.SIGCONT)
         self._settle(ep, rollouts, t0 + span + args.settle)
         self._published(ep)
-        if ep.attack is not None and mesh.rogue is not None:
-            ep.rogue = mesh.reply("rogue", "attacked", 30.0) or {}
-            mesh.rogue.send(cmd="end")
-            mesh.reply("rogue", "ended", 10.0)
+        if ep.attack is not None and attacker is not None:
+            ep.rogue = mesh.reply(who, "attacked", 30.0) or {}
+            attacker.send(cmd="end")
+            mesh.reply(who, "ended", 10.0)
         ep.views, silent = mesh.views([model], 20.0)
         self._missed_wakeups(ep, model)
         self.silent += len(silent)
@@ -207,8 +219,10 @@ class Runner:
     def _attack(self, ep: Episode, rng: random.Random, model: str) -> None:
         mesh = self.mesh
         peers = mesh.peers()
-        if mesh.rogue is None or not peers or ep.attack is None:
+        attacker = mesh.insider if ep.attack in INSIDER_ATTACKS else mesh.rogue
+        if attacker is None or not peers or ep.attack is None:
             return
+        ep.addresses = {p["name"]: p["control"] for p in peers}
         self._published(ep)
         version = max(ep.published, default=1)
         if ep.published.get(version) is None and mesh.alive(TRAINER):  # answer due
@@ -217,7 +231,7 @@ class Runner:
                 ep.published[got["version"]] = got["manifest_id"]
         victims = [p["name"] for p in peers if not mesh.procs[p["name"]].stopped]
         trainer = mesh.procs[TRAINER].info
-        mesh.rogue.send(cmd="attack", kind=ep.attack, seed=ep.seed, peers=peers,
+        attacker.send(cmd="attack", kind=ep.attack, seed=ep.seed, peers=peers,
                         victim=rng.choice(victims or [peers[0]["name"]]), model=model,
                         version=version, trainer=TRAINER, trainer_data=trainer["data"],
                         manifest_id=ep.published.get(version) or "00" * 16,
@@ -324,10 +338,11 @@ class Runner:
         for key in [k for k in self.pending if k[0] in names]:
             del self.pending[key]
 
-    def seed(self, seed: int, label: str = "") -> None:
-        """Run, check and print episode ``seed``; repair the mesh for the next."""
+    def seed(self, seed: int, label: str = "", insider: bool = False) -> None:
+        """Run, check and print episode ``seed`` (``insider``: one of the insider's
+        attacks); repair the mesh for the next."""
         t = time.monotonic()
-        ep = self.episode(seed)
+        ep = self.episode(seed, insider)
         self.record(ep)
         self.seconds.append(time.monotonic() - t)
         print(f"seed {seed}{label}: {ep.attack or '-'}; faults: "
@@ -348,6 +363,10 @@ class Runner:
         self.missed_wakeups += other.missed_wakeups
         self.seconds += other.seconds
         self.restarts += other.mesh.restarts
+        for fam, counts in other.by_family.items():
+            mine = self.by_family.setdefault(fam, dict.fromkeys(("seeds", *ACCEPTED), 0))
+            for k, n in counts.items():
+                mine[k] += n
 
     def _count(self, verdict: Verdict) -> None:
         for k, n in verdict.counts.items():
@@ -366,6 +385,10 @@ class Runner:
                 f.write(json.dumps(dataclasses.asdict(ep), default=sorted) + "\n")
         verdict = check(ep)
         self._count(verdict)
+        fam = self.by_family.setdefault(family(ep.attack), dict.fromkeys(("seeds", *ACCEPTED), 0))
+        fam["seeds"] += 1
+        for k in ACCEPTED:
+            fam[k] += verdict.counts[k]
         self.hung()
         restart = sorted(ep.killed | set(ep.exited))
         self.forget_fetches_of(restart)

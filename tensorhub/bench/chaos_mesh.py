@@ -105,9 +105,11 @@ class Mesh:
     """A trainer, ``rollouts`` rollout peers and the rogue, on loopback."""
 
     def __init__(self, rollouts: int, size: int, chunk: int, logdir: Path,
-                 keys: str, huge_tensors: int, hosts: dict[str, Host] | None = None) -> None:
+                 keys: str, huge_tensors: int, hosts: dict[str, Host] | None = None,
+                 insider: bool = False) -> None:
         """``hosts``: where each peer (and ``rogue``) runs, by name; default: all on
-        this host's loopback."""
+        this host's loopback.  ``insider``: also start the rogue that holds member key
+        ``insider`` of ``keys`` (:mod:`tensorhub.bench.insider`)."""
         self.names = [TRAINER, *(f"r{i}" for i in range(rollouts))]
         self.hosts = hosts or {}
         self.size, self.chunk, self.keys = size, chunk, keys
@@ -119,6 +121,8 @@ class Mesh:
         self.procs: dict[str, Proc] = {}
         self.ports = dict(zip(self.names, _free_ports(len(self.names)), strict=True))
         self.rogue: Proc | None = None
+        self.insider: Proc | None = None
+        self.with_insider = insider and bool(keys)
         self.restarts = 0
         self.unhealthy = ""
         """Why the last :meth:`wait_healthy` found the mesh unhealthy."""
@@ -148,7 +152,8 @@ class Mesh:
                 ev = box.popleft()
                 if ev.get("event") in (event, "error"):
                     return ev
-            proc = self.procs.get(name) if name != "rogue" else self.rogue
+            proc = self.rogue if name == "rogue" else self.insider if name == "insider" \
+                else self.procs.get(name)
             if time.monotonic() >= deadline or proc is None or proc.p.poll() is not None:
                 self.poll(time.monotonic())
                 box = self.inbox[name]
@@ -194,6 +199,14 @@ class Mesh:
                               self.logdir, self.events)
             if self.reply("rogue", "ready", timeout) is None:
                 raise MeshError(f"the rogue did not start: {self.rogue.stderr_tail()}")
+        if self.with_insider and (self.insider is None or self.insider.p.poll() is not None):
+            self.insider = Proc("insider", [sys.executable, "-m", "tensorhub.bench.rogue",
+                                            "--size", str(self.size), "--chunk",
+                                            str(self.chunk), "--huge-tensors", "1",
+                                            "--insider-keys", self.keys], self.logdir,
+                                self.events)
+            if self.reply("insider", "ready", timeout) is None:
+                raise MeshError(f"the insider did not start: {self.insider.stderr_tail()}")
 
     def alive(self, name: str) -> bool:
         return self.procs[name].p.poll() is None
@@ -254,5 +267,5 @@ class Mesh:
         self.start(self.names)
 
     def close(self) -> None:
-        for p in [*self.procs.values(), *([self.rogue] if self.rogue else [])]:
+        for p in [*self.procs.values(), *(r for r in (self.rogue, self.insider) if r)]:
             p.end()

@@ -10,7 +10,8 @@ commands on stdin, events on stdout, one object per line.
   each newer ``latest`` of the model, fetches it into its own buffers and compares every
   byte with :func:`content`; each fetch ends in an ``activated`` event (version, manifest
   id, ``content_ok``, the fetch report) or a ``fetch_error`` (the error's class and
-  text).  The previous model's versions are unpublished first.  ``{"cmd": "fetch_once",
+  text).  The previous model's versions are unpublished first.  With ``"sources"``
+  the loop reads only from those peers (no plan).  ``{"cmd": "fetch_once",
   "model", "version", "sources"}`` times one fetch (the flood measurement).
 * Unpublishing runs in the background (it waits for readers to drain); one that takes
   over two seconds is reported as ``slow_unpublish``.
@@ -81,8 +82,9 @@ def emit(**obj: Any) -> None:
 
 def view(peer: Peer, models: list[str]) -> dict[str, Any]:
     """What this peer believes: the driver looks here for the rogue's words."""
-    members = {n: [m.status, m.incarnation]
-               for n, m in peer.control.membership.members().items()}
+    known = peer.control.membership.members()
+    members = {n: [m.status, m.incarnation] for n, m in known.items()}
+    addresses = {n: m.info.control for n, m in known.items()}
     stamps, holdings = {}, []
     for entry in peer.control.refs.origins():
         stamps[entry.origin] = [entry.stamp.generation, entry.stamp.seq]
@@ -93,7 +95,9 @@ def view(peer: Peer, models: list[str]) -> dict[str, Any]:
     forgotten = {o: [s.generation, s.seq]
                  for o, s in getattr(peer.control.refs, "_forgotten", {}).items()}
     st = peer.statistics()
-    return {"event": "view", "members": members, "stamps": stamps, "holdings": holdings,
+    return {"event": "view", "members": members, "addresses": addresses,
+            "refused": dict(getattr(st, "refused", {})),
+            "stamps": stamps, "holdings": holdings,
             "forgotten": forgotten,
             "latest": {m: peer.control.latest(m) for m in models},
             "malformed_dropped": st.malformed_dropped, "gossip_dropped": st.gossip_dropped,
@@ -145,7 +149,8 @@ class Role:
             if self.waiting is not None:
                 self.waiting.cancel()
             self._drop_held()
-            self.nursery.start_soon(self._follow, cmd["model"], cmd["seed"])
+            self.nursery.start_soon(self._follow, cmd["model"], cmd["seed"],
+                                    cmd.get("sources"))
             return {"event": "following", "model": cmd["model"]}
         if kind == "fetch_once":
             t0 = time.monotonic()
@@ -177,7 +182,7 @@ class Role:
             emit(event="slow_unpublish", model=model, version=version,
                  seconds=time.monotonic() - t0)
 
-    async def _follow(self, model: str, seed: int) -> None:
+    async def _follow(self, model: str, seed: int, sources: list[str] | None) -> None:
         """Fetch each newer version of ``model`` while it is the one followed."""
         last: int | None = None
         while self.followed == model:
@@ -187,15 +192,16 @@ class Role:
             self.waiting_for = None
             if self.followed != model or last is None:
                 return
-            await self._fetch_one(model, seed, last)
+            await self._fetch_one(model, seed, last, sources)
 
-    async def _fetch_one(self, model: str, seed: int, version: int) -> None:
+    async def _fetch_one(self, model: str, seed: int, version: int,
+                         sources: list[str] | None = None) -> None:
         self._drop_held(keep=1)  # the last version stays held: a source for others
         flat, arrays = allocate(self.size)
         t0 = time.monotonic()
         emit(event="fetch_started", model=model, version=version)
         try:
-            got = await self.peer.fetch(model, version, into=arrays)
+            got = await self.peer.fetch(model, version, into=arrays, sources=sources)
         except VersionUnavailable as exc:
             emit(event="fetch_error", model=model, version=version,
                  kind="VersionUnavailable", error=str(exc), detail=exc.detail)

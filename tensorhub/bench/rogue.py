@@ -17,6 +17,10 @@ Every value the rogue invents that a peer might store is marked: its names start
 :func:`marks` of the episode's seed, so the driver can find the rogue's words in any
 peer's view and tell which episode put them there.  What the rogue cannot see (whether a
 peer believed it) the driver measures from the peers' own views and fetches.
+
+With ``--insider-keys DIR`` the same program is the *insider* (:mod:`.insider`): it
+speaks as member ``insider`` of that keyring (CURVE, data-plane handshake, signatures)
+and runs :data:`~tensorhub.bench.insider.INSIDER_ATTACKS`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from ..protocol.dataplane import (
 from ..protocol.membership import Ack, Gossip, Ping, PushPull, Update
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding, OriginEntry, Stamp
+from . import insider as insider_mod
+from .insider import INSIDER_ATTACKS, Insider
 from .rogue_wares import (
     LEN,
     DataServer,
@@ -88,7 +94,11 @@ def rogue_name(seed: int) -> str:
 
 
 class Rogue:
-    def __init__(self, size: int, chunk: int, huge_tensors: int, ip: str) -> None:
+    def __init__(self, size: int, chunk: int, huge_tensors: int, ip: str,
+                 insider: Insider | None = None) -> None:
+        """``insider``: speak as that member (CURVE with its key, its signatures)."""
+        self.insider = insider
+        self.received = 0
         self.size = size
         self.chunk = chunk
         self.huge_tensors = huge_tensors
@@ -98,8 +108,12 @@ class Rogue:
         self.sock.setsockopt(zmq.ROUTING_ID, self.control.encode())
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if insider is not None:
+            insider.curve(self.sock)
         self.sock.bind(self.control)
-        self.server = DataServer(ip)
+        if insider is not None:
+            insider.client(self.sock)
+        self.server = DataServer(ip, insider.admit_reader if insider else None)
         self.names: set[str] = set()
         self.connected: set[str] = set()
         self.pending: list[tuple[str, bytes, float]] = []
@@ -146,6 +160,7 @@ class Rogue:
             msg = codec.decode(data, 64 << 20)
         except Exception:  # whatever a peer sends, the rogue reads on
             return
+        self.received += 1
         self.inbox.append(msg)
         if isinstance(msg, Ping) and msg.target in self.names:
             self.send(msg.sender, Ack(self.control, msg.target, msg.seq, ()))
@@ -180,7 +195,12 @@ class Rogue:
         self.inbox.clear()
         reads: list[str] = []
         notes: list[str] = []
-        if kind == "max_incarnation":
+        received = self.received
+        if kind in INSIDER_ATTACKS:
+            if self.insider is None:
+                raise ValueError(f"{kind} needs --insider-keys")
+            insider_mod.attack(self, self.insider, cmd, mark, notes)
+        elif kind == "max_incarnation":
             vinfo = PeerInfo(victim["name"], victim["control"], victim["data"],
                              (("host", "localhost"),))
             for p in peers:
@@ -227,6 +247,7 @@ class Rogue:
             raise ValueError(f"unknown attack {kind!r}")
         self.pump(cmd.get("linger", 0.5))
         return {"event": "attacked", "kind": kind, "reads": reads, "notes": notes,
+                "received": self.received - received, "admitted": self.server.admitted,
                 "chunks_served": self.server.chunks_served,
                 "manifests_served": self.server.manifests_served}
 
@@ -263,9 +284,11 @@ class Rogue:
 
     def claim_as_published(self, name: str, peers: list[dict[str, Any]],
                            cmd: dict[str, Any], claimed: tuple[Holding, ...],
-                           reads: list[str]) -> None:
+                           reads: list[str], copy_signed: bool = False) -> None:
         """For ``cmd["watch"]`` seconds, read the trainer's reference entry and claim
-        every new version of the model it holds (same manifest id, other bytes)."""
+        every new version of the model it holds (same manifest id, other bytes); with
+        ``copy_signed`` (the insider) the trainer's holding itself, its publisher
+        signature included, in an entry the insider signs."""
         model, trainer = cmd["model"], cmd["trainer"]
         have = {h.version: h for h in claimed}
         control = next(p["control"] for p in peers if p["name"] == trainer)
@@ -280,13 +303,21 @@ class Rogue:
                         if h.model == model and h.complete and h.version not in have
                         }.values())
             for h in new:
-                real = self.read_data(cmd["trainer_data"], ManifestRequest(1, model, h.version))
+                real = self.read_data(cmd["trainer_data"], ManifestRequest(1, model, h.version),
+                                      trainer)
                 if real is not None:
                     reads.append(f"manifest of {model}@{h.version} from {trainer}")
                 _, offer, n = forged_offer(model, h.version, self.size, self.chunk)
                 self.server.offers[(model, h.version)] = (real or offer[0], offer[1])
-                have[h.version] = Holding(model, h.version, h.manifest_id, trainer, n)
-            if new:
+                have[h.version] = h if copy_signed else Holding(
+                    model, h.version, h.manifest_id, trainer, n)
+            if new and self.insider is not None and copy_signed:
+                seq += 1
+                self.announce(name, peers, self.insider.entry(OriginEntry(
+                    Stamp(name, self.insider.tick(), seq), tuple(have.values()))))
+                for h in new:  # a fetcher of it, so the plan may send readers to us
+                    insider_mod.ask_coordinator(self, peers, h)
+            elif new:
                 seq += 1
                 self.announce(name, peers, OriginEntry(
                     Stamp(name, marks(cmd["seed"])[2], seq), tuple(have.values())))
@@ -311,11 +342,14 @@ class Rogue:
             out.append(f"chunk 0 of {model}@{version} over TCP")
         return out
 
-    def read_data(self, address: str, req: Any) -> bytes | None:
-        """One request on a fresh data connection; the payload if the holder sent one."""
+    def read_data(self, address: str, req: Any, holder: str = "") -> bytes | None:
+        """One request on a fresh data connection; the payload if the holder sent one.
+        The insider first proves itself a member to ``holder``."""
         host, _, port = address.rpartition(":")
         try:
             with socket.create_connection((host, int(port)), timeout=2.0) as conn:
+                if self.insider is not None:
+                    self.insider.prove_to_holder(conn, holder)
                 conn.sendall(frame(req))
                 reply = codec.decode(read_frame(conn), MAX_FRAME)
                 if not isinstance(reply, Reply) or reply.status != OK or reply.length <= 0:
@@ -395,6 +429,8 @@ class Rogue:
     def end(self) -> None:
         """Close what attacks keep open; forget the offers; stop answering for names."""
         self.flood("", "", False)
+        if self.insider is not None:
+            insider_mod.leave(self, self.insider)
         for conn in self.held:
             conn.close()
         self.held.clear()
@@ -415,10 +451,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, required=True)
     p.add_argument("--huge-tensors", type=int, default=4_000_000)
     p.add_argument("--ip", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--insider-keys", default="",
+                   help="a keygen directory: speak as its member 'insider' (CURVE, signed)")
     args = p.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
-    rogue = Rogue(args.size, args.chunk, args.huge_tensors, args.ip)
+    rogue = Rogue(args.size, args.chunk, args.huge_tensors, args.ip,
+                  Insider(args.insider_keys) if args.insider_keys else None)
     # The bulk of the huge manifest takes seconds to build: do it before it is needed.
     threading.Thread(target=huge_manifest, args=("m", 0, args.huge_tensors),
                      daemon=True).start()

@@ -39,8 +39,11 @@ Offer = tuple[bytes, Callable[[int], bytes]]
 class DataServer:
     """A plain-thread data-plane server that answers with whatever the attack offers."""
 
-    def __init__(self, ip: str) -> None:
+    def __init__(self, ip: str, admit: Callable[[socket.socket], str] | None = None) -> None:
+        """``admit``: the holder's side of the data-plane handshake (the insider's)."""
         self.offers: dict[tuple[str, int], Offer] = {}
+        self.admit = admit
+        self.admitted = 0
         self.chunks_served = 0
         self.manifests_served = 0
         self._listener = socket.create_server((ip, 0))
@@ -55,6 +58,9 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
+                if self.admit is not None:
+                    self.admit(conn)
+                    self.admitted += 1
                 while True:
                     req = codec.decode(read_frame(conn), MAX_FRAME)
                     offer = self.offers.get((getattr(req, "model", ""),
