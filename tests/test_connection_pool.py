@@ -5,6 +5,7 @@ that closed the connection means a new one."""
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -29,6 +30,13 @@ from tensorhub.transport.tcp import TcpConnection
 def _accepted(peer: object) -> int:
     return peer.statistics().data_server.connections_accepted  # type: ignore[attr-defined, no-any-return]
 
+
+
+def opener(auth: DataAuth) -> Callable[[PeerInfo], Awaitable[Connection]]:
+    """Open authenticated TCP connections to a holder, as a peer's pool does."""
+    async def open_connection(peer: PeerInfo) -> Connection:
+        return await TcpConnection.connect(peer.data, peer.name, 5, auth)
+    return open_connection
 
 async def test_a_keyed_reader_proves_itself_once_for_many_fetches() -> None:
     keys = Keys(["p0", "p1"], {"m": ["p0"]})
@@ -91,10 +99,7 @@ async def test_only_a_connection_in_step_is_kept() -> None:
     async with holder(ring) as (server, address, pub, _sent):
         info = PeerInfo("holder", "tcp://127.0.0.1:1", address, ())
 
-        async def open_connection(peer: PeerInfo) -> Connection:
-            return await TcpConnection.connect(peer.data, peer.name, 5, auth)
-
-        pool = ConnectionPool(open_connection, lambda: ring.generation, max_idle=60)
+        pool = ConnectionPool(opener(auth), lambda: ring.generation, max_idle=60)
         first = await pool.connect(info)
         await read_chunk(first, pub)  # type: ignore[arg-type]
         await pool.release(first)
@@ -145,10 +150,7 @@ async def test_a_fetch_with_many_workers_keeps_at_most_per_holder() -> None:
     async with holder(ring) as (server, address, _pub, _sent):
         info = PeerInfo("holder", "tcp://127.0.0.1:1", address, ())
 
-        async def open_connection(peer: PeerInfo) -> Connection:
-            return await TcpConnection.connect(peer.data, peer.name, 5, auth)
-
-        pool = ConnectionPool(open_connection, lambda: ring.generation, per_holder=2)
+        pool = ConnectionPool(opener(auth), lambda: ring.generation, per_holder=2)
         conns = [await pool.connect(info) for _ in range(4)]
         random.Random(1).shuffle(conns)
         for c in conns:

@@ -75,6 +75,14 @@ def no_cycle_collection() -> Iterator[None]:
         gc.enable()
 
 
+
+async def cancel_after(scope: trio.CancelScope, checkpoints: int) -> None:
+    """Cancel ``scope`` after ``checkpoints`` trio checkpoints: a cancellation at every
+    point of the operation under test, one point per run."""
+    for _ in range(checkpoints):
+        await trio.lowlevel.checkpoint()
+    scope.cancel()
+
 async def test_reads_from_many_memory_files_keep_no_descriptor_after_close(
         no_cycle_collection: None) -> None:
     before, cached = descriptors(), shmem.sweep_mappings()  # other tests' files
@@ -119,11 +127,7 @@ async def test_cancelled_reads_keep_no_descriptor_after_close() -> None:
             done = False
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
-                    async def cancel_after(n: int = steps) -> None:
-                        for _ in range(n):
-                            await trio.lowlevel.checkpoint()
-                        scope.cancel()
-                    nursery.start_soon(cancel_after)
+                    nursery.start_soon(cancel_after, scope, steps)
                     await conn.read_chunk(m.key, 0, [memoryview(buf)])  # type: ignore[arg-type]
                     done = True
             await conn.aclose()
@@ -165,11 +169,7 @@ async def test_a_cancelled_fetch_leaves_neither_its_version_nor_its_memory(
             got = None
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
-                    async def cancel_after(n: int = steps) -> None:
-                        for _ in range(n):
-                            await trio.lowlevel.checkpoint()
-                        scope.cancel()
-                    nursery.start_soon(cancel_after)
+                    nursery.start_soon(cancel_after, scope, steps)
                     got = await reader.fetch("m", 1)
                     nursery.cancel_scope.cancel()
             if got is not None:
