@@ -38,7 +38,7 @@ from ..errors import (
     TransportError,
     VersionUnavailable,
 )
-from ..manifest import TRUSTED_ONLY, Manifest, build_manifest
+from ..manifest import Manifest, build_manifest
 from ..model import (
     PeerInfo,
     VersionKey,
@@ -47,12 +47,11 @@ from ..model import (
     check_version,
 )
 from ..protocol import codec
-from ..protocol.addressing import misaddressed
+from ..protocol.addressing import claimed_name, misaddressed
 from ..protocol.bans import MAX_REASON, Ban, BanNotice, BanTable
-from ..protocol.control import ControlPlane, RefsDelta, RefsDigest
-from ..protocol.coordination import CoordinatorAnswer, CoordRequest
+from ..protocol.control import ControlPlane
+from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.groups import GroupEnvelope
-from ..protocol.membership import MESSAGES as MEMBERSHIP_MESSAGES
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
 from ..protocol.retention import KeepAnswer, KeepQuery
@@ -71,7 +70,7 @@ from .fetching import fetch_key
 from .operations import Operations, operation
 from .reshard import reshard, same_layout_holder
 from .retention import Retention
-from .stats import INSECURE, PeerStats
+from .stats import INSECURE, PeerStats, peer_statistics
 from .store import LocalVersion, Store
 from .zap import HandshakeMonitor, ZapHandler
 from .zmq_trio import CurveKeys, ZmqRouter
@@ -79,22 +78,6 @@ from .zmq_trio import CurveKeys, ZmqRouter
 register_all()
 log = logging.getLogger("tensorhub.peer")
 INTERNAL_ERRORS_KEPT = 16
-
-
-def _claimed_name(msg: object) -> str | None:
-    """The member name a control message says it comes from (None: it names none)."""
-    if isinstance(msg, MEMBERSHIP_MESSAGES):
-        return msg.sender_name
-    if isinstance(msg, CoordRequest):  # forwarded: its asker's signature speaks for it
-        return msg.name if msg.hops == 0 else None
-    if isinstance(msg, RefsDigest | RefsDelta):
-        return msg.name
-    if isinstance(msg, GroupEnvelope):
-        return msg.sender
-    if isinstance(msg, KeepQuery):
-        return msg.asker
-    return None
-
 
 
 def _free_port(host: str) -> int:
@@ -244,10 +227,10 @@ class Peer:
             except RemoteProtocolError as exc:
                 self._count_bad(f"control message from {sender[:100]!r}: {exc}")
                 continue
-            if member is not None and _claimed_name(msg) not in (None, member):
+            if member is not None and claimed_name(msg) not in (None, member):
                 self._sender_mismatch += 1
                 self._count_bad(f"{type(msg).__name__} from member {member} claims to come "
-                                f"from {_claimed_name(msg)!r}")
+                                f"from {claimed_name(msg)!r}")
                 continue
             try:
                 self._handle(sender, msg)
@@ -581,55 +564,13 @@ class Peer:
         ``config.security.identity`` is the one it started with); None if insecure."""
         return self._identity
 
-    def _security_text(self) -> str:
-        trust = self.control.trust
-        if trust is None:
-            return INSECURE
-        return (f"keys: {len(trust.keyring.members())} members, keyring generation "
-                f"{trust.keyring.generation}; control socket CURVE with a member allow-list")
-
-    def _refused(self) -> dict[str, int]:
-        trust = self.control.trust
-        out = dict(trust.refused) if trust is not None else {}
-        if self._zap is not None and self._monitor is not None:
-            out["handshake"] = self._monitor.failed  # no CURVE, wrong cluster key, ...
-            out["not a member"] = self._zap.refused  # ... or a key not in the keyring
-        if self._sender_mismatch:
-            out["sender name"] = self._sender_mismatch
-        return out
-
     # -- introspection -------------------------------------------------------------------
 
     def members(self) -> dict[str, tuple[PeerInfo, str]]:
         return {n: (m.info, m.status) for n, m in self.control.membership.members().items()}
 
     def statistics(self) -> PeerStats:
-        rs = self._router.statistics()
-        return PeerStats(
-            name=self.info.name, control=self.info.control, data=self.info.data,
-            members={n: m.status for n, m in self.control.membership.members().items()},
-            holdings={str(k): ("complete" if v.complete else
-                               f"{v.num_verified}/{v.manifest.num_chunks} chunks")
-                      for k, v in self.store.versions.items() if not v.hidden},
-            bytes_served=self._served, chunks_served=self._chunks_served,
-            bytes_fetched=self._fetched, bytes_fetched_by_source=dict(self._by_source),
-            bytes_by_transport=dict(self._by_transport), fetches=self._nfetches,
-            integrity_failures=dict(self._integrity), malformed_dropped=self._malformed,
-            gossip_dropped=rs.dropped_inbound + rs.dropped_outbound,
-            control_received=rs.received, control_sent=rs.sent,
-            internal_errors=self._internal_errors,
-            internal_error_texts=tuple(self._internal_texts),
-            shm="available" if self._shm[0] else f"unavailable: {self._shm[1]}",
-            shm_fallbacks=dict(self._shm_refused),
-            security=self._security_text(), refused=self._refused(),
-            digest=self.config.digest_algo + (
-                " (trusted fleet only: a holder can forge chunks that pass)"
-                if self.config.digest_algo in TRUSTED_ONLY else " (cryptographic)"),
-            bans={n: f"{why} ({left:.0f} s left)"
-                  for n, (left, why) in self.bans.active(trio.current_time()).items()},
-            ban_notices=dict(self.bans.notices),
-            reports=tuple(self._reports), data_server=self._server.statistics(),
-        )
+        return peer_statistics(self)
 
 
 @asynccontextmanager

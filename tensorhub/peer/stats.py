@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import trio
+
+from ..manifest import TRUSTED_ONLY
 from ..transport.admission import ServerStats
+
+if TYPE_CHECKING:
+    from .node import Peer
 
 INSECURE = "insecure: no keys; any local process can join, read and publish"
 
@@ -53,3 +59,53 @@ class PeerStats:
     reports: tuple[dict[str, Any], ...] = field(default=())
     data_server: ServerStats | None = None
     """What the data server admitted, refused and revoked (and whether it authenticates)."""
+
+
+def _security_text(peer: Peer) -> str:
+    trust = peer.control.trust
+    if trust is None:
+        return INSECURE
+    return (f"keys: {len(trust.keyring.members())} members, keyring generation "
+            f"{trust.keyring.generation}; control socket CURVE with a member allow-list")
+
+
+def _refused(peer: Peer) -> dict[str, int]:
+    trust = peer.control.trust
+    out = dict(trust.refused) if trust is not None else {}
+    if peer._zap is not None and peer._monitor is not None:
+        out["handshake"] = peer._monitor.failed  # no CURVE, wrong cluster key, ...
+        out["not a member"] = peer._zap.refused  # ... or a key not in the keyring
+    if peer._sender_mismatch:
+        out["sender name"] = peer._sender_mismatch
+    return out
+
+
+
+def peer_statistics(peer: Peer) -> PeerStats:
+    """The snapshot :meth:`Peer.statistics` returns."""
+    rs = peer._router.statistics()
+    return PeerStats(
+        name=peer.info.name, control=peer.info.control, data=peer.info.data,
+        members={n: m.status for n, m in peer.control.membership.members().items()},
+        holdings={str(k): ("complete" if v.complete else
+                           f"{v.num_verified}/{v.manifest.num_chunks} chunks")
+                  for k, v in peer.store.versions.items() if not v.hidden},
+        bytes_served=peer._served, chunks_served=peer._chunks_served,
+        bytes_fetched=peer._fetched, bytes_fetched_by_source=dict(peer._by_source),
+        bytes_by_transport=dict(peer._by_transport), fetches=peer._nfetches,
+        integrity_failures=dict(peer._integrity), malformed_dropped=peer._malformed,
+        gossip_dropped=rs.dropped_inbound + rs.dropped_outbound,
+        control_received=rs.received, control_sent=rs.sent,
+        internal_errors=peer._internal_errors,
+        internal_error_texts=tuple(peer._internal_texts),
+        shm="available" if peer._shm[0] else f"unavailable: {peer._shm[1]}",
+        shm_fallbacks=dict(peer._shm_refused),
+        security=_security_text(peer), refused=_refused(peer),
+        digest=peer.config.digest_algo + (
+            " (trusted fleet only: a holder can forge chunks that pass)"
+            if peer.config.digest_algo in TRUSTED_ONLY else " (cryptographic)"),
+        bans={n: f"{why} ({left:.0f} s left)"
+              for n, (left, why) in peer.bans.active(trio.current_time()).items()},
+        ban_notices=dict(peer.bans.notices),
+        reports=tuple(peer._reports), data_server=peer._server.statistics(),
+    )

@@ -47,3 +47,21 @@ def misaddressed(msg: object, routing_id: str, members: Mapping[str, MemberState
         return ""  # forwarded: answered at the asker's address in our own view
     claimed = getattr(msg, "sender", routing_id)
     return "" if claimed == routing_id else f"claims to come from {claimed[:100]!r}"
+
+
+def claimed_name(msg: object) -> str | None:
+    """The member name a control message says it comes from (None: it names none), to
+    hold against the member its connection authenticated as (secure mode).  A forwarded
+    coordinator request names its asker, whose signature speaks for it, not the
+    forwarder that passes it on: None."""
+    if isinstance(msg, membership.MESSAGES):
+        return msg.sender_name
+    if isinstance(msg, CoordRequest):
+        return msg.name if msg.hops == 0 else None
+    if isinstance(msg, control.RefsDigest | control.RefsDelta):
+        return msg.name
+    if isinstance(msg, GroupEnvelope):
+        return msg.sender
+    if isinstance(msg, KeepQuery):
+        return msg.asker
+    return None
