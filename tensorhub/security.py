@@ -133,6 +133,9 @@ class Keyring:
     def __init__(self, members: Mapping[str, Iterable[bytes]],
                  publishers: Mapping[str, Iterable[str]] | None = None) -> None:
         self._lock = threading.Lock()
+        self.generation = -1
+        """Bumped by every change (0 once built): what was checked under an older
+        generation is checked again."""
         self._set(members, publishers or {})
 
     def _set(self, members: Mapping[str, Iterable[bytes]],
@@ -146,7 +149,7 @@ class Keyring:
             self._keys = keys
             self._publishers = pubs
             self._by_curve = {curve_public(k): n for n, ks in keys.items() for k in ks}
-            self.generation = getattr(self, "generation", -1) + 1
+            self.generation += 1
 
     def replace(self, members: Mapping[str, Iterable[bytes]],
                 publishers: Mapping[str, Iterable[str]] | None = None) -> None:
