@@ -37,6 +37,18 @@ def procs() -> Iterator[list[_Proc]]:
         p.p.wait(5)
 
 
+@pytest.fixture
+def busy_neighbour() -> Iterator[subprocess.Popen[bytes]]:
+    """A process spinning on a core for the whole test, so the two-core host is loaded
+    the way acceptance runs load it (group rounds must not abort because of it)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield spinner
+    finally:
+        spinner.kill()
+        spinner.wait(5)
+
+
 @pytest.fixture(scope="session")
 def cluster_support() -> None:
     try:

@@ -27,6 +27,7 @@ from tensorhub.protocol import codec
 from tensorhub.protocol.groups import GroupConfig, GroupEnvelope, Ready, Round
 from tensorhub.protocol.sharding import Sharding
 
+pytestmark = pytest.mark.usefixtures("busy_neighbour")  # rounds on a loaded host
 SPLIT = {"w": 0}
 CONFIG = GroupConfig(timeout=8.0, retry=0.2, join_grace=1.0)
 Full = dict[str, np.ndarray[Any, Any]]

@@ -18,9 +18,9 @@ SIZE = 48 << 20
 CHUNK = 1 << 20
 
 
-def worker(name: str, role: str, port: int, seed: str) -> _Proc:
+def worker(name: str, role: str, port: int, seed: str, expect: int = 3) -> _Proc:
     argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", name, "--role", role,
-            "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", "3",
+            "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", str(expect),
             "--chunk", str(CHUNK), "--transports", "tcp"]
     return _Proc(name, argv + (["--join", seed] if seed else []))
 
@@ -96,3 +96,35 @@ async def test_corrupt_chunk_is_detected_attributed_and_refetched(procs: list[_P
     assert "digest" in r.dropped_sources["holder"]
     assert reader.statistics().integrity_failures == {"holder": 1}
     assert r.chunks_received == r.chunks + 1  # the bad one, received once more elsewhere
+
+
+async def test_a_sole_holder_paused_past_its_stall_limit_is_asked_again(
+        procs: list[_Proc]) -> None:
+    """The only holder stops for longer than a read's stall limit, then goes on: the
+    fetch asks it again with more time instead of dropping it and failing."""
+    ports = _free_ports(2)
+    procs.append(worker("pub", "trainer", ports[0], "", expect=2))
+    cfg = PeerConfig.local("reader", listen=f"127.0.0.1:{ports[1]}",
+                           join=(f"127.0.0.1:{ports[0]}",), fetch_window=1,
+                           transports=("tcp",), stall_timeout=12.0)
+    async with tensorhub.open_peer(cfg) as reader:
+        await trio.to_thread.run_sync(procs[0].expect, "ready", 60)
+        procs[0].send("publish 1")
+        published = await trio.to_thread.run_sync(procs[0].expect, "published", 60)
+        with trio.fail_after(10):
+            while reader.control.latest("demo-llm") != 1:
+                await reader.wait_changed()
+        pid = procs[0].p.pid
+
+        async def pause() -> None:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await trio.sleep(2.5)  # the fault: longer than the 1 s floor of a limit
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+        got = await fetch_and_act_midway(reader, lambda: trio.lowlevel.spawn_system_task(pause))
+    r = got.report
+    assert r.verified and checksum(got.tensors) == published["checksum"]
+    assert r.stall_retries.get("pub", 0) >= 1, r.to_dict()
+    assert r.bytes_by_source == {"pub": r.bytes}

@@ -23,6 +23,7 @@ membership agree) and the invariants are checked against a small model:
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -500,7 +501,9 @@ class MeshMachine(RuleBasedStateMachine):
             self.peer(name).control.seal(MODEL, newest)  # raises if not sealed there
 
 
-def test_mesh_interleavings() -> None:
+def test_mesh_interleavings(busy_neighbour: subprocess.Popen[bytes]) -> None:
+    """Runs next to a process spinning on a core: on a loaded two-core host no group
+    round may abort and no fetch of a fetchable version may fail."""
     run_state_machine_as_test(
         MeshMachine,
         settings=settings(max_examples=12, stateful_step_count=20, deadline=None,
@@ -510,3 +513,4 @@ def test_mesh_interleavings() -> None:
     for kind in ("publish", "unpublish", "fetch sliced", "fetch refused", "crash+restart",
                  "group switch", "staged commit"):
         assert EXPLORED[kind] > 0, f"no {kind} step ran: {dict(EXPLORED)}"
+    assert busy_neighbour.poll() is None  # it was spinning the whole time

@@ -5,11 +5,18 @@ unverified, unclaimed chunk and the best holder that has it: a holder other than
 original publisher first, then the one we are reading least from.  Chunks land with
 ``recv_into`` straight in the destination arrays and are checked against the manifest
 digest in a worker thread before they count; a verified chunk is served to others at
-once (partial-prefix serving) and never fetched again.  A holder that errors, refuses,
-stalls or sends bad bytes is dropped for this fetch and its chunk goes to another; one
-that sent bytes failing their digest is also banned by the peer (``banned`` /
-``on_bad_bytes``), so later fetches skip it too.  When no holder is left for some chunk
-the fetch raises :class:`VersionUnavailable` naming what is missing.
+once (partial-prefix serving) and never fetched again.  A holder that refuses or sends
+bad bytes is dropped for this fetch and its chunk goes to another; one that sent bytes
+failing their digest is also banned by the peer (``banned`` / ``on_bad_bytes``), so
+later fetches skip it too.  A holder whose connection fails is retried after a backoff.
+
+Stalls.  A read that takes longer than its source's limit (:class:`~tensorhub.protocol.
+pace.Pace`: from the source's measured pace, never under a floor that holds on a loaded
+host) is a stall.  The stalled source gets twice as long next time; its chunks go to
+another holder that has them, and only when there is none is the same source asked
+again at once: a slow but live sole source is never dropped.  What ends a fetch is a
+real timeout: no chunk landed for ``stall_timeout``.  Then, or when no holder is left for
+some chunk, the fetch raises :class:`VersionUnavailable` naming what is missing.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ..manifest import digest_of
 from ..model import PeerInfo, VersionKey
 from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
+from ..protocol.pace import Pace
 from ..protocol.refs import Holding
 from ..transport.base import Connection, NotServing
 from .store import LocalVersion
@@ -49,6 +57,13 @@ Releaser = Callable[[Connection], Awaitable[None]]
 BanCheck = Callable[[str], Ban | None]
 """Holder name -> the peer's ban on it now (until when, and why), or None."""
 BadBytes = Callable[[str, VersionKey, str], None]
+RETRY_BASE = 0.1
+"""Seconds before a source whose connection failed is tried again; doubles with each
+failure in a row, up to ``stall_timeout``."""
+
+
+class Stalled(TransportError):
+    """A read took longer than its source's stall limit."""
 """Told ``(holder, version, reason)`` when a holder's chunk failed its digest."""
 
 
@@ -75,6 +90,9 @@ class FetchReport:
     """Holders this fetch did not read from because the peer bans them (a chunk of
     theirs failed its digest, in this fetch or an earlier one), and why."""
     resourced_chunks: int = 0
+    stall_retries: dict[str, int] = field(default_factory=dict)
+    """Reads that stalled at a source no other holder could replace, and were asked of it
+    again (with more time) rather than failing the fetch."""
     planned_bytes: int = 0
     """Bytes that came from the source the coordinator's plan named."""
     plan: str = ""
@@ -97,6 +115,8 @@ class FetchReport:
             self.bytes_by_source[name] = self.bytes_by_source.get(name, 0) + n
         for name, n in other.integrity_failures.items():
             self.integrity_failures[name] = self.integrity_failures.get(name, 0) + n
+        for name, n in other.stall_retries.items():
+            self.stall_retries[name] = self.stall_retries.get(name, 0) + n
         self.transport_by_source.update(other.transport_by_source)
         self.dropped_sources.update(other.dropped_sources)
         self.banned_sources.update(other.banned_sources)
@@ -116,6 +136,7 @@ class FetchReport:
             "dropped_sources": dict(self.dropped_sources),
             "banned_sources": dict(self.banned_sources),
             "resourced_chunks": self.resourced_chunks, "verified": self.verified,
+            "stall_retries": dict(self.stall_retries),
             "served_arrays": self.served_arrays,
             "planned_bytes": self.planned_bytes, "plan": self.plan,
         }
@@ -177,8 +198,10 @@ class Fetch:
         self.benched: dict[str, float] = {}
         """Sources not to use until the given time (``inf``: not for this fetch)."""
         self.last_progress = trio.current_time()
-        self.rate: dict[str, float] = {}
-        """Measured bytes/s per source (EWMA), for stall timeouts that fit each link."""
+        self.pace = Pace(ceiling=stall_timeout)
+        """Each source's measured pace, for stall limits that fit each link and load."""
+        self.failures: dict[str, int] = {}
+        """Connection failures in a row per source (the retry backoff)."""
         self.on_progress = on_progress
         wanted = range(self.manifest.num_chunks) if only is None else sorted(set(only))
         self.pending = [c for c in wanted if not local.verified[c]]
@@ -343,13 +366,13 @@ class Fetch:
             dests = [self.local.buffers(c) if conn.lands_arrays else self.local.segments(c)
                      for c in chunks]
             size = sum(stop - first for first, stop in map(self.manifest.chunk_range, chunks))
-            limit = self._stall_limit(name, size)
+            limit = self.pace.limit(name, size)
             started = trio.current_time()
             verifies = [self._verifier(c, name) for c in chunks]
             with trio.move_on_after(limit) as scope:
                 results = await conn.read_chunks(self.key, chunks, dests, verifies)
             if scope.cancelled_caught:
-                raise TransportError(f"stalled: chunks {chunks} took over {limit:.2f}s")
+                raise Stalled(f"stalled: chunks {chunks} took over {limit:.2f}s")
         except (NotServing, IntegrityError, RemoteProtocolError, TransportError, OSError) as exc:
             await self._failed(conns, name, chunks[0], exc)
             return set()
@@ -362,9 +385,10 @@ class Fetch:
             self._landed(chunk, result, name, conn)
         if landed:
             self.report.reads += 1
-            self._observe(name, sum(stop - first for first, stop in
-                                    map(self.manifest.chunk_range, landed)),
-                          trio.current_time() - started)
+            self.failures.pop(name, None)
+            self.pace.completed(name, sum(stop - first for first, stop in
+                                          map(self.manifest.chunk_range, landed)),
+                                trio.current_time() - started)
             self.on_progress()
         return landed
 
@@ -407,25 +431,42 @@ class Fetch:
             await self._drop(conns, name, str(exc), math.inf)
         elif isinstance(exc, RemoteProtocolError):
             await self._drop(conns, name, str(exc), math.inf)
+        elif isinstance(exc, Stalled):
+            await self._stalled(conns, name, chunk, str(exc))
         elif isinstance(exc, TransportError | OSError):
-            # Maybe a passing fault: retry this source later (membership removes it
-            # from the view meanwhile if it died).
-            await self._drop(conns, name, str(exc) or type(exc).__name__, self.stall_timeout)
+            # Maybe a passing fault: retry this source after a backoff (membership
+            # removes it from the view meanwhile if it died).
+            n = self.failures[name] = self.failures.get(name, 0) + 1
+            await self._drop(conns, name, str(exc) or type(exc).__name__,
+                             min(self.stall_timeout, RETRY_BASE * 2 ** min(n - 1, 16)))
         else:
             raise exc
 
-    def _stall_limit(self, source: str, nbytes: int) -> float:
-        """No progress for 8x the time this chunk should take at the source's measured
-        rate (at least 0.25 s) means stalled; ``stall_timeout`` until a rate is known."""
-        rate = self.rate.get(source)
-        if rate is None:
-            return self.stall_timeout
-        return min(self.stall_timeout, max(0.25, 8 * nbytes / rate))
+    async def _stalled(self, conns: dict[str, Connection], name: str, chunk: int,
+                       why: str) -> None:
+        """A read from ``name`` hit its limit (see the module docstring)."""
+        self.pace.stalled(name)
+        now = trio.current_time()
+        if now - self.last_progress >= self.stall_timeout:  # a real timeout
+            await self._drop(conns, name, why, self.stall_timeout)
+        elif self._others_have(name, chunk):
+            await self._drop(conns, name, why, self.pace.limit(name, self.manifest.chunk_size))
+        else:
+            # The only source: ask it again, with twice the time.  The connection is
+            # out of step (the read was cancelled mid-exchange): open a new one.
+            self.report.stall_retries[name] = self.report.stall_retries.get(name, 0) + 1
+            conn = conns.pop(name, None)
+            if conn is not None:
+                await conn.aclose()
 
-    def _observe(self, source: str, nbytes: int, seconds: float) -> None:
-        sample = nbytes / max(seconds, 1e-6)
-        old = self.rate.get(source)
-        self.rate[source] = sample if old is None else 0.7 * old + 0.3 * sample
+    def _others_have(self, name: str, chunk: int) -> bool:
+        """Whether a usable holder other than ``name`` could serve ``chunk``."""
+        planned = self.planned.get(chunk)
+        if planned is not None and planned.name != name and self._usable(planned.name):
+            return True
+        return any(p.name != name and self._usable(p.name)
+                   and (h.has(chunk) or p.name in self.upstream)
+                   for p, h in self.view(self.key))
 
     async def _drop(self, conns: dict[str, Connection], name: str, reason: str,
                     bench_for: float) -> None:
