@@ -24,11 +24,11 @@ staging is cancelled and dropped and the worker fetches ``v`` with the group's l
 (into a spare buffer set if there is one), then reports ``staged``.  ``Switch``: the
 staging becomes live in one step (a synchronous swap in the shell), and the previous
 live version is released in the background (:mod:`.release`: hidden from new readers at
-the swap; the worker waits for its drain before it reuses the buffers).  ``Discard``: the round's error goes to
-every waiter; a failed staging is dropped, a good or still-running one is kept, unseen
-by the engine, for a later round of the same version (a round aborted because another
-rank was slow would otherwise restart every fetch from zero); a Stage of another
-version, or closing the group, drops it.
+the swap; the worker waits for its drain before it reuses the buffers).  ``Discard``:
+the round's error goes to every waiter; a failed staging is dropped, a good or
+still-running one is kept, unseen by the engine, for a later round of the same version
+(a round aborted because another rank was slow would otherwise restart every fetch from
+zero); a Stage of another version, or closing the group, drops it.
 
 Waiting.  :meth:`Group.fetch_latest` at the leader proposes the version its own view
 calls latest and waits for that round's outcome; elsewhere it returns the newest outcome
