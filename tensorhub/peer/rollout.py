@@ -54,7 +54,8 @@ class Committed:
     previous: int | None
     """The version that was live before, if another one was."""
     switch_seconds: float
-    """How long :meth:`Staged.commit` blocked the caller: the swap alone."""
+    """How long the switch took: the swap alone, never a transfer or a wait for readers
+    (:meth:`Staged.commit` yields to trio once, before it)."""
     _release: Release | None = field(repr=False)
 
     @property
@@ -108,10 +109,11 @@ class Staged:
 
     async def commit(self) -> Committed:
         """Make this version live in one step and return; the version that was live is
-        released in the background (see :class:`Committed`)."""
+        released in the background (see :class:`Committed`).  Cancelled, it has not
+        switched; once it switched it returns without waiting for anything."""
+        await trio.lowlevel.checkpoint()  # cancelled here, nothing has changed
         started = trio.current_time()
-        release = self.rollout._switch(self)
-        await trio.lowlevel.checkpoint()
+        release = self.rollout._switch(self)  # from here on, no await: never lost
         return Committed(self.version, self.fetched.tensors,
                          None if release is None else release.version,
                          trio.current_time() - started, release)
