@@ -36,7 +36,7 @@ from typing import Any
 
 import trio
 
-from ..errors import LocalProtocolError, VersionUnavailable
+from ..errors import LocalProtocolError, PeerClosed, VersionUnavailable
 from ..model import as_host_array, check_model_name
 from ..protocol.sharding import Sharding
 from .fetcher import Fetched
@@ -187,6 +187,8 @@ class Rollout:
         for release in self._releases:
             if release.busy() and _overlap(spans, _spans(release.tensors.items())):
                 await release.finished.wait()
+                if isinstance(release.error, PeerClosed):
+                    raise PeerClosed(str(release.error))
                 if release.busy():
                     raise LocalProtocolError(
                         f"into= overlaps the buffers of version {release.version}, whose "
