@@ -130,9 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chaos, cluster, transfer
+    from .bench import chaos, cluster, flip, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
+    flip.add_options(bsub.add_parser("flip", help="the staged flip's pause with readers "
+                                     "pinned on the old version"))
     cluster.add_options(bsub.add_parser("cluster", help="fan-out in an emulated cluster "
                                         "vs star, gloo and Ray (needs root)"))
     chaos.add_options(bsub.add_parser("chaos", help="faults and a rogue peer against a "
@@ -185,8 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "bench":
-            from .bench import chaos, cluster, transfer
+            from .bench import chaos, cluster, flip, transfer
 
+            if args.bench == "flip":
+                return flip.run_cli(args)
             if args.bench == "cluster":
                 return cluster.run_cli(args)
             if args.bench == "chaos":

@@ -110,3 +110,18 @@ def test_port_helper_gives_bindable_ports() -> None:
     (port,) = _free_ports(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_bench_flip_json_reports_each_flip_and_its_release() -> None:
+    out = subprocess.run([*CLI, "bench", "flip", "--json", "--size", "8MiB", "--flips", "2",
+                          "--readers", "2"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [f["name"] for f in summary["figures"]] == [
+        "flip_switch_s", "flip_commit_call_s", "flip_drain_s"]
+    rounds = summary["measured"]["rounds"]
+    assert [r["version"] for r in rounds] == [2, 3]
+    for r in rounds:  # commit returned before the release ran; the release then ended
+        assert r["release_done"] is False and r["drain_seconds"] > 0
+    assert rounds[1]["staged_into_released"] is True  # double buffering
+    assert all(reads.get("3", 0) > 0 for reads in summary["measured"]["reads_by_reader"])

@@ -198,7 +198,8 @@ async def test_staged_flip_keeps_serving_v_until_commit_then_releases_it() -> No
         await sealed([roll], 1)
         r = Rollout(roll, "m")
         first = await (await r.stage()).commit()
-        assert first.previous is None and first.released is None
+        assert first.previous is None and first.release_done
+        assert await first.wait_released() is None and first.drain_seconds is None
         assert r.live is not None and r.live.version == 1
         await pub.publish("m", 2, t2)
         await sealed([roll], 2)
@@ -210,15 +211,18 @@ async def test_staged_flip_keeps_serving_v_until_commit_then_releases_it() -> No
         assert set(got.report.bytes_by_source) == {"p1"}
         second = await staged.commit()
         assert r.live.version == 2 and second.version == 2 and second.previous == 1
-        assert second.release_error is None and second.switch_seconds >= 0
-        assert second.released is not None and second.released["w"] is first.tensors["w"]
+        assert second.switch_seconds >= 0
+        released = await second.wait_released()
+        assert second.release_done and second.release_error is None
+        assert second.drain_seconds is not None and second.drain_seconds >= 0
+        assert released is not None and released["w"] is first.tensors["w"]
         assert roll.store.get(VersionKey("m", 1)) is None  # released: unpublished, drained
         with pytest.raises(LocalProtocolError, match="already committed"):
             await staged.commit()
         # double buffering: v3 lands in the buffers v1 had
         await pub.publish("m", 3, t3)
         await sealed([roll], 3)
-        third = await r.stage(3, into=second.released)
+        third = await r.stage(3, into=released)
         assert third.fetched.tensors["w"] is first.tensors["w"]
         np.testing.assert_array_equal(third.fetched.tensors["w"], t3["w"])
         assert await third.discard()

@@ -28,12 +28,12 @@ def weights(version: int, mib: int = 8) -> dict[str, np.ndarray]:
 async def mesh(n: int, **cfg: object) -> AsyncIterator[list[tensorhub.Peer]]:
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(
-            tensorhub.open_peer(PeerConfig.local("p0", chunk_size=1 << 20, **cfg)))
+            tensorhub.open_peer(PeerConfig.local("p0", **{"chunk_size": 1 << 20, **cfg})))
         seed = first.info.control.removeprefix("tcp://")
         peers = [first]
         for i in range(1, n):
             peers.append(await stack.enter_async_context(tensorhub.open_peer(
-                PeerConfig.local(f"p{i}", join=(seed,), chunk_size=1 << 20, **cfg))))
+                PeerConfig.local(f"p{i}", join=(seed,), **{"chunk_size": 1 << 20, **cfg}))))
         with trio.fail_after(10):
             while any(len(p.control.membership.live_members()) < n for p in peers):
                 await trio.sleep(0.02)

@@ -438,7 +438,8 @@ class MeshMachine(RuleBasedStateMachine):
         if commit:
             done = self.mesh.call(staged.commit)
             assert done.version == proposal and self.rollout.live is not None
-            assert done.release_error is None, done.release_error
+            self.mesh.call(done.wait_released)  # the previous version drains, then goes
+            assert done.release_done and done.release_error is None, done.release_error
             EXPLORED["staged commit"] += 1
         else:
             self.mesh.call(staged.discard)

@@ -16,6 +16,16 @@ line, answering each with one JSON line on stdout:
   ``count`` other live peers hold the version completely and names them.
 * ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
 * ``{"cmd": "stats"}``: bytes served, members, and the peer's security and digest lines.
+* The staged flip, through one :class:`~tensorhub.Rollout` per model:
+  ``{"cmd": "stage", "model", "version"}`` (into the buffers the last release freed, if
+  any), ``{"cmd": "commit", "model"}`` (reports ``switch_seconds``, the reads of the
+  previous version in flight here just before and just after the switch, and whether
+  its release was done when ``commit`` returned), ``{"cmd": "wait_released", "model"}``
+  (``drain_seconds`` and the release error, if any).
+* ``{"cmd": "read_loop", "model", "version", "sources"}`` fetches that version into the
+  prepared buffers again and again in the background (dropping each copy); when it is
+  refused, it moves on to the newest version in this peer's view.
+  ``{"cmd": "read_status"}`` reports the reads by version and the errors.
 
 Times are ``time.monotonic()``, one clock for every process on the machine.
 """
@@ -39,6 +49,7 @@ from ..demo import checksum, fill, model_specs
 from ..errors import TensorHubError
 from ..model import VersionKey
 from ..peer.node import Peer, open_peer
+from ..peer.rollout import Committed, Rollout, Staged
 from ..security import load as load_keys
 from ..transport.shmem import shared_empty
 from .netns import read_line
@@ -131,12 +142,29 @@ class WorkerClient:
 
 
 class Worker:
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: Peer, nursery: trio.Nursery | None = None) -> None:
         self.peer = peer
+        self.nursery = nursery
         self.buffers: dict[str, dict[str, np.ndarray[Any, Any]]] = {}
+        self.rollouts: dict[str, Rollout] = {}
+        self.staged: dict[str, Staged] = {}
+        self.committed: dict[str, Committed] = {}
+        self.spare: dict[str, dict[str, np.ndarray[Any, Any]]] = {}
+        self.reads: dict[int, int] = {}
+        self.read_errors: list[str] = []
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         kind = cmd["cmd"]
+        if kind in ("stage", "commit", "wait_released"):
+            return await self.flip(kind, cmd["model"], cmd.get("version"))
+        if kind == "read_loop":
+            assert self.nursery is not None
+            self.nursery.start_soon(self.read_loop, cmd["model"], cmd["version"],
+                                    cmd.get("sources"))
+            return {"event": "reading"}
+        if kind == "read_status":
+            return {"event": "read_status", "reads": {str(v): n for v, n in self.reads.items()},
+                    "errors": len(self.read_errors), "last_errors": self.read_errors[-3:]}
         if kind == "publish":
             arrays = allocate(specs_for(cmd["shape"], cmd["size"]), cmd.get("shared", False))
             fill(arrays, cmd["version"])
@@ -177,6 +205,52 @@ class Worker:
                     "security": st.security, "digest": st.digest}
         raise ValueError(f"unknown command {kind!r}")
 
+    async def flip(self, kind: str, model: str, version: int | None) -> dict[str, Any]:
+        """The staged flip's commands (see the module docstring)."""
+        if kind == "stage":
+            rollout = self.rollouts.setdefault(model, Rollout(self.peer, model))
+            into = self.spare.pop(model, None)
+            t0 = time.monotonic()
+            self.staged[model] = await rollout.stage(version or "latest", into=into)
+            return {"event": "staged", "seconds": time.monotonic() - t0,
+                    "into": into is not None}
+        if kind == "commit":
+            staged = self.staged.pop(model)
+            live = staged.rollout.live
+            old = None if live is None else self.peer.store.get(VersionKey(model, live.version))
+            before = 0 if old is None else old.inflight
+            t0 = time.monotonic()
+            done = await staged.commit()
+            t1 = time.monotonic()
+            self.committed[model] = done
+            return {"event": "committed", "version": done.version, "previous": done.previous,
+                    "switch_seconds": done.switch_seconds, "call_seconds": t1 - t0,
+                    "inflight_before": before, "inflight_after": 0 if old is None
+                    else old.inflight, "release_done": done.release_done}
+        done = self.committed.pop(model)
+        freed = await done.wait_released()
+        if freed is not None:
+            self.spare[model] = freed
+        error = done.release_error
+        return {"event": "released", "drain_seconds": done.drain_seconds,
+                "error": None if error is None else f"{type(error).__name__}: {error}"}
+
+    async def read_loop(self, model: str, version: int, sources: list[str] | None) -> None:
+        into = self.buffers[f"into:{model}"]
+        while True:
+            try:
+                await self.peer.fetch(model, version, into=into, sources=sources)
+                self.reads[version] = self.reads.get(version, 0) + 1
+                await self.peer.unpublish(model, version)
+            except TensorHubError as exc:
+                self.read_errors = [*self.read_errors[-99:], f"v{version}: {exc}"]
+                latest = self.peer.control.latest(model)
+                if latest is not None and latest > version:
+                    version = latest
+                else:
+                    with trio.move_on_after(1):
+                        await self.peer.wait_changed()
+
     async def wait_holders(self, key: VersionKey, count: int, timeout: float) -> list[str]:
         """Names of the other live peers holding ``key`` completely, once there are
         ``count``; ``TimeoutError`` after ``timeout`` seconds."""
@@ -205,7 +279,9 @@ async def main(args: argparse.Namespace) -> None:
         while len(peer.control.membership.live_members()) < args.expect:
             await trio.sleep(0.02)
         print(json.dumps({"event": "ready", "name": args.name}), flush=True)
-        await answer_commands(Worker(peer).handle, Exception)
+        async with trio.open_nursery() as nursery:  # background reads
+            await answer_commands(Worker(peer, nursery).handle, Exception)
+            nursery.cancel_scope.cancel()
 
 
 async def answer_commands(handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]],

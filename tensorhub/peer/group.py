@@ -23,11 +23,12 @@ staging in hand holds (or is fetching) ``v``, it serves this round too; otherwis
 staging is cancelled and dropped and the worker fetches ``v`` with the group's layout
 (into a spare buffer set if there is one), then reports ``staged``.  ``Switch``: the
 staging becomes live in one step (a synchronous swap in the shell), and the previous
-live version is released in the background.  ``Discard``: the round's error goes to
-every waiter; a failed staging is dropped, a good or still-running one is kept, unseen
-by the engine, for a later round of the same version (a round aborted because another
-rank was slow would otherwise restart every fetch from zero); a Stage of another
-version, or closing the group, drops it.
+live version is released in the background (:mod:`.release`: hidden from new readers at
+the swap; the worker waits for its drain before it reuses the buffers).  ``Discard``:
+the round's error goes to every waiter; a failed staging is dropped, a good or
+still-running one is kept, unseen by the engine, for a later round of the same version
+(a round aborted because another rank was slow would otherwise restart every fetch from
+zero); a Stage of another version, or closing the group, drops it.
 
 Waiting.  :meth:`Group.fetch_latest` at the leader proposes the version its own view
 calls latest and waits for that round's outcome; elsewhere it returns the newest outcome
@@ -77,6 +78,7 @@ from ..protocol.groups import (
 from ..protocol.sharding import Sharding
 from .fetcher import Fetched
 from .node import Peer
+from .release import Release
 from .rollout import Rollout, Staged
 
 INBOX = 256
@@ -328,9 +330,9 @@ class Group:
         st, live = self._staging, self.live
         if st is not None and st.round == o.round and st.staged is not None:
             self._staging = None
-            previous = self.rollout._switch(st.staged)
-            if previous is not None:
-                self._add_job("release", previous)
+            release = self.rollout._switch(st.staged)
+            if release is not None:
+                self._add_job("release", release)
         elif live is None or live.version != o.version:
             raise LocalProtocolError(f"switch to version {o.version} in round {o.round} "
                                      f"without a staging of it")
@@ -406,12 +408,13 @@ class Group:
         if freed and self._recycle:
             self._pool.append(st.staged.fetched.tensors)
 
-    async def _release(self, previous: Fetched) -> None:
-        error = await self.rollout._release(previous)
-        if error is not None:
-            self._release_errors.append(f"releasing version {previous.version}: {error}")
+    async def _release(self, release: Release) -> None:
+        freed = await release.wait()
+        if freed is None:
+            self._release_errors.append(f"releasing version {release.version}: "
+                                        f"{release.error}")
         elif self._recycle:
-            self._pool.append(previous.tensors)
+            self._pool.append(freed)
 
     async def _close(self) -> None:
         """Finish queued drops and releases and drop the staging (the live version stays)."""

@@ -22,7 +22,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -34,6 +34,7 @@ from ..config import PeerConfig, parse_hostport
 from ..errors import (
     ConsistencyError,
     LocalProtocolError,
+    PeerClosed,
     RemoteProtocolError,
     TransportError,
     VersionUnavailable,
@@ -392,10 +393,21 @@ class Peer:
             raise LocalProtocolError(f"{key} is not held here")
         if await self.retention.offload_if_last(key, local):
             return
-        self.store.hide(key)
-        self._send(self.control.drop_holding(key))
+        self.withdraw(key)
         await self.store.wait_drained(key)
         self.retention.offloaded.discard(key)
+
+    def withdraw(self, key: VersionKey) -> None:
+        """Refuse new reads of ``key`` now and tell the mesh (unpublish's first half)."""
+        if self.store.hide(key) is not None:
+            self._send(self.control.drop_holding(key))
+
+    def start_background(self, task: Callable[[], Awaitable[None]]) -> None:
+        """Run ``task()`` in this peer's nursery, beyond the caller's task (it must catch
+        its own errors; closing the peer cancels it).  PeerClosed once it is closing."""
+        if self.operations.closed:
+            raise PeerClosed(f"peer {self.info.name} was closed")
+        self._nursery.start_soon(task)
 
     def pin(self, model: str, version: int) -> None:
         """Keep ``model@version`` readable while this peer lives (see :meth:`unpublish`)."""

@@ -47,11 +47,16 @@ class Retention:
         latest = control.latest(key.model)
         return key.version in newest or latest is None or key.version > latest
 
+    def may_offload(self, key: VersionKey, local: LocalVersion) -> bool:
+        """Whether unpublishing ``local`` may have to keep a copy of it (a complete,
+        retained shard): only then does :meth:`offload_if_last` wait for anything."""
+        return local.complete and not local.derived and self.retained(key)
+
     async def offload_if_last(self, key: VersionKey, local: LocalVersion) -> bool:
         """Before ``local`` is unpublished: if it is the last complete copy of a retained
         shard, copy it to host memory we keep serving from and return True (unpublish is
         then done); :class:`RetentionError` if offload is off.  False: drop it."""
-        if not (local.complete and not local.derived and self.retained(key)):
+        if not self.may_offload(key, local):
             return False
         self._leaving.add(key)
         try:
