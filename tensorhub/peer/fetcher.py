@@ -294,6 +294,7 @@ class Fetch:
         conns: dict[str, Connection] = {}
         try:
             while self.pending or self.claimed:
+                await self._let_go(conns)
                 job = self._pick()
                 if job is None:
                     if not self.pending:
@@ -320,6 +321,13 @@ class Fetch:
         finally:
             for conn in conns.values():
                 await self.release(conn)
+
+    async def _let_go(self, conns: dict[str, Connection]) -> None:
+        """End this worker's idle connections to sources the fetch is not using now
+        (dropped, benched, banned): a same-host one may hold a lease on a version its
+        holder is unpublishing, whose drain would otherwise wait for this fetch to end."""
+        for name in [n for n in conns if not self._usable(n)]:
+            await self.release(conns.pop(name))
 
     def _batch(self, chunk: int, peer: PeerInfo, conn: Connection | None) -> list[int]:
         """``chunk`` and the pending chunks right after it that ``peer`` holds, as many
