@@ -13,7 +13,7 @@ tensor by tensor, what differs:
   ``tensor 'qkv': rank 2 (peer t2) has float64 [96, 40], ranks 0, 1, 3 (peers t0, t1,
   t3) have float32 [96, 40]``;
 * a tensor that some ranks list and others do not: ``tensor 'x' only at rank 3 (peer
-  t3)``, or ``tensor 'x': ranks 0, 1 (peers ..) have .., rank 2 (peer ..) lacks it``;
+  t3), not at ranks 0, 1, 2 (peers ..)``;
 * when every rank agrees on all that and every rank's manifest is at hand, whether the
   ranks' slices tile the tensor (each element held by exactly one rank): ranks that
   split it along another dim, or into other parts, do not.
@@ -82,7 +82,7 @@ def _disagreement(name: str, groups: dict[tuple[str, tuple[int, ...], bool] | No
                                           list[RankSpecs]]) -> str:
     present = [k for k in groups if k is not None]
     if None in groups and len(present) == 1:
-        return f"tensor {name!r} only at {_who(groups[present[0]])}"
+        return f"tensor {name!r} only at {_who(groups[present[0]])}, not at {_who(groups[None])}"
     show_kind = len({k[2] for k in present}) > 1
     parts = []
     for key, who in sorted(groups.items(), key=lambda kv: (len(kv[1]),
