@@ -34,7 +34,8 @@ log = logging.getLogger("tensorhub.peer")
 MAX_COMPARED = 64
 """Manifests fetched for one explanation (one per announced rank and manifest)."""
 KEPT = 64
-"""Explanations kept (the oldest is forgotten first)."""
+"""Explanations kept (the oldest is forgotten first), and explanations found out in the
+background at once."""
 
 Fingerprint = frozenset[tuple[int, bytes, bytes, bytes]]
 
@@ -82,13 +83,16 @@ class Explainer:
 
     def _start(self, model: str, seal: Seal) -> None:
         job = (model, seal.version, _fingerprint(seal))
-        if job in self._running or self._peer._closed:
+        if job in self._running or len(self._running) >= KEPT or self._peer._closed:
             return
         self._running.add(job)
 
         async def run() -> None:
             try:
                 await self._compute(model, seal)
+            except Exception as exc:  # a bug: count it, the peer goes on
+                self._peer.internal_error(f"explaining {model}@{seal.version}: "
+                                          f"{type(exc).__name__}: {exc}", exc)
             finally:
                 self._running.discard(job)
 

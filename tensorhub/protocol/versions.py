@@ -167,7 +167,7 @@ def _conflict(what: str, values: dict[str, set[str]]) -> tuple[Conflict, ...]:
     return (Conflict(what, tuple((v, o) for o, v in rows)),)
 
 
-def _by_rank(what: str, values: dict[bytes, set[ShardClaim]]) -> tuple[Conflict, ...]:
+def _by_rank(what: str, values: dict[bytes, list[ShardClaim]]) -> tuple[Conflict, ...]:
     """A conflict on a digest, each value named with the ranks that claim it."""
     return _conflict(what, {f"{v.hex()[:8] or '-'} ({_ranks(c.shard for c in cs)})":
                             {c.origin for c in cs} for v, cs in values.items()})
@@ -181,13 +181,13 @@ def seal_status(claims: Iterable[ShardClaim]) -> dict[int, Seal]:
     out: dict[int, Seal] = {}
     for version, cs in sorted(by_version.items()):
         worlds: dict[str, set[str]] = defaultdict(set)
-        layouts: dict[bytes, set[ShardClaim]] = defaultdict(set)
-        schemas: dict[bytes, set[ShardClaim]] = defaultdict(set)
+        layouts: dict[bytes, list[ShardClaim]] = defaultdict(list)
+        schemas: dict[bytes, list[ShardClaim]] = defaultdict(list)
         manifests: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         for c in cs:
             worlds[str(c.world)].add(c.origin)
-            layouts[c.layout_id].add(c)
-            schemas[c.schema].add(c)
+            layouts[c.layout_id].append(c)
+            schemas[c.schema].append(c)
             manifests[c.shard][c.manifest_id.hex()].add(c.origin)
         conflicts = (_conflict("world", worlds) + _by_rank(LAYOUT, layouts)
                      + _by_rank(SPECS, schemas))
