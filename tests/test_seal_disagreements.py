@@ -44,9 +44,6 @@ BASE = Sharding(0, 4, split={"l1.qkv": 0, "l1.o": 1})
 RANKS = [f"t{r}" for r in range(4)]
 KINDS = ("none", "dtype", "split shape", "replicated shape", "split dim", "parts",
          "missing", "extra")
-TENSOR = {"dtype": "l1.qkv", "split shape": "l1.qkv", "replicated shape": "norm",
-          "split dim": "l1.qkv", "parts": "l1.qkv", "missing": "norm", "extra": "x"}
-"""The tensor a deviation is about: the account must name it."""
 WAIT = 20.0
 
 
@@ -62,27 +59,32 @@ def cut(full: Arrays, spec: Sharding) -> Arrays:
             for k, a in full.items()}
 
 
-def deviation(kind: str, rank: int, full: Arrays) -> tuple[Arrays, Sharding]:
-    """What rank ``rank`` publishes when it deviates in ``kind``."""
-    spec = BASE.at(rank)
+def deviation(kind: str, rank: int, k: int, full: Arrays) -> tuple[Arrays, Sharding, str]:
+    """What rank ``rank`` publishes when it deviates in ``kind`` (by ``k`` in 1..3), and
+    the tensor the deviation is about (the account must name it)."""
+    spec, tensor = BASE.at(rank), "l1.qkv"
     if kind == "split dim":
         spec = Sharding(rank, 4, split={"l1.qkv": 1, "l1.o": 1})
     elif kind == "parts":
-        sizes = [24] * 4  # its own part 20, its neighbour's 28: the slices leave a gap
-        sizes[rank], sizes[(rank + 1) % 4] = 20, 28
+        sizes = [24] * 4  # its own part smaller, its neighbour's larger: a gap
+        sizes[rank], sizes[(rank + 1) % 4] = 24 - 2 * k, 24 + 2 * k
         spec = replace(BASE.at(rank), parts={"l1.qkv": sizes})
     local = cut(full, spec)
     if kind == "dtype":
-        local["l1.qkv"] = local["l1.qkv"].astype(np.float64)
-    elif kind == "split shape":  # 24x41 per rank: a [96, 41] tensor
-        local["l1.qkv"] = np.zeros((24, 41), np.float32)
+        tensor = ("l1.qkv", "l1.o", "norm")[k - 1]
+        local[tensor] = local[tensor].astype(np.float64)
+    elif kind == "split shape":  # 24 x (40 + k) per rank: a [96, 40 + k] tensor
+        local[tensor] = np.zeros((24, 40 + k), np.float32)
     elif kind == "replicated shape":
-        local["norm"] = np.zeros(41, np.float32)
+        tensor = "norm"
+        local[tensor] = np.zeros(40 + k, np.float32)
     elif kind == "missing":
-        del local["norm"]
+        tensor = ("norm", "l1.o", "l1.qkv")[k - 1]
+        del local[tensor]
     elif kind == "extra":
-        local["x"] = np.zeros(3, np.float32)
-    return local, spec
+        tensor = "x"
+        local[tensor] = np.zeros(k, np.float32)
+    return local, spec, tensor
 
 
 @dataclass
@@ -115,14 +117,16 @@ async def until(pred: Any, timeout: float = WAIT) -> None:
             await trio.sleep(0.02)
 
 
-async def one_example(net: Net, kind: str, rank: int) -> None:
+async def one_example(net: Net, kind: str, rank: int, k: int) -> None:
     net.version += 1
     v, full = net.version, content(net.version)
     peers, (r0, r1) = net.peers, net.peers[4:]
     before = [await p.latest("m") for p in peers]
+    tensor = ""
     for r, p in enumerate(peers[:4]):
-        local, spec = deviation(kind, r, full) if r == rank and kind != "none" \
-            else (cut(full, BASE.at(r)), BASE.at(r))
+        local, spec = cut(full, BASE.at(r)), BASE.at(r)
+        if r == rank and kind != "none":
+            local, spec, tensor = deviation(kind, r, k, full)
         await p.publish("m", v, local, layout=spec)
     if kind == "none":
         await until(lambda: all(p.control.latest("m") == v for p in peers))
@@ -132,7 +136,7 @@ async def one_example(net: Net, kind: str, rank: int) -> None:
         return
     await until(lambda: all({c.origin for c in p.control.claims("m") if c.version == v}
                             == set(RANKS) for p in peers))
-    must = [f"rank {rank} (peer t{rank})", f"tensor {TENSOR[kind]!r}"]
+    must = [f"rank {rank} (peer t{rank})", f"tensor {tensor!r}"]
 
     def explained(p: tensorhub.Peer) -> bool:
         why = [w for w in p.unsealed("m") if w.startswith(f"version {v}: ")]
@@ -161,17 +165,17 @@ def assert_equal(got: Arrays, want: Arrays) -> None:
 def test_ranks_that_disagree_never_seal_and_are_named(net: Net) -> None:
     @seed(SEED)
     @settings(max_examples=36, deadline=None, database=None)
-    @given(st.sampled_from(KINDS), st.integers(0, 3))
-    @example("none", 0)  # every kind at least once, whatever the draws
-    @example("dtype", 2)
-    @example("split shape", 1)
-    @example("replicated shape", 3)
-    @example("split dim", 0)
-    @example("parts", 3)
-    @example("missing", 1)
-    @example("extra", 2)
-    def case(kind: str, rank: int) -> None:
-        net.mesh.call(one_example, net, kind, rank, timeout=60)
+    @given(st.sampled_from(KINDS), st.integers(0, 3), st.integers(1, 3))
+    @example("none", 0, 1)  # every kind at least once, whatever the draws
+    @example("dtype", 2, 1)
+    @example("split shape", 1, 1)
+    @example("replicated shape", 3, 2)
+    @example("split dim", 0, 1)
+    @example("parts", 3, 3)
+    @example("missing", 1, 2)
+    @example("extra", 2, 1)
+    def case(kind: str, rank: int, k: int) -> None:
+        net.mesh.call(one_example, net, kind, rank, k, timeout=60)
         net.explored[kind] += 1
 
     case()
@@ -187,8 +191,8 @@ def test_a_manifest_with_other_specs_than_announced_is_refused(net: Net) -> None
         v, full = net.version, content(net.version)
         peers, (r0, r1) = net.peers, net.peers[4:]
         for r, p in enumerate(peers[:4]):
-            local, spec = deviation("dtype", r, full) if r == 2 \
-                else (cut(full, BASE.at(r)), BASE.at(r))
+            local, spec, _ = deviation("dtype", r, 1, full) if r == 2 \
+                else (cut(full, BASE.at(r)), BASE.at(r), "")
             await p.publish("m", v, local, layout=spec)
         liar, key = peers[2], VersionKey("m", v, 2, BASE.layout_id)
         held = liar.store.get(key)

@@ -357,9 +357,8 @@ class Peer:
         """Versions of ``model`` newer than ``latest`` that some rank announced but that
         are not sealed, each with the reason (a rank missing, ranks disagreeing: which
         ranks, and on which tensors once their manifests have been compared)."""
-        model = check_model_name(model)
         return [f"version {s.version}: {self.conflicts.reason(model, s)}"
-                for s in self.control.unsealed(model)]
+                for s in self.control.unsealed(check_model_name(model))]
 
     async def latest(self, model: str) -> int | None:
         """The newest complete version of ``model`` any live holder has, or None."""
