@@ -110,12 +110,13 @@ class Explainer:
             if manifest is not None:
                 got.append(RankSpecs(shard, tuple(sorted(origins)), manifest.tensors))
 
+        compared = sorted(wanted.items())[:MAX_COMPARED]
         async with trio.open_nursery() as nursery:
-            for (shard, layout, mid), origins in sorted(wanted.items())[:MAX_COMPARED]:
+            for (shard, layout, mid), origins in compared:
                 nursery.start_soon(one, shard, layout, mid, origins)
         got.sort(key=lambda r: (r.rank, r.origins))
         text = "; ".join(spec_differences(got, seal.world))
-        if len(got) < len(wanted):  # some manifest was not to be had: try again later
+        if len(got) < len(compared):  # some manifest was not to be had: try again later
             return text
         self._known[(model, seal.version)] = (_fingerprint(seal), text)
         self._known.move_to_end((model, seal.version))
