@@ -208,6 +208,11 @@ class Manifest:
             object.__setattr__(self, "_id", cached)
         return cached
 
+    def schema_id(self) -> bytes:
+        """The rank-independent digest of the tensor specs (see
+        :func:`~tensorhub.model.schema_id`): what a publish announces for sealing."""
+        return self.table.schema_id
+
     @classmethod
     def from_wire(cls, obj: Any, limits: ManifestLimits = DEFAULT_LIMITS) -> Manifest:
         """Validate and build a manifest received from a peer."""

@@ -8,11 +8,13 @@ space is chunked and checked is the manifest's business (:mod:`tensorhub.manifes
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import methodcaller
 from typing import Annotated, Any
 
+import msgpack
 import numpy as np
 
 from .bounds import ControlEndpoint, DataEndpoint, Labels, MaxLen, PeerName
@@ -21,6 +23,9 @@ from .limits import MAX_LAYOUT_ID, MAX_MODEL_NAME
 
 ModelName = Annotated[str, MaxLen(MAX_MODEL_NAME)]
 LayoutId = Annotated[bytes, MaxLen(MAX_LAYOUT_ID)]
+SCHEMA_ID_BYTES = 16
+SchemaId = Annotated[bytes, MaxLen(SCHEMA_ID_BYTES)]
+_TAG_SCHEMA = b"tensorhub/schema/1\0"
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,6 +127,18 @@ class TensorSpec:
         """The slice as ``(start, stop)`` per dim of the whole tensor."""
         start = self.start or (0,) * len(self.shape)
         return tuple((a, a + n) for a, n in zip(start, self.shape, strict=True))
+
+
+def schema_id(tensors: Iterable[TensorSpec]) -> bytes:
+    """The *schema id* of a shard's tensors: a digest of the sorted ``(name, dtype,
+    full shape)`` of each.  Every rank of one consistent publish lists every tensor (a
+    split one by its own part, with the whole tensor's shape), so all of them have the
+    same schema id; another dtype, another whole shape, a missing or an extra tensor at
+    one rank changes it.  Where a rank's slice lies is not part of it (see the layout
+    id, :attr:`tensorhub.protocol.sharding.Sharding.layout_id`)."""
+    rows = sorted((t.name, t.dtype, list(t.full_shape)) for t in tensors)
+    packed: bytes = msgpack.packb(rows, use_bin_type=True)
+    return hashlib.sha256(_TAG_SCHEMA + packed).digest()[:SCHEMA_ID_BYTES]
 
 
 _AS_BYTES = methodcaller("cast", "B")

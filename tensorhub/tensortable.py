@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .model import TensorSpec
+from .model import TensorSpec, schema_id
 
 CACHE_LOCK = threading.Lock()
 """Guards the caches of decoded and tabled specs: manifests are built and decoded in
@@ -37,6 +37,7 @@ class TensorTable:
         self._expected: tuple[list[tuple[int, ...]], list[np.dtype[Any]]] | None = None
         self._spans: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._exports: bool | None = None
+        self._schema: bytes | None = None
 
     @property
     def names(self) -> list[str]:
@@ -66,6 +67,13 @@ class TensorTable:
             self._columns()
         assert self._nonempty is not None
         return self._nonempty
+
+    @property
+    def schema_id(self) -> bytes:
+        """:func:`~tensorhub.model.schema_id` of these specs."""
+        if self._schema is None:
+            self._schema = schema_id(self.tensors)
+        return self._schema
 
     def exports_buffers(self) -> bool:
         """Whether arrays of every dtype here export their memory as a buffer (numbers

@@ -319,6 +319,24 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
         assert why[1].startswith("version 2: holders disagree on the layout id: ")
         assert why[2].startswith("version 3: holders disagree on the world: 3 from p0; "
                                  "2 from p2; holders disagree on the layout id")
+        # ... and on which tensors, once the reader has compared the ranks' manifests
+        await until(lambda: "; tensor 'qkv': the ranks' slices do not tile its [128, 96] "
+                            "(overlapping): rank 0 (peer p0) [0:64, 0:96], rank 1 (peer p2) "
+                            "[0:128, 48:96]" in reader.unsealed("m")[1])
+
+        # a rank that publishes a tensor with another dtype: never sealed, rank and
+        # tensor named
+        odd = slices(full, tp2.at(1))
+        odd["o"] = odd["o"].astype(np.float32)
+        await a.publish("m", 4, slices(full, tp2.at(0)), layout=tp2.at(0))
+        await c.publish("m", 4, odd, layout=tp2.at(1))
+        await until(lambda: claimants(reader, 4) == {"p0", "p2"})
+        with pytest.raises(ConsistencyError, match=(
+                r"version 4: holders disagree on the tensor specs: \w+ \(rank 0\) from p0; "
+                r"\w+ \(rank 1\) from p2; tensor 'o': rank 0 \(peer p0\) has float16 "
+                r"\[96, 128\], rank 1 \(peer p2\) has float32 \[96, 128\]$")):
+            await reader.fetch("m", 4)
+        assert reader.statistics().bytes_fetched == 0
 
         # the wrong copy goes away: version 1 seals
         await b.unpublish("m", 1, layout=tp2.at(0))

@@ -164,11 +164,17 @@ def _plane(name: str) -> ControlPlane:
     return ControlPlane(info(name), cfg, random.Random(2), 0.0, 1000)
 
 
-def test_only_a_publishers_signed_announcement_makes_a_version() -> None:
-    reader, pub, rogue = _plane("c"), _plane("a"), _plane("b")
-    for p in (pub, rogue):  # the reader knows both as members
+def _reader_of(*planes: ControlPlane) -> ControlPlane:
+    reader = _plane("c")
+    for p in planes:  # the reader knows them as members
         me = p.membership._view.records[p.me.name]
         reader.receive(0.5, Gossip(p.me.control, p.me.name, (me,)))
+    return reader
+
+
+def test_only_a_publishers_signed_announcement_makes_a_version() -> None:
+    pub, rogue = _plane("a"), _plane("b")
+    reader = _reader_of(pub, rogue)
     good = pub.sign_announcement(Holding("m", 1, b"g" * 16, "", 1))
     pub.put_holding(good)
     # b is a member but not a publisher of m: its own signed m@999 counts for nothing
@@ -181,6 +187,24 @@ def test_only_a_publishers_signed_announcement_makes_a_version() -> None:
     assert reader.latest("m") == 1
     assert [p.name for p, _ in reader.holders(VersionKey("m", 1))] == ["a"]
     assert not reader.holders(VersionKey("m", 999)) and not reader.holders(VersionKey("m", 2))
+
+
+def test_nobody_but_a_publisher_can_claim_other_tensor_specs() -> None:
+    """The schema id is signed: a copy claiming other specs for a publish does not
+    count, so it cannot make the version unsealable."""
+    pub, rogue = _plane("a"), _plane("b")
+    reader = _reader_of(pub, rogue)
+    good = pub.sign_announcement(Holding("m", 1, b"g" * 16, "", 1, schema=b"s" * 16))
+    pub.put_holding(good)
+    rogue.put_holding(replace(good, schema=b"z" * 16))
+    for p in (pub, rogue):
+        reader.receive(1.0, RefsDelta(p.me.control, p.me.name, (p.refs.local,)))
+    assert reader.latest("m") == 1 and not reader.unsealed("m")
+    assert [c.origin for c in reader.claims("m")] == ["a"]
+    # the honest copy counts
+    rogue.put_holding(good)
+    reader.receive(2.0, RefsDelta(rogue.me.control, "b", (rogue.refs.local,)))
+    assert sorted(c.origin for c in reader.claims("m")) == ["a", "b"]
 
 
 def test_trust_caches_verdicts_until_the_keyring_changes() -> None:

@@ -6,6 +6,7 @@ import os
 import random
 import re
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, note, seed, settings
@@ -39,6 +40,8 @@ def naive_seal(claims: list[ShardClaim]) -> dict[int, tuple[bool, list[int], dic
             named["world"] = {c.origin for c in cs}
         if len({c.layout_id for c in cs}) > 1:
             named["layout id"] = {c.origin for c in cs}
+        if len({c.schema for c in cs}) > 1:
+            named["tensor specs"] = {c.origin for c in cs}
         for s in {c.shard for c in cs}:
             if len({c.manifest_id for c in cs if c.shard == s}) > 1:
                 named[f"manifest of shard {s}"] = {c.origin for c in cs if c.shard == s}
@@ -60,7 +63,7 @@ def claim_sets(draw: st.DrawFn) -> list[ShardClaim]:
         layout = draw(st.sampled_from([b"L1", b"L2"]))
         for shard in range(world):
             for origin in draw(st.sets(st.sampled_from(ORIGINS), max_size=3)):
-                w, lay, man = world, layout, b"m%d" % shard
+                w, lay, man, schema = world, layout, b"m%d" % shard, b"s"
                 odd = draw(st.integers(0, 19))
                 if odd == 0:
                     w = world + 1
@@ -68,7 +71,10 @@ def claim_sets(draw: st.DrawFn) -> list[ShardClaim]:
                     lay = b"other"
                 elif odd == 2:
                     man = b"forged"
-                claims.append(ShardClaim(origin, v, shard, w, lay, draw(st.booleans()), man))
+                elif odd == 3:  # another dtype, shape or tensor set at this rank
+                    schema = b"other"
+                claims.append(ShardClaim(origin, v, shard, w, lay, draw(st.booleans()), man,
+                                         schema=schema))
     return claims
 
 
@@ -164,6 +170,26 @@ def test_a_rank_that_dies_before_sealing_leaves_the_version_unsealed_and_says_so
     assert view.update(MODEL, [*v1, *v2, odd]) == ()
     (stuck,) = view.unsealed(MODEL)
     assert "t9" in stuck.reason() and "world" in stuck.reason()
+
+
+def test_ranks_announcing_other_tensor_specs_never_seal_and_are_named() -> None:
+    good, odd = b"\x01" * 16, b"\x02" * 16
+    claims = [ShardClaim(f"t{r}", 1, r, 4, b"tp4", True, b"m%d" % r, 0,
+                         odd if r == 2 else good) for r in range(4)]
+    claims.append(ShardClaim("copy", 1, 2, 4, b"tp4", True, b"m2", 0, odd))
+    for window in (None, 8):  # secure mode: each rank's only publish is its earliest
+        view = VersionView(window)
+        assert view.update(MODEL, claims) == ()
+        (stuck,) = view.unsealed(MODEL)
+        assert stuck.schema is None
+        assert stuck.reason() == (
+            "holders disagree on the tensor specs: 02020202 (rank 2) from copy, t2; "
+            "01010101 (ranks 0, 1, 3) from t0, t1, t3")
+        with pytest.raises(ConsistencyError, match=r"version 1: holders disagree on the "
+                                                   r"tensor specs"):
+            view.require(MODEL, 1)
+    agreed = [replace(c, schema=good) for c in claims]
+    assert seal_status(agreed)[1].sealed and seal_status(agreed)[1].schema == good
 
 
 def test_claims_are_validated() -> None:

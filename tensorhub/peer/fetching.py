@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import RemoteProtocolError, TransportError, VersionUnavailable
+from ..errors import ConsistencyError, RemoteProtocolError, TransportError, VersionUnavailable
 from ..manifest import Manifest
 from ..model import PeerInfo, VersionKey
 from ..protocol.refs import Holding
@@ -48,9 +48,12 @@ def window(peer: Peer, manifest: Manifest) -> int:
 
 
 async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
-                    allowed: frozenset[str] | None, derived: bool) -> Fetched:
-    """Fetch one manifest's chunks (a whole version, or a shard) as they are held."""
+                    allowed: frozenset[str] | None, derived: bool, schema: bytes | None
+                    ) -> Fetched:
+    """Fetch one manifest's chunks (a whole version, or a shard) as they are held;
+    ``schema`` is the sealed schema id its tensor specs must have."""
     manifest, publisher = await fetch_manifest(peer, key, allowed)
+    check_schema(manifest, schema)
     flat = None
     if into is None:
         arrays, flat = allocate_flat(manifest)
@@ -154,6 +157,16 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
                                      f"the manifest ({detail or 'none known'})")
         with trio.move_on_at(deadline):
             await peer._changed.wait()
+
+
+def check_schema(manifest: Manifest, schema: bytes | None) -> None:
+    """A manifest whose tensor specs are not the ones the version was sealed with
+    (its announcement claimed specs it does not have) makes the fetch fail whole."""
+    if manifest.schema_id() != schema:
+        raise ConsistencyError(
+            f"{manifest.key}: its manifest lists other tensor specs (schema "
+            f"{manifest.schema_id().hex()[:8]}) than the version was sealed with "
+            f"({(schema or b'').hex()[:8] or 'none'}); nothing of it is used")
 
 
 async def decode_manifest(peer: Peer, data: bytes, manifest_id: bytes) -> Manifest:

@@ -65,6 +65,7 @@ from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
+from .conflicts import Explainer
 from .connections import ConnectionPool
 from .fetcher import Fetch, Fetched, FetchReport
 from .fetching import fetch_key
@@ -157,6 +158,7 @@ class Peer:
         self._shm_refused: dict[str, str] = {}
         self._resharding: set[VersionKey] = set()
         self.retention = Retention(self)
+        self.conflicts = Explainer(self)  # which tensors ranks disagree on
         self._group_inbox: dict[str, Callable[[GroupEnvelope], None]] = {}
         """Handlers of group messages by group name (see :mod:`tensorhub.peer.group`)."""
         self._nursery: trio.Nursery
@@ -354,8 +356,9 @@ class Peer:
 
     def unsealed(self, model: str) -> list[str]:
         """Versions of ``model`` newer than ``latest`` that some rank announced but that
-        are not sealed, each with the reason (a rank missing, ranks disagreeing)."""
-        return [f"version {s.version}: {s.reason()}"
+        are not sealed, each with the reason (a rank missing, ranks disagreeing: which
+        ranks, and on which tensors once their manifests have been compared)."""
+        return [f"version {s.version}: {self.conflicts.reason(model, s)}"
                 for s in self.control.unsealed(check_model_name(model))]
 
     async def latest(self, model: str) -> int | None:
@@ -459,8 +462,8 @@ class Peer:
         if key.layout != seal.layout_id and not await same_layout_holder(
                 self, key, seal, allowed):
             return await reshard(self, key, seal, spec, into, allowed)
-        return await fetch_key(self, key, into, allowed,
-                               derived=key.layout != seal.layout_id)
+        return await fetch_key(self, key, into, allowed, key.layout != seal.layout_id,
+                               seal.schema)
 
     async def _sealed(self, model: str, version: int, wait: bool) -> Seal:
         """The seal of ``model@version``; with ``wait``, wait up to ``stall_timeout`` for
@@ -469,6 +472,9 @@ class Peer:
         while True:
             try:
                 return self.control.seal(model, version)
+            except ConsistencyError as exc:
+                raise ConsistencyError(
+                    await self.conflicts.explain(model, version, str(exc))) from None
             except VersionUnavailable:
                 if not wait or trio.current_time() >= deadline:
                     raise

@@ -19,7 +19,7 @@ from ..protocol.sharding import Sharding
 from ..protocol.versions import Seal
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, first_error
-from .fetching import fetch_manifest, holder_view, window
+from .fetching import check_schema, fetch_manifest, holder_view, window
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -89,6 +89,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
             if s not in mine:
                 nursery.start_soon(manifest_of, s)
     manifests = {s: m for s, (m, _) in got.items()}
+    for m in manifests.values():
+        check_schema(m, seal.schema)
     plan = await trio.to_thread.run_sync(plan_reshard, spec, manifests)
     skeleton = Manifest(key.model, key.version, plan.tensors, 1, "blake3", (),
                         key.shard, spec.size, key.layout)

@@ -119,7 +119,8 @@ class LocalVersion:
         if not self.complete and not bitmap:  # nothing verified yet: an all-zero map
             bitmap = bytes((m.num_chunks + 7) // 8)
         return Holding(m.model, m.version, m.manifest_id(), self.publisher, m.num_chunks, bitmap,
-                       m.shard, m.world, m.layout, self.derived, *self.announced)
+                       m.shard, m.world, m.layout, self.derived, *self.announced,
+                       m.schema_id())
 
 
 class Store:

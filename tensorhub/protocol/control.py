@@ -258,7 +258,7 @@ class ControlPlane:
         (secure mode: only announcements signed by a publisher of the model)."""
         members = self.membership.members()
         return [ShardClaim(origin, h.version, h.shard, h.world, h.layout, h.complete,
-                           h.manifest_id, h.publisher_gen)
+                           h.manifest_id, h.publisher_gen, h.schema)
                 for origin, h in self.refs.of_model(model)
                 if not h.derived and h.shard < h.world and self._signed_by_publisher(h)
                 and (origin == self.me.name
@@ -298,6 +298,11 @@ class ControlPlane:
         """The seal of ``model@version`` now; raises unless it is sealed."""
         self._refresh(model)
         return self.versions.require(model, version)
+
+    def seal_status(self, model: str, version: int) -> Seal | None:
+        """The seal status of ``model@version`` now, sealed or not (None: unknown)."""
+        self._refresh(model)
+        return self.versions.status(model, version)
 
     def unsealed(self, model: str) -> list[Seal]:
         """Versions newer than ``latest`` that are announced but not sealed, and why."""

@@ -27,7 +27,7 @@ signature over ``(stamp, holdings)``; :meth:`RefTable.merge` checks it before ke
 an entry, so nobody writes entries on behalf of another origin.  Each holding of a
 published shard also carries its *publisher's* signature over what the publish
 announced (:func:`announcement_bytes`: model, version, shard, world, layout, manifest
-id, chunk count, publisher and the publisher's generation); copies made by fetchers
+id, chunk count, publisher, the publisher's generation and the schema id); copies made by fetchers
 carry the same signature, and sealing counts only holdings whose signature verifies
 (see versions.py).
 """
@@ -39,12 +39,12 @@ from dataclasses import dataclass, replace
 from typing import Annotated
 
 from ..bounds import U32, U63, MaxLen, PeerName, Rank, Signature, World
-from ..model import LayoutId, ModelName, VersionKey
+from ..model import LayoutId, ModelName, SchemaId, VersionKey
 from .codec import fields_bytes
 from .trust import Trust
 
 _TAG_ENTRY = b"tensorhub/ref-entry/1\0"
-_TAG_ANNOUNCEMENT = b"tensorhub/version/1\0"
+_TAG_ANNOUNCEMENT = b"tensorhub/version/2\0"
 MAX_HOLDINGS = 1 << 16
 """Holdings in one origin's entry (versions x shards it holds)."""
 
@@ -73,6 +73,9 @@ class Holding:
     """The publisher's generation (boot stamp) when it published: see versions.py."""
     publisher_sig: Signature = b""
     """The publisher's signature over :func:`announcement_bytes` (secure mode)."""
+    schema: SchemaId = b""
+    """The schema id of the shard's tensors (:meth:`~tensorhub.manifest.Manifest.schema_id`):
+    the same at every rank of a consistent publish (see versions.py)."""
 
     @property
     def key(self) -> VersionKey:
@@ -97,7 +100,7 @@ class Holding:
 def announcement_bytes(h: Holding) -> bytes:
     """What a publisher signs when it publishes (and every copy carries)."""
     return fields_bytes(_TAG_ANNOUNCEMENT, h.model, h.version, h.shard, h.world, h.layout,
-                        h.manifest_id, h.num_chunks, h.publisher, h.publisher_gen)
+                        h.manifest_id, h.num_chunks, h.publisher, h.publisher_gen, h.schema)
 
 
 def bitmap_of(chunks: Iterable[int], num_chunks: int) -> bytes:
@@ -139,6 +142,7 @@ class OriginEntry:
         """An upper estimate of the encoded size, for splitting deltas into parts."""
         return 128 + sum(
             192 + len(h.model) + len(h.publisher) + len(h.bitmap) + len(h.layout)
+            + len(h.schema)
             for h in self.holdings
         )
 

@@ -6,18 +6,27 @@ Theory of operation
 Sealing.  Version ``v`` of a model is published by the ``world`` ranks of one publishing
 group: rank ``s`` announces shard ``s`` of ``v`` in the reference table together with
 ``world``, a *layout id* (a digest of the whole declared layout; every rank of one
-publish passes the same one) and the manifest id of its shard.  Any other holder whose
+publish passes the same one), the manifest id of its shard and the shard's *schema id*
+(:func:`tensorhub.model.schema_id`: a digest of the sorted name, dtype and whole-tensor
+shape of every tensor; every rank lists every tensor, a split one by its own part, so
+all ranks of a consistent publish announce the same one).  Any other holder whose
 buffers contain all of publish shard ``s`` (whatever its own layout) may claim it too,
-with the same ``world``, layout id and manifest id; a holder of only part of a shard makes
-no claim for it.  :func:`seal_status` reads these announcements
+with the same ``world``, layout id, manifest id and schema id; a holder of only part of
+a shard makes no claim for it.  :func:`seal_status` reads these announcements
 (:class:`ShardClaim`) and says, per version, whether it is *sealed*: every shard
 ``0..world-1`` has at least one complete holder, and all holders agree on ``world``,
-on the layout id and, per shard, on the manifest id.  Otherwise the :class:`Seal`
-names what is missing and who disagrees with whom.  A version that is not sealed does
-not exist for readers; a rank that dies before its shard is complete leaves the version
-unsealed everywhere, and :meth:`Seal.reason` reports it.  Sealing is a pure function of
-the current table, so every peer that has merged the same entries reaches the same
-verdict.
+on the layout id, on the schema id and, per shard, on the manifest id.  Otherwise the
+:class:`Seal` names what is missing and who disagrees with whom (by rank and origin).
+So ranks that publish a tensor with another dtype or another whole shape, or one
+tensor more or less, never seal (the schema ids differ), nor do ranks that split a
+tensor along another dim or into other parts (the layout ids differ): a fetch of such a
+version raises :class:`~tensorhub.errors.ConsistencyError`, which the peer completes
+with a tensor-by-tensor account (:mod:`.specdiff`), and a fetch also refuses any
+source manifest whose specs are not those of the seal's schema id.  A version that is
+not sealed does not exist for readers; a rank that dies before its shard is complete
+leaves the version unsealed everywhere, and :meth:`Seal.reason` reports it.  Sealing is
+a pure function of the current table, so every peer that has merged the same entries
+reaches the same verdict.
 
 Latest.  A :class:`VersionView` keeps, per model, the seal status computed from the
 latest table snapshot the shell gave it, plus the highest version it has ever seen
@@ -40,8 +49,12 @@ claims of one shard name different manifests (a restarted publisher re-publishin
 number, a replay of an old announcement), counts only the *earliest* publish -- the
 lowest ``(publisher generation, manifest id)`` -- so every peer that sees the same
 claims picks the same manifest, and a later re-publish of a number is ignored rather
-than reported as a conflict.  :meth:`VersionView.counted` says which announcements
-count, so that fetches are routed only to their holders.
+than reported as a conflict.  The schema id is under the publisher's signature like
+the rest of an announcement, so nobody without a publisher key can make a version
+unsealable by claiming another one; ranks of one publish that disagree are still a
+conflict (each is the only, hence earliest, publish of its own shard).
+:meth:`VersionView.counted` says which announcements count, so that fetches are routed
+only to their holders.
 
 Retention.  A :class:`RetentionPolicy` per model says which versions must stay
 readable: the ``keep_latest`` newest sealed versions plus every pinned one
@@ -78,6 +91,8 @@ class ShardClaim:
     manifest_id: bytes = b""
     generation: int = 0
     """The publisher's generation when it published (secure mode's tie-break)."""
+    schema: bytes = b""
+    """The schema id of the shard's tensors (:func:`tensorhub.model.schema_id`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard < self.world:
@@ -91,7 +106,7 @@ class Conflict:
     """Holders of one version that disagree on one property, grouped by what they claim."""
 
     what: str
-    """``"world"``, ``"layout id"`` or ``"manifest of shard N"``."""
+    """``"world"``, ``"layout id"``, ``"tensor specs"`` or ``"manifest of shard N"``."""
     claims: tuple[tuple[str, tuple[str, ...]], ...]
     """``(claimed value as text, origins claiming it)``, ordered by the origins."""
 
@@ -111,6 +126,10 @@ class Seal:
     missing: tuple[int, ...]
     """Shards with no complete holder (only known when the world is agreed)."""
     conflicts: tuple[Conflict, ...]
+    schema: bytes | None = None
+    """The schema id all holders agree on; None when they disagree."""
+    claims: tuple[ShardClaim, ...] = field(default=(), repr=False, compare=False)
+    """The claims this status was computed from."""
 
     @property
     def sealed(self) -> bool:
@@ -131,12 +150,27 @@ class Seal:
             raise VersionUnavailable(model, self.version, self.reason())
 
 
+SPECS = "tensor specs"
+LAYOUT = "layout id"
+
+
+def _ranks(shards: Iterable[int]) -> str:
+    ranks = sorted(set(shards))
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def _conflict(what: str, values: dict[str, set[str]]) -> tuple[Conflict, ...]:
     if len(values) < 2:
         return ()
     # Listed by who holds each value, so the message reads the same whatever the digests.
     rows = sorted((tuple(sorted(o)), v) for v, o in values.items())
     return (Conflict(what, tuple((v, o) for o, v in rows)),)
+
+
+def _by_rank(what: str, values: dict[bytes, list[ShardClaim]]) -> tuple[Conflict, ...]:
+    """A conflict on a digest, each value named with the ranks that claim it."""
+    return _conflict(what, {f"{v.hex()[:8] or '-'} ({_ranks(c.shard for c in cs)})":
+                            {c.origin for c in cs} for v, cs in values.items()})
 
 
 def seal_status(claims: Iterable[ShardClaim]) -> dict[int, Seal]:
@@ -147,13 +181,16 @@ def seal_status(claims: Iterable[ShardClaim]) -> dict[int, Seal]:
     out: dict[int, Seal] = {}
     for version, cs in sorted(by_version.items()):
         worlds: dict[str, set[str]] = defaultdict(set)
-        layouts: dict[str, set[str]] = defaultdict(set)
+        layouts: dict[bytes, list[ShardClaim]] = defaultdict(list)
+        schemas: dict[bytes, list[ShardClaim]] = defaultdict(list)
         manifests: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         for c in cs:
             worlds[str(c.world)].add(c.origin)
-            layouts[c.layout_id.hex()].add(c.origin)
+            layouts[c.layout_id].append(c)
+            schemas[c.schema].append(c)
             manifests[c.shard][c.manifest_id.hex()].add(c.origin)
-        conflicts = _conflict("world", worlds) + _conflict("layout id", layouts)
+        conflicts = (_conflict("world", worlds) + _by_rank(LAYOUT, layouts)
+                     + _by_rank(SPECS, schemas))
         for shard, ms in sorted(manifests.items()):
             conflicts += _conflict(f"manifest of shard {shard}", ms)
         world = cs[0].world if len(worlds) == 1 else None
@@ -162,7 +199,8 @@ def seal_status(claims: Iterable[ShardClaim]) -> dict[int, Seal]:
             covered = {c.shard for c in cs if c.complete}
             missing = tuple(s for s in range(world) if s not in covered)
         layout_id = cs[0].layout_id if len(layouts) == 1 else None
-        out[version] = Seal(version, world, layout_id, missing, conflicts)
+        schema = cs[0].schema if len(schemas) == 1 else None
+        out[version] = Seal(version, world, layout_id, missing, conflicts, schema, tuple(cs))
     return out
 
 
@@ -255,10 +293,14 @@ class VersionView:
         floor = -1 if state.latest is None else state.latest
         return tuple(s for v, s in state.seals.items() if v > floor and not s.sealed)
 
+    def status(self, model: str, version: int) -> Seal | None:
+        """The seal status of a version in the latest snapshot (None: not announced)."""
+        state = self._models.get(model)
+        return None if state is None else state.seals.get(version)
+
     def require(self, model: str, version: int) -> Seal:
         """The seal of a version about to be fetched; raises unless it is sealed now."""
-        state = self._models.get(model)
-        seal = None if state is None else state.seals.get(version)
+        seal = self.status(model, version)
         if seal is None:
             raise VersionUnavailable(model, version, "no live peer holds any shard of it")
         seal.check(model)
