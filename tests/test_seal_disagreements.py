@@ -152,6 +152,9 @@ async def one_example(net: Net, kind: str, rank: int, k: int) -> None:
             await reader.fetch("m", v, layout=layout)
         assert f"version {v}: holders disagree" in str(err.value)
         assert all(m in str(err.value) for m in must), str(err.value)
+    with pytest.raises(ConsistencyError) as err:  # a staged flip of it says the same
+        await tensorhub.Rollout(r1, "m").stage(v)
+    assert all(m in str(err.value) for m in must), str(err.value)
     assert (r0.statistics().bytes_fetched, r1.statistics().bytes_fetched) == fetched
 
 
