@@ -130,13 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chaos, cluster, transfer
+    from .bench import chaos, cluster, rounds, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     cluster.add_options(bsub.add_parser("cluster", help="fan-out in an emulated cluster "
                                         "vs star, gloo and Ray (needs root)"))
     chaos.add_options(bsub.add_parser("chaos", help="faults and a rogue peer against a "
                                       "mesh of processes; invariants checked per seed"))
+    rounds.add_options(bsub.add_parser("rounds", help="model-parallel groups switching "
+                                       "under a fast trainer on a busy host; aborts counted"))
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
@@ -185,12 +187,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "bench":
-            from .bench import chaos, cluster, transfer
+            from .bench import chaos, cluster, rounds, transfer
 
             if args.bench == "cluster":
                 return cluster.run_cli(args)
             if args.bench == "chaos":
                 return chaos.run_cli(args)
+            if args.bench == "rounds":
+                return rounds.run_cli(args)
             return transfer.run_cli(args)
         if args.command == "status":
             if not args.join:
