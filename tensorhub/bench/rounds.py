@@ -6,8 +6,11 @@ Every peer is its own OS process on loopback (:mod:`tensorhub.bench.rounds_worke
 * a **trainer**: four publisher ranks (a TP=4 group; the embedding and the qkv
   projections split along dim 0, the output projections along dim 1, norms replicated).
   Every ``--cadence`` seconds the driver tells all four to publish the next version and
-  waits for all four (lockstep); each keeps its last ``--keep`` versions and unpublishes
-  older ones in the background.
+  waits for all four (lockstep).  Each keeps its newest ``--keep`` versions and every
+  version a group may still stage -- any newer than the oldest live version of the
+  groups' leaders, which only ever move forward -- up to ``--max-held`` versions;
+  older ones are unpublished in the background.  So a version vanishes under a staging
+  group only when that group is ``--max-held`` versions behind (counted as forced).
 * **consuming groups** (``--groups``, default one of 2 ranks and one of 3), each rank
   its own peer and process, with a layout that splits where the publishers do not, so
   every fetch reshards.  Every rank loops on ``group.fetch_latest()``; rank 0 (the
@@ -21,9 +24,12 @@ Figures: ``group_aborts`` (rounds that failed, at the leaders: aborted, timed ou
 another error -- the texts of the first few are printed), ``group_rounds`` (switches of
 the group that made the fewest), ``mixed_or_wrong_slices``; and two that say whether
 the groups keep up: ``round_seconds_median`` and ``versions_behind_median`` (published
-versions newer than the one a round switched to, when it switched).  Their bounds follow
-from retention: a group more than ``--keep - 1`` versions behind, or a round longer than
-that many cadences, stages versions that publishers are about to unpublish.
+versions newer than the one a round switched to, when it switched).  A group keeps up
+when it switches to one of the trainer's newest ``--keep`` versions: at most
+``--keep - 1`` behind, in rounds of at most that many cadences.
+
+The leaders report every round as it ends and every rank each mismatch as it finds it,
+so a rank that stops answering loses none of the counts; it is named (``silent``).
 
 Security: keys for every peer in a temporary directory (only the trainer's ranks may
 publish), unless ``--insecure``.
@@ -35,12 +41,13 @@ import argparse
 import bisect
 import json
 import queue
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +60,8 @@ from .rounds_worker import HIDDEN, MODEL, model_bytes
 PUBLISHERS = [f"t{r}" for r in range(4)]
 REPLY_S = 30.0
 """How long a command's reply may take before the run fails (a loaded host is slow)."""
+PROGRESS_S = 10.0
+"""Seconds between progress lines."""
 
 
 class Driver:
@@ -68,6 +77,7 @@ class Driver:
         self.inbox: dict[str, deque[dict[str, Any]]] = {n: deque() for n in self.names}
         self.rounds: dict[str, list[dict[str, Any]]] = {g: [] for g in self.groups}
         self.done: set[str] = set()
+        self.wrong: dict[str, list[str]] = {g: [] for g in self.groups}
         self.procs: dict[str, Proc] = {}
         self.busy: list[subprocess.Popen[bytes]] = []
 
@@ -79,7 +89,8 @@ class Driver:
             argv = [sys.executable, "-m", "tensorhub.bench.rounds_worker", "--name", name,
                     "--listen", f"127.0.0.1:{ports[name]}", "--expect", str(len(self.names)),
                     "--size", str(a.size_bytes), "--chunk", str(a.chunk_bytes),
-                    "--keep", str(a.keep), "--round-timeout", str(a.round_timeout)]
+                    "--keep", str(a.keep), "--max-held", str(a.max_held),
+                    "--round-timeout", str(a.round_timeout)]
             if name in PUBLISHERS:
                 argv += ["--role", "publisher", "--rank", name[1:]]
             else:
@@ -112,6 +123,8 @@ class Driver:
                 self.rounds[group].append(ev)
             elif ev.get("event") == "done":
                 self.done.add(group)
+            elif ev.get("event") == "wrong":
+                self.wrong[group].append(f"{name}: {ev['text']}")
             else:
                 self.inbox[name].append(ev)
 
@@ -132,6 +145,32 @@ class Driver:
             raise MeshError(f"{name} answered {ev} (expected {event!r})")
         return ev
 
+    def floor(self) -> int:
+        """The oldest version a group may still stage: above every leader's live one."""
+        live = [max((ev["version"] for ev in self.rounds[g] if not ev["error"]), default=0)
+                for g in self.groups]
+        return min(live) + 1
+
+    def progress(self, elapsed: float, versions: int) -> str:
+        parts = []
+        for g, evs in self.rounds.items():
+            failed = sum(1 for ev in evs if ev["error"])
+            parts.append(f"{g} {len(evs) - failed} switched, {failed} failed")
+        return f"{elapsed:5.1f} s: {versions} versions published; {'; '.join(parts)}"
+
+    def stop(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Stop every consuming rank: the counts of those that answer, and those silent."""
+        for name in self.names[len(PUBLISHERS):]:
+            self.procs[name].send(cmd="stop")
+        stopped, silent = {}, []
+        for name in self.names[len(PUBLISHERS):]:
+            try:
+                stopped[name] = self.reply(name, "stopped")
+            except MeshError as exc:
+                print(f"  {exc}", flush=True)
+                silent.append(name)
+        return stopped, silent
+
     def close(self) -> None:
         for p in self.busy:
             p.kill()
@@ -148,12 +187,13 @@ def publish_loop(d: Driver) -> dict[str, Any]:
     published: list[float] = []  # published[v - 1]: when v was complete at every rank
     seconds: list[float] = []
     late = 0
-    start = next_at = time.monotonic()
+    start = next_at = shown = time.monotonic()
     while len(d.done) < len(d.groups) and time.monotonic() < start + a.deadline:
         v = len(published) + 1
         t0 = time.monotonic()
+        floor = d.floor()
         for name in PUBLISHERS:
-            d.procs[name].send(cmd="publish", version=v)
+            d.procs[name].send(cmd="publish", version=v, floor=floor)
         replies = [d.reply(name, "published") for name in PUBLISHERS]
         published.append(time.monotonic())
         seconds.append(max(r["seconds"] for r in replies))
@@ -170,6 +210,9 @@ def publish_loop(d: Driver) -> dict[str, Any]:
             late += 1
             next_at = time.monotonic()
         d.poll(next_at)
+        if time.monotonic() >= shown + PROGRESS_S:
+            shown = time.monotonic()
+            print(d.progress(shown - start, v), flush=True)
     return {"published_at": published, "publish_s": seconds, "late": late,
             "seconds": time.monotonic() - start}
 
@@ -193,42 +236,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             d.start()
             d.start_busy()
             pub = publish_loop(d)
-            stopped = {}
-            for ranks in d.groups.values():
-                for name in ranks:
-                    d.procs[name].send(cmd="stop")
-                for name in ranks:
-                    stopped[name] = d.reply(name, "stopped")
+            stopped, silent = d.stop()
             pstats = {}
             for name in PUBLISHERS:
                 d.procs[name].send(cmd="stats")
-                pstats[name] = d.reply(name, "stats")
+                try:
+                    pstats[name] = d.reply(name, "stats")
+                except MeshError as exc:
+                    print(f"  {exc}", flush=True)
         finally:
             d.close()
-    return {"groups": d.groups, "rounds": d.rounds, "stopped": stopped, "publish": pub,
-            "publishers": pstats}
+    return {"groups": d.groups, "rounds": d.rounds, "wrong": d.wrong, "stopped": stopped,
+            "silent": silent, "publish": pub, "publishers": pstats}
 
 
 def summarize(r: dict[str, Any]) -> dict[str, Any]:
-    """Per group: switches, failures by kind, texts, seconds and lag of each round."""
+    """Per group, from the leader's round events: switches, failures by kind and their
+    first texts, seconds and lag of each round; mismatches from every rank's events; and
+    what each rank that answered ``stop`` counted."""
     published = r["publish"]["published_at"]
     out = {}
     for g, ranks in r["groups"].items():
-        leader = r["stopped"][ranks[0]]
-        ok = [ev for ev in r["rounds"][g] if not ev["error"]]
-        behind = [bisect.bisect_right(published, ev["at"]) - ev["version"] for ev in ok]
-        latency = [ev["at"] - published[ev["version"] - 1] for ev in ok]
-        out[g] = {"ranks": len(ranks), "switches": leader["switches"],
-                  "aborts": leader["aborts"], "timeouts": leader["timeouts"],
-                  "errors": leader["errors"], "texts": leader["texts"],
-                  "failed": leader["aborts"] + leader["timeouts"] + leader["errors"],
-                  "wrong": sum(r["stopped"][n]["wrong"] for n in ranks),
-                  "wrong_texts": [t for n in ranks for t in r["stopped"][n]["wrong_texts"]],
-                  "checked": {n: r["stopped"][n]["checked"] for n in ranks},
-                  "release_errors": [t for n in ranks
-                                     for t in r["stopped"][n]["release_errors"]],
-                  "round_s": [ev["seconds"] for ev in ok], "versions_behind": behind,
-                  "publish_to_switch_s": latency}
+        events = r["rounds"][g]
+        ok = [ev for ev in events if not ev["error"]]
+        failed = [ev for ev in events if ev["error"]]
+        stopped = {n: r["stopped"][n] for n in ranks if n in r["stopped"]}
+        out[g] = {"ranks": len(ranks), "switches": len(ok),
+                  **{k: sum(1 for ev in failed if ev["kind"] == k)
+                     for k in ("aborts", "timeouts", "errors")},
+                  "failed": len(failed), "texts": [ev["error"] for ev in failed][:5],
+                  "causes": dict(Counter(re.sub(r"\d+(\.\d+)?", "N", ev["error"])
+                                         for ev in failed).most_common(5)),
+                  "wrong": len(r["wrong"][g]), "wrong_texts": r["wrong"][g][:5],
+                  "silent": [n for n in ranks if n not in stopped],
+                  "checked": {n: s["checked"] for n, s in stopped.items()},
+                  "group_stats": {n: {"switches": s["switches"], "aborts": s["group_aborts"]}
+                                  for n, s in stopped.items()},
+                  "release_errors": [t for s in stopped.values() for t in s["release_errors"]],
+                  "round_s": [ev["seconds"] for ev in ok],
+                  "versions_behind": [bisect.bisect_right(published, ev["at"]) - ev["version"]
+                                      for ev in ok],
+                  "publish_to_switch_s": [ev["at"] - published[ev["version"] - 1]
+                                          for ev in ok]}
     return out
 
 
@@ -262,18 +311,22 @@ def run_cli(args: argparse.Namespace) -> int:
     args.group_sizes = [int(n) for n in args.groups.split(",") if n]
     if not args.group_sizes or any(n < 1 or HIDDEN % n for n in args.group_sizes):
         raise MeshError(f"--groups: sizes that divide {HIDDEN}, comma-separated")
-    if args.rounds < 1 or args.keep < 2 or args.busy < 0 or not args.cadence > 0:
-        raise MeshError("need --rounds >= 1, --keep >= 2, --busy >= 0, --cadence > 0")
+    if args.rounds < 1 or not 2 <= args.keep <= args.max_held or args.busy < 0 \
+            or not args.cadence > 0:
+        raise MeshError("need --rounds >= 1, 2 <= --keep <= --max-held, --busy >= 0, "
+                        "--cadence > 0")
     r = run(args)
     groups = summarize(r)
     pub = r["publish"]
     figures = figures_of(args, groups)
     print()
+    ps = r["publishers"].values()
     print(f"{len(pub['published_at'])} versions published in {pub['seconds']:.1f} s "
           f"(publish s median/max {statistics.median(pub['publish_s']):.3f}/"
-          f"{max(pub['publish_s']):.3f}, {pub['late']} past their tick); unpublish errors "
-          f"{sum(p['unpublish_error_count'] for p in r['publishers'].values())}, slowest "
-          f"unpublish {max(p['slowest_unpublish_s'] for p in r['publishers'].values()):.2f} s")
+          f"{max(pub['publish_s']):.3f}, {pub['late']} past their tick); unpublishes: "
+          f"{sum(p['unpublish_error_count'] for p in ps)} failed, "
+          f"{sum(p['forced_unpublishes'] for p in ps)} forced (a group --max-held behind), "
+          f"slowest {max((p['slowest_unpublish_s'] for p in ps), default=0):.2f} s")
     print(f"{'group':<6} {'ranks':>5} {'switched':>8} {'aborted':>7} {'timeout':>7} "
           f"{'error':>5} {'wrong':>5}  round s (med/p90/max)    behind (med/max)")
     for g, s in groups.items():
@@ -283,8 +336,12 @@ def run_cli(args: argparse.Namespace) -> int:
               f"{_quantiles(s['round_s']):<24} "
               f"{statistics.median(behind) if behind else '-'}/{max(behind, default='-')}")
     for g, s in groups.items():
+        if s["silent"]:
+            print(f"  {g}: ranks that did not answer stop: {', '.join(s['silent'])}")
         for text in [*s["texts"], *s["wrong_texts"], *s["release_errors"]]:
             print(f"  {g}: {text}")
+        for cause, n in s["causes"].items():
+            print(f"  {g}: {n} x {cause}")
     for name, p in r["publishers"].items():
         for text in p["unpublish_errors"]:
             print(f"  {name} unpublish: {text}")
@@ -301,7 +358,8 @@ def run_cli(args: argparse.Namespace) -> int:
             "settings": {"rounds": args.rounds, "cadence": args.cadence,
                          "groups": args.group_sizes, "busy": args.busy,
                          "size": model_bytes(args.size_bytes), "chunk": args.chunk_bytes,
-                         "keep": args.keep, "round_timeout": args.round_timeout,
+                         "keep": args.keep, "max_held": args.max_held,
+                         "round_timeout": args.round_timeout,
                          "deadline": args.deadline, "security": not args.insecure},
         }))
     return 0
@@ -319,7 +377,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="16MiB", help="model size (default 16MiB)")
     p.add_argument("--chunk", default="256KiB", help="chunk size (default 256KiB)")
     p.add_argument("--keep", type=int, default=4,
-                   help="versions each publisher rank holds (default 4)")
+                   help="versions each publisher rank keeps at least (default 4)")
+    p.add_argument("--max-held", type=int, default=16,
+                   help="versions it holds at most, even for a group behind (default 16)")
     p.add_argument("--round-timeout", type=float, default=30.0,
                    help="seconds a round may take (GroupConfig.timeout; default 30)")
     p.add_argument("--deadline", type=float, default=300.0,

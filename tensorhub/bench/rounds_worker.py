@@ -2,9 +2,12 @@
 driven by JSON lines: commands on stdin, events on stdout (:mod:`tensorhub.bench.rounds`).
 
 * ``--role publisher --rank R``: rank R of the TP=4 publishing group (:data:`PUBLISH`).
-  ``{"cmd": "publish", "version": v}`` publishes its slices of :func:`version_of` ``v``
-  and answers ``published``; once it holds more than ``--keep`` versions it unpublishes
-  the oldest in the background (an unpublish waits for reads in flight to drain).
+  ``{"cmd": "publish", "version": v, "floor": f}`` publishes its slices of
+  :func:`version_of` ``v`` and answers ``published``; then it unpublishes, in the
+  background (an unpublish waits for reads in flight to drain), the versions below
+  ``f`` (the oldest version a group may still stage: the driver's word) beyond its
+  newest ``--keep``, and any beyond its newest ``--max-held`` (*forced*: a group may
+  still want it; counted).
   ``{"cmd": "stats"}`` answers the unpublish errors and the slowest unpublish.
 * ``--role consumer --group G --size N --rank K``: rank K of consuming group G of N
   ranks (:func:`consume_layout`: another split, so every fetch reshards).
@@ -13,7 +16,10 @@ driven by JSON lines: commands on stdin, events on stdout (:mod:`tensorhub.bench
   live one, reports each round (``round``: version, seconds, error) and stops after
   ``rounds`` switches (``done``); the other ranks loop until ``{"cmd": "stop"}``, which
   every rank answers with its counts (``stopped``).  Every rank checks the slices of
-  each switch it sees against :func:`version_of`.
+  each switch it sees against :func:`version_of` and reports a mismatch at once
+  (``wrong``).  After a failed round the leader pauses :data:`BACKOFF` seconds, as an
+  engine would: a round can fail without waiting (a rank not live), and a loop of
+  ``fetch_latest`` calls that fail at once would spin.
 
 Content is cheap to make and to check on a loaded host: fixed random bits per tensor,
 XORed (as 16-bit words) with a key that differs for every version, so a slice of another
@@ -45,6 +51,8 @@ HIDDEN = 384
 PUBLISH = Sharding(0, 4, split={"embed": 0, "*.qkv": 0, "*.o": 1})
 KEPT_TEXTS = 5
 """Abort and mismatch texts a rank reports (the first ones)."""
+BACKOFF = 0.1
+"""Seconds the leader waits after a failed round before the next."""
 U16 = np.dtype(np.uint16)
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -58,7 +66,7 @@ def model_specs(size: int) -> list[tuple[str, tuple[int, ...], str]]:
     """About ``size`` bytes: an embedding (1/8), then layers of a qkv (float32), an
     output projection (float16) and a replicated norm."""
     vocab = max(12, size // 8 // (HIDDEN * 2) // 12 * 12)
-    specs = [("embed", (vocab, HIDDEN), "<f2")]
+    specs: list[tuple[str, tuple[int, ...], str]] = [("embed", (vocab, HIDDEN), "<f2")]
     layer = 3 * HIDDEN * HIDDEN * 4 + HIDDEN * HIDDEN * 2 + HIDDEN * 4
     for i in range(max(1, (size - vocab * HIDDEN * 2) // layer)):
         specs += [(f"l{i}.qkv", (3 * HIDDEN, HIDDEN), "<f4"),
@@ -115,27 +123,31 @@ def emit(**obj: Any) -> None:
 
 
 class Publisher:
-    def __init__(self, peer: Peer, rank: int, size: int, keep: int,
+    def __init__(self, peer: Peer, rank: int, size: int, keep: int, max_held: int,
                  nursery: trio.Nursery) -> None:
-        self.peer, self.keep, self.nursery = peer, keep, nursery
+        self.peer, self.keep, self.max_held, self.nursery = peer, keep, max_held, nursery
         self.layout = PUBLISH.at(rank)
         self.base = base_slices(size, self.layout)
         self.held: list[int] = []
         self.unpublish_errors: list[str] = []
         self.slowest_unpublish = 0.0
+        self.forced = 0
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["cmd"] == "publish":
             v, t0 = cmd["version"], time.monotonic()
             await self.peer.publish(MODEL, v, version_of(self.base, v), layout=self.layout)
             self.held.append(v)
-            while len(self.held) > self.keep:
+            while len(self.held) > self.keep and (self.held[0] < cmd["floor"]
+                                                  or len(self.held) > self.max_held):
+                self.forced += self.held[0] >= cmd["floor"]
                 self.nursery.start_soon(self._unpublish, self.held.pop(0))
             return {"event": "published", "version": v, "seconds": time.monotonic() - t0}
         if cmd["cmd"] == "stats":
             return {"event": "stats", "unpublish_errors": self.unpublish_errors[:KEPT_TEXTS],
                     "unpublish_error_count": len(self.unpublish_errors),
-                    "slowest_unpublish_s": self.slowest_unpublish}
+                    "slowest_unpublish_s": self.slowest_unpublish,
+                    "forced_unpublishes": self.forced, "held": len(self.held)}
         raise ValueError(f"unknown command {cmd['cmd']!r}")
 
     async def _unpublish(self, version: int) -> None:
@@ -193,11 +205,14 @@ class Consumer:
                         timeout=round_timeout if leader else None)
                 except (trio.TooSlowError, TensorHubError) as exc:
                     self._failed(leader, t0, exc)
+                    if leader:
+                        await trio.sleep(BACKOFF)
                     continue
                 at = time.monotonic()
                 self.checked += 1
-                wrong = mismatches(self.base, got.version, got.tensors)
-                self.wrong += [f"version {got.version}: {w}" for w in wrong]
+                for w in mismatches(self.base, got.version, got.tensors):
+                    self.wrong.append(f"version {got.version}: {w}")
+                    emit(event="wrong", text=self.wrong[-1])
                 if leader:
                     emit(event="round", version=got.version, at=at, seconds=at - t0,
                          error="")
@@ -227,7 +242,7 @@ async def main(args: argparse.Namespace) -> None:
         if args.role == "publisher":
             emit(event="ready", name=args.name)
             await answer_commands(Publisher(peer, args.rank, args.size, args.keep,
-                                            nursery).handle, TensorHubError)
+                                            args.max_held, nursery).handle, TensorHubError)
         else:
             members = [f"g{args.group}r{k}" for k in range(args.group_size)]
             async with open_group(peer, f"g{args.group}", members, args.rank, model=MODEL,
@@ -250,7 +265,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=1)
     p.add_argument("--size", type=int, required=True, help="model bytes")
     p.add_argument("--chunk", type=int, required=True)
-    p.add_argument("--keep", type=int, default=4, help="versions a publisher holds")
+    p.add_argument("--keep", type=int, default=4, help="versions a publisher keeps")
+    p.add_argument("--max-held", type=int, default=16, help="versions it holds at most")
     p.add_argument("--round-timeout", type=float, default=30.0)
     p.add_argument("--expect", type=int, required=True, help="peers live before ready")
     p.add_argument("--start-timeout", type=float, default=120.0)
