@@ -137,7 +137,7 @@ class Driver:
                 self.poll(time.monotonic())
                 if box:
                     break
-                why = "exited" if proc.p.poll() is not None else f"silent for {timeout:g} s"
+                why = "exited" if proc.p.poll() is not None else f"silent for {timeout:.1f} s"
                 raise MeshError(f"{name} {why} waiting for {event!r}: {proc.stderr_tail()}")
             self.poll(min(deadline, time.monotonic() + 0.05))
         ev = box.popleft()
@@ -163,9 +163,11 @@ class Driver:
         for name in self.names[len(PUBLISHERS):]:
             self.procs[name].send(cmd="stop")
         stopped, silent = {}, []
+        deadline = time.monotonic() + REPLY_S
         for name in self.names[len(PUBLISHERS):]:
             try:
-                stopped[name] = self.reply(name, "stopped")
+                stopped[name] = self.reply(name, "stopped",
+                                           max(0.1, deadline - time.monotonic()))
             except MeshError as exc:
                 print(f"  {exc}", flush=True)
                 silent.append(name)

@@ -17,9 +17,10 @@ driven by JSON lines: commands on stdin, events on stdout (:mod:`tensorhub.bench
   ``rounds`` switches (``done``); the other ranks loop until ``{"cmd": "stop"}``, which
   every rank answers with its counts (``stopped``).  Every rank checks the slices of
   each switch it sees against :func:`version_of` and reports a mismatch at once
-  (``wrong``).  After a failed round the leader pauses :data:`BACKOFF` seconds, as an
+  (``wrong``).  After a failed round a rank pauses :data:`BACKOFF` seconds, as an
   engine would: a round can fail without waiting (a rank not live), and a loop of
-  ``fetch_latest`` calls that fail at once would spin.
+  ``fetch_latest`` calls that fail at once would spin (at any rank: one that believes
+  the ranks below it dead leads its own rounds).
 
 Content is cheap to make and to check on a loaded host: fixed random bits per tensor,
 XORed (as 16-bit words) with a key that differs for every version, so a slice of another
@@ -52,7 +53,7 @@ PUBLISH = Sharding(0, 4, split={"embed": 0, "*.qkv": 0, "*.o": 1})
 KEPT_TEXTS = 5
 """Abort and mismatch texts a rank reports (the first ones)."""
 BACKOFF = 0.1
-"""Seconds the leader waits after a failed round before the next."""
+"""Seconds a rank waits after a failed round before the next."""
 U16 = np.dtype(np.uint16)
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -169,6 +170,7 @@ class Consumer:
         self.wrong: list[str] = []
         self.failures: dict[str, int] = {"aborts": 0, "timeouts": 0, "errors": 0}
         self.texts: list[str] = []
+        """The first failures' texts."""
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["cmd"] == "run":
@@ -205,8 +207,7 @@ class Consumer:
                         timeout=round_timeout if leader else None)
                 except (trio.TooSlowError, TensorHubError) as exc:
                     self._failed(leader, t0, exc)
-                    if leader:
-                        await trio.sleep(BACKOFF)
+                    await trio.sleep(BACKOFF)
                     continue
                 at = time.monotonic()
                 self.checked += 1
@@ -225,7 +226,8 @@ class Consumer:
             "timeouts" if isinstance(exc, trio.TooSlowError) else "errors"
         text = f"{type(exc).__name__}: {exc or 'no outcome in time'}"
         self.failures[kind] += 1
-        self.texts.append(text)
+        if len(self.texts) < KEPT_TEXTS:
+            self.texts.append(text)
         if leader:
             at = time.monotonic()
             emit(event="round", version=None, at=at, seconds=at - t0, error=text, kind=kind)
