@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import os
 import queue
 import re
 import statistics
@@ -151,12 +152,24 @@ class Driver:
                 for g in self.groups]
         return min(live) + 1
 
-    def progress(self, elapsed: float, versions: int) -> str:
+    def cpu_seconds(self) -> float:
+        """CPU seconds the peer processes have used so far (user + system)."""
+        total = 0
+        for proc in self.procs.values():
+            try:
+                fields = Path(f"/proc/{proc.p.pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:  # ended, or not Linux
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def progress(self, elapsed: float, versions: int, cpu: float) -> str:
         parts = []
         for g, evs in self.rounds.items():
             failed = sum(1 for ev in evs if ev["error"])
             parts.append(f"{g} {len(evs) - failed} switched, {failed} failed")
-        return f"{elapsed:5.1f} s: {versions} versions published; {'; '.join(parts)}"
+        return (f"{elapsed:5.1f} s: {versions} versions published; {'; '.join(parts)}; "
+                f"peers' CPU {cpu:.2f} s/s")
 
     def stop(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
         """Stop every consuming rank: the counts of those that answer, and those silent."""
@@ -190,6 +203,7 @@ def publish_loop(d: Driver) -> dict[str, Any]:
     seconds: list[float] = []
     late = 0
     start = next_at = shown = time.monotonic()
+    cpu_at = cpu0 = d.cpu_seconds()
     while len(d.done) < len(d.groups) and time.monotonic() < start + a.deadline:
         v = len(published) + 1
         t0 = time.monotonic()
@@ -213,10 +227,11 @@ def publish_loop(d: Driver) -> dict[str, Any]:
             next_at = time.monotonic()
         d.poll(next_at)
         if time.monotonic() >= shown + PROGRESS_S:
-            shown = time.monotonic()
-            print(d.progress(shown - start, v), flush=True)
+            now, cpu = time.monotonic(), d.cpu_seconds()
+            print(d.progress(now - start, v, (cpu - cpu_at) / (now - shown)), flush=True)
+            shown, cpu_at = now, cpu
     return {"published_at": published, "publish_s": seconds, "late": late,
-            "seconds": time.monotonic() - start}
+            "seconds": time.monotonic() - start, "peer_cpu_s": d.cpu_seconds() - cpu0}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -328,7 +343,8 @@ def run_cli(args: argparse.Namespace) -> int:
           f"{max(pub['publish_s']):.3f}, {pub['late']} past their tick); unpublishes: "
           f"{sum(p['unpublish_error_count'] for p in ps)} failed, "
           f"{sum(p['forced_unpublishes'] for p in ps)} forced (a group --max-held behind), "
-          f"slowest {max((p['slowest_unpublish_s'] for p in ps), default=0):.2f} s")
+          f"slowest {max((p['slowest_unpublish_s'] for p in ps), default=0):.2f} s; "
+          f"peers used {pub['peer_cpu_s'] / pub['seconds']:.2f} CPU s/s")
     print(f"{'group':<6} {'ranks':>5} {'switched':>8} {'aborted':>7} {'timeout':>7} "
           f"{'error':>5} {'wrong':>5}  round s (med/p90/max)    behind (med/max)")
     for g, s in groups.items():
@@ -356,6 +372,7 @@ def run_cli(args: argparse.Namespace) -> int:
             "measured": {"groups": groups, "publish_s": pub["publish_s"],
                          "versions_published": len(pub["published_at"]),
                          "publishes_late": pub["late"], "seconds": pub["seconds"],
+                         "peer_cpu_s": pub["peer_cpu_s"],
                          "publishers": r["publishers"]},
             "settings": {"rounds": args.rounds, "cadence": args.cadence,
                          "groups": args.group_sizes, "busy": args.busy,
@@ -376,7 +393,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="consuming groups' sizes, comma-separated (default 2,3)")
     p.add_argument("--busy", type=int, default=1,
                    help="neighbour processes spinning on a core (default 1)")
-    p.add_argument("--size", default="16MiB", help="model size (default 16MiB)")
+    p.add_argument("--size", default="8MiB", help="model size (default 8MiB)")
     p.add_argument("--chunk", default="256KiB", help="chunk size (default 256KiB)")
     p.add_argument("--keep", type=int, default=4,
                    help="versions each publisher rank keeps at least (default 4)")
