@@ -268,8 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(r: dict[str, Any]) -> dict[str, Any]:
-    """Per group, from the leader's round events: switches, failures by kind and their
-    first texts, seconds and lag of each round; mismatches from every rank's events; and
+    """Per group, from the leader's round events: switches, failures by kind and the
+    texts of the first five and the last three (with the leader's view then), seconds and lag of each round; mismatches from every rank's events; and
     what each rank that answered ``stop`` counted."""
     published = r["publish"]["published_at"]
     out = {}
@@ -277,11 +277,13 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         events = r["rounds"][g]
         ok = [ev for ev in events if not ev["error"]]
         failed = [ev for ev in events if ev["error"]]
+        shown = failed[:5] + failed[5:][-3:]  # the first failures and the last
         stopped = {n: r["stopped"][n] for n in ranks if n in r["stopped"]}
         out[g] = {"ranks": len(ranks), "switches": len(ok),
                   **{k: sum(1 for ev in failed if ev["kind"] == k)
                      for k in ("aborts", "timeouts", "errors")},
-                  "failed": len(failed), "texts": [ev["error"] for ev in failed][:5],
+                  "failed": len(failed), "texts": [ev["error"] for ev in shown],
+                  "views": [ev["view"] for ev in shown],
                   "causes": dict(Counter(re.sub(r"\d+(\.\d+)?", "N", ev["error"])
                                          for ev in failed).most_common(5)),
                   "wrong": len(r["wrong"][g]), "wrong_texts": r["wrong"][g][:5],
@@ -356,7 +358,10 @@ def run_cli(args: argparse.Namespace) -> int:
     for g, s in groups.items():
         if s["silent"]:
             print(f"  {g}: ranks that did not answer stop: {', '.join(s['silent'])}")
-        for text in [*s["texts"], *s["wrong_texts"], *s["release_errors"]]:
+        for text, view in zip(s["texts"], s["views"], strict=True):
+            print(f"  {g}: {text}")
+            print(f"  {g}:   the leader's view then: {view}")
+        for text in [*s["wrong_texts"], *s["release_errors"]]:
             print(f"  {g}: {text}")
         for cause, n in s["causes"].items():
             print(f"  {g}: {n} x {cause}")

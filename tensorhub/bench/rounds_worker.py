@@ -230,7 +230,18 @@ class Consumer:
             self.texts.append(text)
         if leader:
             at = time.monotonic()
-            emit(event="round", version=None, at=at, seconds=at - t0, error=text, kind=kind)
+            emit(event="round", version=None, at=at, seconds=at - t0, error=text, kind=kind,
+                 view=self.view())
+
+    def view(self) -> str:
+        """What this peer believes of the model: why a leader proposed what it did."""
+        control, live = self.peer.control, self.group.live
+        readable = control.readable(MODEL)
+        unsealed = self.peer.unsealed(MODEL)
+        return (f"live {None if live is None else live.version}, latest "
+                f"{control.latest(MODEL)}, sealed now {readable[0] if readable else '-'}.."
+                f"{readable[-1] if readable else '-'}, {len(unsealed)} unsealed"
+                + (f" (first: {unsealed[0]})" if unsealed else ""))
 
 
 async def main(args: argparse.Namespace) -> None:
