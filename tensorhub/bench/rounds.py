@@ -200,6 +200,8 @@ def publish_loop(d: Driver) -> dict[str, Any]:
     its publish took."""
     a = d.args
     published: list[float] = []  # published[v - 1]: when v was complete at every rank
+    held: list[int] = []  # what every rank holds: the same rule as the workers'
+    forced: set[int] = set()
     seconds: list[float] = []
     late = 0
     start = next_at = shown = time.monotonic()
@@ -210,6 +212,11 @@ def publish_loop(d: Driver) -> dict[str, Any]:
         floor = d.floor()
         for name in PUBLISHERS:
             d.procs[name].send(cmd="publish", version=v, floor=floor)
+        held.append(v)
+        while len(held) > a.keep and (held[0] < floor or len(held) > a.max_held):
+            if held[0] >= floor:
+                forced.add(held[0])
+            held.pop(0)
         replies = [d.reply(name, "published") for name in PUBLISHERS]
         published.append(time.monotonic())
         seconds.append(max(r["seconds"] for r in replies))
@@ -230,7 +237,7 @@ def publish_loop(d: Driver) -> dict[str, Any]:
             now, cpu = time.monotonic(), d.cpu_seconds()
             print(d.progress(now - start, v, (cpu - cpu_at) / (now - shown)), flush=True)
             shown, cpu_at = now, cpu
-    return {"published_at": published, "publish_s": seconds, "late": late,
+    return {"published_at": published, "publish_s": seconds, "late": late, "forced": forced,
             "seconds": time.monotonic() - start, "peer_cpu_s": d.cpu_seconds() - cpu0}
 
 
@@ -268,9 +275,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(r: dict[str, Any]) -> dict[str, Any]:
-    """Per group, from the leader's round events: switches, failures by kind and the
-    texts of the first five and the last three (with the leader's view then), seconds and lag of each round; mismatches from every rank's events; and
-    what each rank that answered ``stop`` counted."""
+    """Per group, from the leader's round events: switches, failures by kind, those of a
+    version the trainer had already dropped, the texts of the first five and the last
+    three (with the leader's view then), seconds and lag of each round; mismatches from
+    every rank's events; and what each rank that answered ``stop`` counted."""
     published = r["publish"]["published_at"]
     out = {}
     for g, ranks in r["groups"].items():
@@ -278,11 +286,15 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         ok = [ev for ev in events if not ev["error"]]
         failed = [ev for ev in events if ev["error"]]
         shown = failed[:5] + failed[5:][-3:]  # the first failures and the last
+        dropped = [ev for ev in failed
+                   if (m := re.search(r"could not stage version (\d+)", ev["error"]))
+                   and int(m[1]) in r["publish"]["forced"]]
         stopped = {n: r["stopped"][n] for n in ranks if n in r["stopped"]}
         out[g] = {"ranks": len(ranks), "switches": len(ok),
                   **{k: sum(1 for ev in failed if ev["kind"] == k)
                      for k in ("aborts", "timeouts", "errors")},
-                  "failed": len(failed), "texts": [ev["error"] for ev in shown],
+                  "failed": len(failed), "on_dropped_versions": len(dropped),
+                  "texts": [ev["error"] for ev in shown],
                   "views": [ev["view"] for ev in shown],
                   "causes": dict(Counter(re.sub(r"\d+(\.\d+)?", "N", ev["error"])
                                          for ev in failed).most_common(5)),
@@ -356,6 +368,10 @@ def run_cli(args: argparse.Namespace) -> int:
               f"{_quantiles(s['round_s']):<24} "
               f"{statistics.median(behind) if behind else '-'}/{max(behind, default='-')}")
     for g, s in groups.items():
+        if s["on_dropped_versions"]:
+            print(f"  {g}: {s['on_dropped_versions']} of its {s['failed']} failed rounds "
+                  f"staged a version the trainer had dropped (over --max-held "
+                  f"{args.max_held} versions behind)")
         if s["silent"]:
             print(f"  {g}: ranks that did not answer stop: {', '.join(s['silent'])}")
         for text, view in zip(s["texts"], s["views"], strict=True):
@@ -378,6 +394,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          "versions_published": len(pub["published_at"]),
                          "publishes_late": pub["late"], "seconds": pub["seconds"],
                          "peer_cpu_s": pub["peer_cpu_s"],
+                         "versions_dropped_while_stageable": len(pub["forced"]),
                          "publishers": r["publishers"]},
             "settings": {"rounds": args.rounds, "cadence": args.cadence,
                          "groups": args.group_sizes, "busy": args.busy,
