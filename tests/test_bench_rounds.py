@@ -20,6 +20,7 @@ from tensorhub.bench.rounds_worker import (
     PUBLISH,
     base_slices,
     consume_layout,
+    drop_old,
     mismatches,
     version_of,
 )
@@ -84,3 +85,11 @@ def test_the_check_accepts_every_version_and_refuses_any_other(size: int) -> Non
     assert mismatches(want, 7, mixed) == ["l0.qkv: other bytes than version 7"]
     assert mismatches(want, 7, {**got, "embed": got["embed"].astype(np.float32)})
     assert mismatches(want, 7, {k: v for k, v in got.items() if k != "embed"})
+
+
+def test_publishers_drop_what_no_group_can_stage_and_force_only_past_max_held() -> None:
+    held = list(range(1, 11))
+    assert drop_old(held, 3, 4, 6) == [(1, False), (2, False), (3, True), (4, True)]
+    assert held == [5, 6, 7, 8, 9, 10]
+    assert drop_old(held, 100, 4, 6) == [(5, False), (6, False)] and held == [7, 8, 9, 10]
+    assert drop_old(held, 0, 2, 8) == [] and held == [7, 8, 9, 10]  # a group still on 0

@@ -56,7 +56,7 @@ from ..demo import _free_ports, parse_size
 from ..security import write_keys
 from .chaos_mesh import MeshError, Proc
 from .figures import figure, print_figures
-from .rounds_worker import HIDDEN, MODEL, model_bytes
+from .rounds_worker import HIDDEN, MODEL, drop_old, model_bytes
 
 PUBLISHERS = [f"t{r}" for r in range(4)]
 REPLY_S = 30.0
@@ -200,7 +200,7 @@ def publish_loop(d: Driver) -> dict[str, Any]:
     its publish took."""
     a = d.args
     published: list[float] = []  # published[v - 1]: when v was complete at every rank
-    held: list[int] = []  # what every rank holds: the same rule as the workers'
+    held: list[int] = []  # what every rank holds, by the workers' rule
     forced: set[int] = set()
     seconds: list[float] = []
     late = 0
@@ -213,10 +213,7 @@ def publish_loop(d: Driver) -> dict[str, Any]:
         for name in PUBLISHERS:
             d.procs[name].send(cmd="publish", version=v, floor=floor)
         held.append(v)
-        while len(held) > a.keep and (held[0] < floor or len(held) > a.max_held):
-            if held[0] >= floor:
-                forced.add(held[0])
-            held.pop(0)
+        forced.update(old for old, f in drop_old(held, floor, a.keep, a.max_held) if f)
         replies = [d.reply(name, "published") for name in PUBLISHERS]
         published.append(time.monotonic())
         seconds.append(max(r["seconds"] for r in replies))

@@ -119,6 +119,17 @@ def mismatches(base: dict[str, tuple[np.ndarray[Any, Any], str]], version: int,
     return wrong
 
 
+def drop_old(held: list[int], floor: int, keep: int, max_held: int) -> list[tuple[int, bool]]:
+    """Take from ``held`` (ascending) the versions a publisher unpublishes now: below
+    ``floor`` beyond the newest ``keep``, and any beyond the newest ``max_held`` (those
+    *forced*: a group may still stage them).  Returns ``(version, forced)`` pairs."""
+    out = []
+    while len(held) > keep and (held[0] < floor or len(held) > max_held):
+        out.append((held[0], held[0] >= floor))
+        held.pop(0)
+    return out
+
+
 def emit(**obj: Any) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -139,10 +150,9 @@ class Publisher:
             v, t0 = cmd["version"], time.monotonic()
             await self.peer.publish(MODEL, v, version_of(self.base, v), layout=self.layout)
             self.held.append(v)
-            while len(self.held) > self.keep and (self.held[0] < cmd["floor"]
-                                                  or len(self.held) > self.max_held):
-                self.forced += self.held[0] >= cmd["floor"]
-                self.nursery.start_soon(self._unpublish, self.held.pop(0))
+            for old, forced in drop_old(self.held, cmd["floor"], self.keep, self.max_held):
+                self.forced += forced
+                self.nursery.start_soon(self._unpublish, old)
             return {"event": "published", "version": v, "seconds": time.monotonic() - t0}
         if cmd["cmd"] == "stats":
             return {"event": "stats", "unpublish_errors": self.unpublish_errors[:KEPT_TEXTS],
