@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chaos, cluster, flip, transfer
+    from .bench import chaos, cluster, flip, rounds, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     flip.add_options(bsub.add_parser("flip", help="the staged flip's pause with readers "
@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "vs star, gloo and Ray (needs root)"))
     chaos.add_options(bsub.add_parser("chaos", help="faults and a rogue peer against a "
                                       "mesh of processes; invariants checked per seed"))
+    rounds.add_options(bsub.add_parser("rounds", help="model-parallel groups switching "
+                                       "under a fast trainer on a busy host; aborts counted"))
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
@@ -187,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "bench":
-            from .bench import chaos, cluster, flip, transfer
+            from .bench import chaos, cluster, flip, rounds, transfer
 
             if args.bench == "flip":
                 return flip.run_cli(args)
@@ -195,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return cluster.run_cli(args)
             if args.bench == "chaos":
                 return chaos.run_cli(args)
+            if args.bench == "rounds":
+                return rounds.run_cli(args)
             return transfer.run_cli(args)
         if args.command == "status":
             if not args.join:
