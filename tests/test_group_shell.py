@@ -261,3 +261,32 @@ async def test_open_group_refuses_misuse() -> None:
                 async with open_group(a, "g", ["p0"], 0, model="m"):
                     pass
         assert a._group_inbox == {}
+
+
+async def test_a_round_that_aborts_at_once_is_still_a_checkpoint() -> None:
+    """A rank seen live and gone since aborts the round before anything is awaited;
+    fetch_latest still yields, so an engine retrying in a loop lets its peer run."""
+    async with tensorhub.open_peer(PeerConfig.local("p0")) as a, trio.open_nursery() as n:
+        seed = (a.info.control.removeprefix("tcp://"),)
+        await a.publish("m", 1, full(1))
+        leave = trio.Event()
+
+        async def rank1(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            async with tensorhub.open_peer(PeerConfig.local("p1", join=seed)):
+                task_status.started()
+                await leave.wait()
+
+        await n.start(rank1)
+        async with open_group(a, "g", ["p0", "p1"], 0, model="m", config=CONFIG) as g:
+            with trio.fail_after(10):
+                while not a.control.membership.is_live("p1"):
+                    await a.wait_changed()
+            leave.set()
+            with trio.fail_after(10):  # p1 left the mesh
+                while a.control.membership.is_live("p1"):
+                    await a.wait_changed()
+            for _ in range(3):
+                with trio.testing.assert_checkpoints(), \
+                        pytest.raises(GroupSwitchError, match=r"ranks 1 \(p1\) are not live"):
+                    await g.fetch_latest(timeout=10)
+            assert g.live is None

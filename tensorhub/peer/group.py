@@ -191,6 +191,9 @@ class Group:
         aborted, :class:`trio.TooSlowError` after ``timeout`` seconds without an outcome.
         First it waits (``GroupConfig.join_grace``) until every rank's peer has been
         seen live."""
+        # A round can end before anything is awaited (a rank seen live before is gone):
+        # still a checkpoint, so an engine retrying in a loop lets its peer run.
+        await trio.lowlevel.checkpoint()
         with trio.fail_after(timeout) if timeout is not None else nullcontext():
             # A group forms as its ranks' peers join the mesh: wait (up to join_grace) for
             # ranks never seen live yet, so that a rank still starting neither aborts the
