@@ -15,22 +15,12 @@ from typing import Any
 
 import trio
 
-from .config import PeerConfig
+from .config import PeerConfig, parse_labels
 from .errors import ConfigError, TensorHubError
 from .security import load, read_keyring, write_keys
 
 PRESETS = {"local": PeerConfig.local, "datacenter": PeerConfig.datacenter,
            "cross_dc": PeerConfig.cross_dc}
-
-
-def _labels(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    out = []
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k or not v:
-            raise ConfigError(f"--label expects KEY=VALUE, got {item!r}")
-        out.append((k, v))
-    return tuple(out)
 
 
 def _config(args: argparse.Namespace, name: str) -> PeerConfig:
@@ -43,7 +33,7 @@ def _config(args: argparse.Namespace, name: str) -> PeerConfig:
     if args.insecure:
         extra["allow_insecure"] = True
     return PRESETS[args.preset](name, listen=args.listen, join=seeds,
-                                labels=_labels(args.label or []), **extra)
+                                labels=parse_labels(args.label or []), **extra)
 
 
 async def _run_peer(config: PeerConfig, keys: str | None = None) -> None:

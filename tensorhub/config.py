@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,3 +324,14 @@ class PeerConfig:
         )
         base.update(overrides)
         return cls(name=name, **base)
+
+
+def parse_labels(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``KEY=VALUE`` strings (the CLI's ``--label``) as ``PeerConfig.labels`` pairs."""
+    out = []
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k or not v:
+            raise ConfigError(f"--label expects KEY=VALUE, got {item!r}")
+        out.append((k, v))
+    return tuple(out)

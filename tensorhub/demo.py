@@ -16,13 +16,11 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from typing import IO, Any
+from typing import Any
 
 import blake3
 import numpy as np
@@ -31,6 +29,7 @@ import trio
 from . import security
 from .config import DEFAULT_CHUNK_SIZE, PeerConfig
 from .model import VersionKey
+from .processes import LineProcess, free_ports
 from .transport.shmem import shared_empty
 
 MODEL = "demo-llm"
@@ -161,61 +160,6 @@ async def _worker(args: argparse.Namespace) -> None:
             held[version % 2] = version
 
 
-class _Proc:
-    """A worker process spoken to in lines: commands on stdin, JSON events on stdout.
-
-    A thread reads stdout into a queue, so :meth:`expect` keeps its timeout even when
-    the worker prints nothing (hung at start, say) instead of blocking in ``readline``.
-    """
-
-    def __init__(self, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, bufsize=1)
-        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-        threading.Thread(target=self._pump, name=f"stdout of {name}", daemon=True).start()
-
-    def _pump(self) -> None:
-        stdout: IO[str] = self.p.stdout  # type: ignore[assignment]
-        for line in stdout:
-            self._lines.put(line)
-        self._lines.put("")  # end of output
-
-    def send(self, line: str) -> None:
-        stdin: IO[str] = self.p.stdin  # type: ignore[assignment]
-        stdin.write(line + "\n")
-        stdin.flush()
-
-    def expect(self, event: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"{self.name}: no {event!r} within {timeout}s") from None
-            if not line:
-                self._lines.put("")  # stays ended for the next caller
-                raise RuntimeError(f"{self.name} exited (code {self.p.poll()})")
-            try:
-                obj: dict[str, Any] = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if obj.get("event") == event:
-                return obj
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """A closed mesh (fresh keys in a temporary directory: only these processes may join,
     and only the trainer may publish) unless ``--insecure``."""
@@ -230,16 +174,16 @@ def run_demo(args: argparse.Namespace) -> int:
 def _run_mesh(args: argparse.Namespace, keys: str) -> int:
     size = parse_size(args.size)
     n = args.rollouts
-    ports = _free_ports(n + 1)
+    ports = free_ports(n + 1)
     seed = f"127.0.0.1:{ports[0]}"
     base = [sys.executable, "-m", "tensorhub.demo", "worker", "--size", str(size),
             "--expect", str(n + 1), *(["--keys", keys] if keys else [])]
     if not args.json:
         print("closed mesh: keys made for this run (members: trainer, rollouts; publisher: "
               "trainer)" if keys else "insecure mesh (--insecure): no keys")
-    procs = [_Proc("trainer", [*base, "--name", "trainer", "--role", "trainer",
+    procs = [LineProcess("trainer", [*base, "--name", "trainer", "--role", "trainer",
                                "--listen", seed])]
-    procs += [_Proc(f"rollout-{i}", [*base, "--name", f"rollout-{i}", "--role", "rollout",
+    procs += [LineProcess(f"rollout-{i}", [*base, "--name", f"rollout-{i}", "--role", "rollout",
                                      "--listen", f"127.0.0.1:{ports[i + 1]}", "--join", seed])
               for i in range(n)]
     trainer, rollouts = procs[0], procs[1:]

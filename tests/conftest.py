@@ -14,7 +14,7 @@ import pytest
 
 from tensorhub.bench import netns
 from tensorhub.bench.netns import ClusterUnavailable, open_cluster
-from tensorhub.demo import _Proc
+from tensorhub.processes import LineProcess
 
 # Peers spawned by tests run with the interpreter that runs the tests.
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -26,9 +26,9 @@ def python() -> str:
 
 
 @pytest.fixture
-def procs() -> Iterator[list[_Proc]]:
+def procs() -> Iterator[list[LineProcess]]:
     """Worker processes a test starts; killed (and resumed first, if stopped) at the end."""
-    started: list[_Proc] = []
+    started: list[LineProcess] = []
     yield started
     for p in started:
         if p.p.poll() is None:

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tensorhub.demo import _free_ports
+from tensorhub.processes import free_ports
 
 CLI = [sys.executable, "-m", "tensorhub.cli"]
 
@@ -54,7 +54,7 @@ def _start_peer(port: int, name: str = "solo") -> subprocess.Popen[str]:
 
 
 def test_peer_exits_zero_soon_after_sigterm() -> None:
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     p = _start_peer(port)
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
@@ -65,7 +65,7 @@ def test_peer_exits_zero_soon_after_sigterm() -> None:
 
 
 def test_second_peer_on_a_used_port_exits_2_with_one_line() -> None:
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     first = _start_peer(port, "first")
     try:
         out = subprocess.run([*CLI, "peer", "--name", "second", "--listen",
@@ -89,7 +89,7 @@ def test_bad_options_exit_2_without_traceback() -> None:
 
 
 def test_status_lists_members_and_versions() -> None:
-    ports = _free_ports(1)
+    ports = free_ports(1)
     p = _start_peer(ports[0], "alpha")
     try:
         out = subprocess.run([*CLI, "status", "--preset", "local", "--join",
@@ -107,7 +107,7 @@ def test_status_lists_members_and_versions() -> None:
 
 
 def test_port_helper_gives_bindable_ports() -> None:
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 

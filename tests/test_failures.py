@@ -8,7 +8,7 @@ import sys
 import time
 
 from tensorhub import PeerConfig
-from tensorhub.demo import _free_ports, _Proc
+from tensorhub.processes import LineProcess, free_ports
 from tensorhub.protocol.suspicion import suspicion_bounds
 
 N = 6
@@ -22,14 +22,14 @@ def detection_bound(cfg: PeerConfig, n: int) -> float:
     return 3 * cfg.probe_interval + suspicion_max + 3 * math.log2(n) * cfg.gossip_interval
 
 
-def test_kill_9_is_detected_everywhere_and_references_disappear(procs: list[_Proc]) -> None:
-    ports = _free_ports(N)
+def test_kill_9_is_detected_everywhere_and_references_disappear(procs: list[LineProcess]) -> None:
+    ports = free_ports(N)
     seed = f"127.0.0.1:{ports[0]}"
     for i in range(N):
         argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", f"p{i}",
                 "--role", "trainer" if i == 0 else "rollout", "--listen",
                 f"127.0.0.1:{ports[i]}", "--size", str(SIZE), "--expect", str(N)]
-        procs.append(_Proc(f"p{i}", argv + (["--join", seed] if i else [])))
+        procs.append(LineProcess(f"p{i}", argv + (["--join", seed] if i else [])))
     for p in procs:
         p.expect("ready", 60)
     procs[0].send("publish 1")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tensorhub.demo import _free_ports
+from tensorhub.processes import free_ports
 
 CLI = [sys.executable, "-m", "tensorhub.cli"]
 
@@ -38,7 +38,7 @@ def test_keygen_then_only_key_holders_see_the_mesh(tmp_path: Path) -> None:
     assert {Path(line).name for line in out.stdout.split()} == {
         "cluster.json", "alpha.key", "ops.key"}
     assert json.loads((keys / "cluster.json").read_text())["publishers"] == {"m": ["alpha"]}
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     p = _peer(port, "alpha", keys)
     try:
         ok = _status(port, "--keys", str(keys), "--name", "ops")

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import sys
 
-from tensorhub.demo import _free_ports, _Proc
+from tensorhub.processes import LineProcess, free_ports
 
 SIZE = 24 << 20
 
 
-def spawn(procs: list[_Proc], name: str, role: str, port: int, seed: str, expect: int) -> _Proc:
+def spawn(procs: list[LineProcess], name: str, role: str, port: int, seed: str,
+          expect: int) -> LineProcess:
     argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", name, "--role", role,
             "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", str(expect)]
     if seed:
         argv += ["--join", seed]
-    p = _Proc(name, argv)
+    p = LineProcess(name, argv)
     procs.append(p)
     return p
 
 
-def test_publisher_and_three_fetchers_started_one_after_another(procs: list[_Proc]) -> None:
-    ports = _free_ports(4)
+def test_publisher_and_three_fetchers_started_one_after_another(procs: list[LineProcess]) -> None:
+    ports = free_ports(4)
     seed = f"127.0.0.1:{ports[0]}"
     pub = spawn(procs, "pub", "trainer", ports[0], "", 4)
     fetchers = [spawn(procs, f"f{i}", "rollout", ports[i + 1], seed, 4) for i in range(3)]

@@ -12,23 +12,24 @@ import trio
 
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
-from tensorhub.demo import _free_ports, _Proc, checksum
+from tensorhub.demo import checksum
+from tensorhub.processes import LineProcess, free_ports
 
 SIZE = 48 << 20
 CHUNK = 1 << 20
 
 
-def worker(name: str, role: str, port: int, seed: str, expect: int = 3) -> _Proc:
+def worker(name: str, role: str, port: int, seed: str, expect: int = 3) -> LineProcess:
     argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", name, "--role", role,
             "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", str(expect),
             "--chunk", str(CHUNK), "--transports", "tcp"]
-    return _Proc(name, argv + (["--join", seed] if seed else []))
+    return LineProcess(name, argv + (["--join", seed] if seed else []))
 
 
 @asynccontextmanager
-async def two_holders_and_reader(procs: list[_Proc]) -> AsyncIterator[
-        tuple[tensorhub.Peer, _Proc, str]]:
-    ports = _free_ports(3)
+async def two_holders_and_reader(procs: list[LineProcess]) -> AsyncIterator[
+        tuple[tensorhub.Peer, LineProcess, str]]:
+    ports = free_ports(3)
     seed = f"127.0.0.1:{ports[0]}"
     procs += [worker("pub", "trainer", ports[0], ""), worker("holder", "rollout", ports[1], seed)]
     cfg = PeerConfig.local("reader", listen=f"127.0.0.1:{ports[2]}", join=(seed,),
@@ -63,7 +64,7 @@ async def fetch_and_act_midway(reader: tensorhub.Peer, act: object) -> tensorhub
     return result[0]
 
 
-async def test_sigkill_holder_mid_fetch_completes_from_the_other(procs: list[_Proc]) -> None:
+async def test_sigkill_holder_mid_fetch_completes_from_the_other(procs: list[LineProcess]) -> None:
     async with two_holders_and_reader(procs) as (reader, holder, expected):
         got = await fetch_and_act_midway(reader, lambda: os.kill(holder.p.pid, signal.SIGKILL))
     r = got.report
@@ -75,7 +76,7 @@ async def test_sigkill_holder_mid_fetch_completes_from_the_other(procs: list[_Pr
     assert "holder" in r.dropped_sources
 
 
-async def test_sigstop_holder_mid_fetch_completes_from_the_other(procs: list[_Proc]) -> None:
+async def test_sigstop_holder_mid_fetch_completes_from_the_other(procs: list[LineProcess]) -> None:
     async with two_holders_and_reader(procs) as (reader, holder, expected):
         got = await fetch_and_act_midway(reader, lambda: os.kill(holder.p.pid, signal.SIGSTOP))
     r = got.report
@@ -85,7 +86,7 @@ async def test_sigstop_holder_mid_fetch_completes_from_the_other(procs: list[_Pr
     assert r.chunks_received == r.chunks
 
 
-async def test_corrupt_chunk_is_detected_attributed_and_refetched(procs: list[_Proc]) -> None:
+async def test_corrupt_chunk_is_detected_attributed_and_refetched(procs: list[LineProcess]) -> None:
     async with two_holders_and_reader(procs) as (reader, holder, expected):
         holder.send("corrupt 1")
         await trio.to_thread.run_sync(holder.expect, "corrupting", 30)
@@ -99,10 +100,10 @@ async def test_corrupt_chunk_is_detected_attributed_and_refetched(procs: list[_P
 
 
 async def test_a_sole_holder_paused_past_its_stall_limit_is_asked_again(
-        procs: list[_Proc]) -> None:
+        procs: list[LineProcess]) -> None:
     """The only holder stops for longer than a read's stall limit, then goes on: the
     fetch asks it again with more time instead of dropping it and failing."""
-    ports = _free_ports(2)
+    ports = free_ports(2)
     procs.append(worker("pub", "trainer", ports[0], "", expect=2))
     cfg = PeerConfig.local("reader", listen=f"127.0.0.1:{ports[1]}",
                            join=(f"127.0.0.1:{ports[0]}",), fetch_window=1,

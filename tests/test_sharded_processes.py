@@ -12,21 +12,21 @@ from pathlib import Path
 import pytest
 
 import tensorhub
-from tensorhub.demo import _free_ports, _Proc
+from tensorhub.processes import LineProcess, free_ports
 
 WORKER = str(Path(__file__).with_name("sharded_worker.py"))
 
 
-def test_tp4_publish_two_tp2_groups_three_versions(procs: list[_Proc],
+def test_tp4_publish_two_tp2_groups_three_versions(procs: list[LineProcess],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # the worker is a script: let it import the tensorhub these tests run against
     root = str(Path(tensorhub.__file__).resolve().parent.parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     names = [f"t{r}" for r in range(4)] + [f"g{g}r{k}" for g in range(2) for k in range(2)]
-    ports = _free_ports(len(names))
+    ports = free_ports(len(names))
     seed = f"127.0.0.1:{ports[0]}"
-    by_name: dict[str, _Proc] = {}
+    by_name: dict[str, LineProcess] = {}
     for i, name in enumerate(names):
         argv = [sys.executable, WORKER, "--name", name, "--listen", f"127.0.0.1:{ports[i]}",
                 "--expect", str(len(names))]
@@ -36,7 +36,7 @@ def test_tp4_publish_two_tp2_groups_three_versions(procs: list[_Proc],
             argv += ["--role", "consumer", "--group", name[1], "--rank", name[3]]
         if i:
             argv += ["--join", seed]
-        by_name[name] = p = _Proc(name, argv)
+        by_name[name] = p = LineProcess(name, argv)
         procs.append(p)
     for p in procs:
         p.expect("ready", 90)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..demo import _free_ports
 from ..errors import TensorHubError
+from ..processes import free_ports
 
 TRAINER = "trainer"
 ASYNC_EVENTS = ("fetch_started", "activated", "fetch_error", "slow_unpublish")
@@ -119,7 +119,7 @@ class Mesh:
         self.inbox: dict[str, deque[dict[str, Any]]] = {}
         self.async_events: list[tuple[str, dict[str, Any]]] = []
         self.procs: dict[str, Proc] = {}
-        self.ports = dict(zip(self.names, _free_ports(len(self.names)), strict=True))
+        self.ports = dict(zip(self.names, free_ports(len(self.names)), strict=True))
         self.rogue: Proc | None = None
         self.insider: Proc | None = None
         self.with_insider = insider and bool(keys)
@@ -263,7 +263,7 @@ class Mesh:
         for p in self.procs.values():
             p.signal(signal.SIGKILL)
             p.p.wait()
-        self.ports = dict(zip(self.names, _free_ports(len(self.names)), strict=True))
+        self.ports = dict(zip(self.names, free_ports(len(self.names)), strict=True))
         self.start(self.names)
 
     def close(self) -> None:

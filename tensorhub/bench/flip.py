@@ -37,7 +37,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
-from ..demo import _free_ports, parse_size
+from ..demo import parse_size
+from ..processes import free_ports
 from .figures import figure, print_figures
 from .worker import WorkerClient, WorkerError
 
@@ -49,7 +50,7 @@ READER_STALL = 0.5  # a reader refused the old version moves on within about thi
 def _processes(readers: int, chunk: int, transport: str
                ) -> Iterator[tuple[WorkerClient, WorkerClient, list[WorkerClient]]]:
     names = ["pub", "roll", *(f"reader{i}" for i in range(readers))]
-    ports = _free_ports(len(names))
+    ports = free_ports(len(names))
     seed = f"127.0.0.1:{ports[0]}"
     procs: dict[str, WorkerClient] = {}
     try:

@@ -52,7 +52,8 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from ..demo import _free_ports, parse_size
+from ..demo import parse_size
+from ..processes import free_ports
 from ..security import write_keys
 from .chaos_mesh import MeshError, Proc
 from .figures import figure, print_figures
@@ -84,7 +85,7 @@ class Driver:
 
     def start(self) -> None:
         a = self.args
-        ports = dict(zip(self.names, _free_ports(len(self.names)), strict=True))
+        ports = dict(zip(self.names, free_ports(len(self.names)), strict=True))
         seed = f"127.0.0.1:{ports[PUBLISHERS[0]]}"
         for name in self.names:
             argv = [sys.executable, "-m", "tensorhub.bench.rounds_worker", "--name", name,

@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 
 from ..config import DEFAULT_CHUNK_SIZE
-from ..demo import _free_ports, parse_size
+from ..demo import parse_size
+from ..processes import free_ports
 from ..security import write_keys
 from .figures import figure, print_figures
 from .worker import WorkerClient
@@ -119,7 +120,7 @@ def run(size: int, chunk: int, runs: int, only_tcp: bool = False, keys: bool = F
 def _mesh(names: list[str], chunk: int, key_dir: str | None
           ) -> Iterator[dict[str, WorkerClient]]:
     """One worker per name on loopback (``names[0]`` the seed), ready; ended on the way out."""
-    ports = _free_ports(len(names))
+    ports = free_ports(len(names))
     seed = f"127.0.0.1:{ports[0]}"
     transports = {"f_shm": "shm,tcp"}
     procs: dict[str, WorkerClient] = {}

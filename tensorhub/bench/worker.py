@@ -43,8 +43,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..cli import _labels
-from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
+from ..config import DEFAULT_CHUNK_SIZE, PeerConfig, parse_labels
 from ..demo import checksum, fill, model_specs
 from ..errors import TensorHubError
 from ..model import VersionKey
@@ -270,7 +269,7 @@ async def main(args: argparse.Namespace) -> None:
     cfg = PeerConfig.local(args.name, listen=args.listen,
                            join=tuple(s for s in args.join.split(",") if s),
                            chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
-                           labels=(("host", args.host), *_labels(args.label)),
+                           labels=(("host", args.host), *parse_labels(args.label)),
                            planning=args.planning == "on",
                            security=load_keys(args.keys, args.name) if args.keys else None,
                            allow_insecure=True,  # without --keys: emulated hosts on a
