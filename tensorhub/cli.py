@@ -1,4 +1,5 @@
-"""The ``tensorhub`` command: ``peer``, ``demo``, ``status``, ``bench``, ``keygen``.
+"""The ``tensorhub`` command: ``peer``, ``publish``, ``fetch``, ``demo``, ``status``,
+``bench``, ``keygen``.
 
 User errors (bad options, a port in use, an unreachable seed) end with one line on
 stderr and exit code 2, never a traceback.
@@ -11,10 +12,13 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
 
+from . import cli_ops
+from .cli_ops import Role
 from .config import PeerConfig, parse_labels
 from .errors import ConfigError, TensorHubError
 from .security import load, read_keyring, write_keys
@@ -36,17 +40,21 @@ def _config(args: argparse.Namespace, name: str) -> PeerConfig:
                                 labels=parse_labels(args.label or []), **extra)
 
 
-async def _run_peer(config: PeerConfig, keys: str | None = None) -> None:
-    """Run until SIGINT/SIGTERM; SIGHUP re-reads the keyring of ``keys`` (rotation)."""
+async def _run_peer(config: PeerConfig, keys: str | None = None,
+                    roles: Sequence[Role] = ()) -> None:
+    """Run until SIGINT/SIGTERM; SIGHUP re-reads the keyring of ``keys`` (rotation).
+    ``roles`` start once the peer is up and end (in reverse) before it leaves."""
     from pathlib import Path
 
     from .peer.node import open_peer
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
-        async with open_peer(config) as peer:
+        async with open_peer(config) as peer, AsyncExitStack() as stack:
             print(json.dumps({"event": "ready", "name": peer.info.name,
                               "control": peer.info.control, "data": peer.info.data,
                               "security": peer.statistics().security}), flush=True)
+            for role in roles:
+                await role(peer, stack)
             async for signum in signals:
                 if signum != signal.SIGHUP:
                     break
@@ -112,6 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True)
     _add_peer_options(p, "127.0.0.1:7700")
     p.add_argument("--data-listen", default=None, help="data-plane HOST:PORT")
+    cli_ops.add_role_options(p)
+
+    pub = sub.add_parser("publish", help="serve a safetensors file (mmap, no copy) as a "
+                         "version until SIGINT/SIGTERM")
+    pub.add_argument("file", metavar="FILE")
+    pub.add_argument("--model", required=True)
+    pub.add_argument("--version", type=int, required=True)
+    pub.add_argument("--name", default=None, help="member name (default publish-PID)")
+    _add_peer_options(pub, "127.0.0.1:0")
+    pub.add_argument("--data-listen", default=None, help="data-plane HOST:PORT")
+    cli_ops.add_metrics_option(pub)
+
+    f = sub.add_parser("fetch", help="fetch a version into a safetensors file")
+    cli_ops.add_fetch_options(f)
+    f.add_argument("--name", default=None, help="member name (default fetch-PID)")
+    _add_peer_options(f, "127.0.0.1:0")
 
     d = sub.add_parser("demo", help="spawn a local mesh on loopback and move weights")
     from .demo import add_demo_options
@@ -140,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--settle", type=float, default=2.0,
                    help="seconds to gossip before printing")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", action="store_true",
+                   help="redraw members, versions, transfers and staleness (rich)")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
+    s.add_argument("--count", type=int, default=None,
+                   help="with --watch: stop after this many drawings")
     k = sub.add_parser("keygen", help="make (or extend) a cluster's keys in DIR")
     k.add_argument("dir", metavar="DIR")
     k.add_argument("--peer", action="append", default=[], metavar="NAME",
@@ -168,8 +197,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "peer":
-            trio.run(_run_peer, _config(args, args.name), args.keys)
+        if args.command in ("peer", "publish"):
+            import os
+
+            roles = cli_ops.roles_of(args)
+            name = args.name or f"publish-{os.getpid()}"
+            trio.run(_run_peer, _config(args, name), args.keys, roles)
+            return 0
+        if args.command == "fetch":
+            import os
+
+            if not args.join:
+                raise ConfigError("fetch needs --join HOST:PORT")
+            config = _config(args, args.name or f"fetch-{os.getpid()}")
+            print(json.dumps(trio.run(cli_ops.run_fetch, config, args)), flush=True)
             return 0
         if args.command == "keygen":
             _keygen(args)
@@ -195,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError("status needs --join HOST:PORT")
             import os
 
+            if args.watch:
+                trio.run(cli_ops.run_watch,
+                         _config(args, args.name or f"status-{os.getpid()}"), args)
+                return 0
             report = trio.run(_status, _config(args, args.name or f"status-{os.getpid()}"),
                               args.settle)
             if args.json:

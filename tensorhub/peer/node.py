@@ -55,6 +55,7 @@ from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.groups import GroupEnvelope
 from ..protocol.membership import Outbound
 from ..protocol.messages import register_all
+from ..protocol.opstatus import StatusQuery, StatusReply
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
@@ -70,6 +71,7 @@ from .connections import ConnectionPool
 from .fetcher import Fetch, Fetched, FetchReport
 from .fetching import fetch_key
 from .operations import Operations, operation
+from .opstatus import StatusDesk
 from .reshard import reshard, same_layout_holder
 from .retention import Retention
 from .stats import INSECURE, PeerStats, peer_statistics
@@ -159,6 +161,7 @@ class Peer:
         self._resharding: set[VersionKey] = set()
         self.retention = Retention(self)
         self.conflicts = Explainer(self)  # which tensors ranks disagree on
+        self.status_desk = StatusDesk(self)  # status queries (tensorhub status)
         self._group_inbox: dict[str, Callable[[GroupEnvelope], None]] = {}
         """Handlers of group messages by group name (see :mod:`tensorhub.peer.group`)."""
         self._nursery: trio.Nursery
@@ -250,6 +253,8 @@ class Peer:
             self.bans.hint(msg)
         elif isinstance(msg, KeepQuery | KeepAnswer):
             self.retention.on_message(sender, msg)
+        elif isinstance(msg, StatusQuery | StatusReply):
+            self.status_desk.on_message(sender, msg)
         elif isinstance(msg, GroupEnvelope):
             handler = self._group_inbox.get(msg.group)
             if handler is None:

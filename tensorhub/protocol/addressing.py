@@ -24,6 +24,7 @@ from . import control, coordination, membership
 from .bans import BanNotice
 from .coordination import CoordRequest
 from .groups import GroupEnvelope
+from .opstatus import StatusQuery, StatusReply
 from .retention import KeepAnswer, KeepQuery
 from .view import MemberState
 
@@ -39,8 +40,10 @@ def misaddressed(msg: object, routing_id: str, members: Mapping[str, MemberState
         if member is None or member.info.control != routing_id:
             return f"speaks for {name[:100]!r}, not a member at that address"
         return ""
-    if isinstance(msg, KeepAnswer):
-        return ""  # matched against the address we asked (peer/retention.py)
+    if isinstance(msg, KeepAnswer | StatusReply):
+        return ""  # matched against the address we asked (peer/retention.py, opstatus.py)
+    if isinstance(msg, StatusQuery):
+        return ""  # answered over the connection it came on, and nowhere else
     if not isinstance(msg, CONTROL):
         return "not a control-plane message"
     if isinstance(msg, CoordRequest) and msg.hops:

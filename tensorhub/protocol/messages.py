@@ -6,7 +6,17 @@ a fixed id block so that a module can append messages without shifting anyone el
 
 from __future__ import annotations
 
-from . import bans, codec, control, coordination, dataplane, groups, membership, retention
+from . import (
+    bans,
+    codec,
+    control,
+    coordination,
+    dataplane,
+    groups,
+    membership,
+    opstatus,
+    retention,
+)
 
 _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (1, dataplane.MESSAGES),     # 1..9: data plane
@@ -18,6 +28,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (80, dataplane.MESSAGES_2),  # 80..89: data plane, continued (same-host version leases)
     (90, bans.MESSAGES),         # 90..99: ban notices (hints about holders of bad bytes)
     (100, dataplane.MESSAGES_3), # 100..109: data plane, continued (authentication)
+    (110, opstatus.MESSAGES),    # 110..119: status queries (tensorhub status)
 )
 
 
