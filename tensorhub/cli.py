@@ -71,20 +71,13 @@ async def _run_peer(config: PeerConfig, keys: str | None = None,
 
 async def _status(config: PeerConfig, settle: float) -> dict[str, Any]:
     from .peer.node import open_peer
+    from .statusview import gather
 
     async with open_peer(config) as peer:
         await trio.sleep(settle)
-        members = {n: {"state": st, "labels": dict(info.labels), "control": info.control,
-                       "data": info.data}
-                   for n, (info, st) in peer.members().items() if n != config.name}
-        versions: dict[str, dict[str, Any]] = {}
-        for entry in peer.control.refs.origins():
-            for h in entry.holdings:
-                v = versions.setdefault(str(h.key), {"holders": {}})
-                v["holders"][entry.origin] = {
-                    "chunks": f"{h.count()}/{h.num_chunks}", "complete": h.complete,
-                    "publisher": h.publisher}
-        return {"members": members, "versions": versions}
+        report = await gather(peer, timeout=2.0)
+        del report["time"]
+        return report
 
 
 def _print_status(report: dict[str, Any]) -> None:
@@ -249,6 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
     except (TensorHubError, OSError) as exc:
         print(f"tensorhub {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:  # an error inside the peer's nursery (a role)
+        from .peer.fetcher import first_error
+
+        first = first_error(group)
+        if not isinstance(first, TensorHubError | OSError):
+            raise
+        print(f"tensorhub {args.command}: error: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -166,4 +166,4 @@ async def run_watch(config: PeerConfig, args: argparse.Namespace) -> None:
     require("rich")
     async with open_peer(config) as peer:
         await trio.sleep(args.settle)
-        await watch(peer, args.interval, args.count, timeout=min(2.0, args.interval))
+        await watch(peer, args.interval, args.count, timeout=2.0)

@@ -80,7 +80,8 @@ async def follow(peer: Peer, model: str, keep: int, emit: Emit) -> None:
             held.append(version)
             emit({"event": "followed", "model": model, "version": version,
                   "bytes": got.report.bytes, "seconds": round(got.report.seconds, 4),
-                  "sources": sorted(got.report.bytes_by_source)})
+                  "sources": sorted(got.report.bytes_by_source),
+                  "transports": sorted(set(got.report.transport_by_source.values()))})
         while len(held) > keep:
             old = held.pop(0)
             await peer.unpublish(model, old)
@@ -94,14 +95,16 @@ async def fetch_to_file(peer: Peer, model: str, version: int | str,
     ``wait`` seconds for the view to show one) and write it to ``out`` as safetensors;
     returns the fetch and the file's size."""
     check_model_name(model)
-    if version == "latest":
-        with trio.move_on_after(wait):
-            version = await peer.wait_for_version(model)
-        if version == "latest":
-            raise VersionUnavailable(model, "latest", f"no sealed version seen in {wait} s")
-    elif not isinstance(version, int):
+    if version != "latest" and not isinstance(version, int):
         raise LocalProtocolError(f"version must be an int or 'latest', got {version!r}")
-    resolved = check_version(version)  # type: ignore[arg-type]
+    newer_than = None if version == "latest" else check_version(int(version)) - 1
+    seen = None
+    with trio.move_on_after(wait):  # a view just joined has not heard of it yet
+        seen = await peer.wait_for_version(model, newer_than)
+    if seen is None:
+        which = "sealed version" if newer_than is None else f"sealed version >= {version}"
+        raise VersionUnavailable(model, version, f"no {which} seen in {wait} s")
+    resolved = seen if version == "latest" else int(version)
     async with trio.open_nursery() as nursery:
         if progress is not None:
             nursery.start_soon(_watch_progress, peer, model, resolved, progress)

@@ -151,3 +151,4 @@ async def watch(peer: Peer, interval: float, count: int | None, timeout: float) 
             drawn += 1
             if count is None or drawn < count:
                 await trio.sleep(interval)
+    console.line()

@@ -1,0 +1,159 @@
+"""safetensors files in and out of a mesh, from the command line (real processes, the
+real safetensors library reading back), and the header parser byte by byte."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from tensorhub.errors import LocalProtocolError
+from tensorhub.processes import LineProcess, free_ports
+from tensorhub.safetensors_io import map_safetensors, parse_header, write_safetensors
+
+CLI = [sys.executable, "-m", "tensorhub.cli"]
+
+
+def _tensors(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"embed": rng.standard_normal((300, 64)).astype(np.float32),
+            "head.weight": rng.standard_normal((64, 33)).astype(np.float16),
+            "steps": np.arange(7, dtype=np.int64) * seed,
+            "mask": rng.random(13) > 0.5, "scalar": np.array(seed, np.uint8),
+            "empty": np.zeros((0, 4), np.int32)}
+
+
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    with safe_open(str(path), framework="numpy") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}  # noqa: SIM118
+
+
+def _assert_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert np.array_equal(got[k], want[k]), k
+
+
+@pytest.fixture
+def started() -> Iterator[list[LineProcess]]:
+    procs: list[LineProcess] = []
+    yield procs
+    for p in procs:
+        if p.p.poll() is None:
+            p.p.terminate()
+        p.p.wait(timeout=20)
+        for stream in (p.p.stdin, p.p.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _publish(procs: list[LineProcess], path: Path, version: int, port: int,
+             *extra: str) -> LineProcess:
+    p = LineProcess(f"publish v{version}", [
+        *CLI, "publish", str(path), "--model", "m", "--version", str(version), "--name",
+        f"pub{version}", "--listen", f"127.0.0.1:{port}", "--preset", "local", *extra])
+    procs.append(p)
+    event = p.expect("serving", 60)
+    assert event["version"] == version and event["tensors"] == len(_tensors(0))
+    return p
+
+
+def _fetch(join: int, out: Path, *extra: str) -> dict[str, object]:
+    run = subprocess.run([*CLI, "fetch", "--model", "m", "--out", str(out), "--join",
+                          f"127.0.0.1:{join}", "--preset", "local", *extra],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "100.0%" in run.stderr  # the plain progress lines (stderr is not a TTY)
+    summary: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
+    return summary
+
+
+def test_publish_from_one_process_fetch_from_another_reads_back_equal(
+        tmp_path: Path, started: list[LineProcess]) -> None:
+    want = _tensors(3)
+    save_file(want, str(tmp_path / "model.safetensors"), metadata={"origin": "test"})
+    (port,) = free_ports(1)
+    _publish(started, tmp_path / "model.safetensors", 1, port)
+    out = tmp_path / "copy.safetensors"
+    summary = _fetch(port, out, "--version", "latest")
+    assert summary["version"] == 1 and summary["verified"] is True
+    assert summary["sources"] == {"pub1": sum(a.nbytes for a in want.values())}
+    got, meta = _read(out)
+    _assert_equal(got, want)
+    assert meta == {"tensorhub": "m@1"}
+    assert not list(tmp_path.glob(".*.part"))  # no temporary file left behind
+
+
+def test_a_bf16_file_is_refused_with_one_line_naming_the_tensor(tmp_path: Path) -> None:
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    (tmp_path / "bf16.safetensors").write_bytes(
+        len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+    (port,) = free_ports(1)
+    run = subprocess.run([*CLI, "publish", str(tmp_path / "bf16.safetensors"), "--model",
+                          "m", "--version", "1", "--listen", f"127.0.0.1:{port}",
+                          "--preset", "local"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "tensor 'w' has dtype BF16" in run.stderr, run.stderr
+
+
+def test_every_truncation_of_a_file_is_refused_cleanly(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    save_file({"a": np.arange(6, dtype=np.float32), "b": np.ones(3, np.int16)}, str(path))
+    data = path.read_bytes()
+    n = 8 + int.from_bytes(data[:8], "little")
+    for cut in range(len(data)):  # byte by byte: a clear error, never another exception
+        with pytest.raises(LocalProtocolError):
+            parse_header(path, data[:cut], cut)
+    _, specs, _ = parse_header(path, data, len(data))
+    assert {k: v[2] for k, v in specs.items()} == {"a": n, "b": n + 24}
+
+
+def test_mapped_tensors_are_read_only_views_of_the_file(tmp_path: Path) -> None:
+    want = _tensors(5)
+    save_file(want, str(tmp_path / "x.safetensors"))
+    mapped = map_safetensors(tmp_path / "x.safetensors")
+    try:
+        _assert_equal(mapped.tensors, want)
+        for arr in mapped.tensors.values():
+            assert not arr.flags.writeable and arr.base is not None  # a view, not a copy
+        write_safetensors(tmp_path / "y.safetensors", mapped.tensors)
+    finally:
+        mapped.close()
+    _assert_equal(_read(tmp_path / "y.safetensors")[0], want)
+
+
+def test_follow_peer_holds_and_serves_each_new_version(
+        tmp_path: Path, started: list[LineProcess]) -> None:
+    ports = free_ports(3)
+    for v in (1, 2):
+        save_file(_tensors(v), str(tmp_path / f"v{v}.safetensors"))
+    first = _publish(started, tmp_path / "v1.safetensors", 1, ports[0],
+                     "--label", "host=h1")
+    follower = LineProcess("follower", [
+        *CLI, "peer", "--name", "cache", "--listen", f"127.0.0.1:{ports[1]}", "--join",
+        f"127.0.0.1:{ports[0]}", "--preset", "local", "--follow", "m", "--keep", "1",
+        "--label", "host=h1"])
+    started.append(follower)
+    got = follower.expect("followed", 60)
+    assert got["version"] == 1 and got["sources"] == ["pub1"], got
+    print("version 1 came over", got["transports"])
+    second = _publish(started, tmp_path / "v2.safetensors", 2, ports[2], "--join",
+                      f"127.0.0.1:{ports[0]}")
+    got = follower.expect("followed", 60)
+    assert got["version"] == 2 and got["sources"] == ["pub2"]
+    assert follower.expect("released", 30)["version"] == 1  # --keep 1
+    for p in (first, second):  # the publishers go: the cache alone serves version 2
+        p.p.terminate()
+        assert p.p.wait(timeout=20) == 0
+    summary = _fetch(ports[1], tmp_path / "from-cache.safetensors", "--version", "2")
+    assert summary["sources"] == {"cache": sum(a.nbytes for a in _tensors(2).values())}
+    _assert_equal(_read(tmp_path / "from-cache.safetensors")[0], _tensors(2))
