@@ -1,0 +1,122 @@
+"""The operator's surface: Prometheus metrics scraped over HTTP from a peer process,
+``tensorhub status`` (JSON and ``--watch``) against a live mesh, per-link rates."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from tensorhub.processes import LineProcess, free_ports
+from tensorhub.statusview import Rates
+
+CLI = [sys.executable, "-m", "tensorhub.cli"]
+WEIGHTS = {"w": np.arange(200_000, dtype=np.float32), "b": np.ones(10, np.float16)}
+NBYTES = sum(a.nbytes for a in WEIGHTS.values())
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[tuple[list[int], list[LineProcess]]]:
+    """Ports [publisher, cache, metrics] and the processes started on them."""
+    save_file(WEIGHTS, str(tmp_path / "m.safetensors"))
+    ports = free_ports(3)
+    procs: list[LineProcess] = []
+    yield ports, procs
+    for p in procs:
+        if p.p.poll() is None:
+            p.p.terminate()
+        p.p.wait(timeout=20)
+        for stream in (p.p.stdin, p.p.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _start(procs: list[LineProcess], name: str, *argv: str) -> LineProcess:
+    p = LineProcess(name, [*CLI, *argv, "--preset", "local"])
+    procs.append(p)
+    return p
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^(tensorhub_\S+) (\S+)$", text, re.M)}
+
+
+def test_metrics_scraped_over_http_move_after_a_fetch(
+        tmp_path: Path, mesh: tuple[list[int], list[LineProcess]]) -> None:
+    ports, procs = mesh
+    cache = _start(procs, "cache", "peer", "--name", "cache", "--listen",
+                   f"127.0.0.1:{ports[1]}", "--follow", "m", "--metrics-port", str(ports[2]))
+    assert cache.expect("metrics", 60)["url"].endswith(f":{ports[2]}/metrics")
+    before = _scrape(ports[2])
+    assert before["tensorhub_fetches_total"] == 0
+    assert before["tensorhub_versions_held"] == 0
+    assert "tensorhub_gossip_queue_depth{queue=\"inbound\"}" in before
+    _start(procs, "pub", "publish", str(tmp_path / "m.safetensors"), "--model", "m",
+           "--version", "1", "--name", "pub", "--listen", f"127.0.0.1:{ports[0]}",
+           "--join", f"127.0.0.1:{ports[1]}").expect("serving", 60)
+    assert cache.expect("followed", 60)["version"] == 1
+    after = _scrape(ports[2])
+    assert after["tensorhub_fetches_total"] == 1
+    assert after["tensorhub_fetched_bytes_by_transport_total{transport=\"tcp\"}"] == NBYTES
+    assert after["tensorhub_fetched_bytes_by_source_total{source=\"pub\"}"] == NBYTES
+    assert after["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 1
+    assert after["tensorhub_fetch_stage_seconds_total{stage=\"fetch\"}"] > 0
+    assert after["tensorhub_versions_held"] == 1 and after["tensorhub_held_bytes"] == NBYTES
+    assert after["tensorhub_members{state=\"alive\"}"] == 2  # pub, and itself
+    assert not [k for k in after if k.startswith("tensorhub_integrity_failures")]
+
+
+def test_status_json_and_watch_show_holders_bytes_and_staleness(
+        tmp_path: Path, mesh: tuple[list[int], list[LineProcess]]) -> None:
+    ports, procs = mesh
+    _start(procs, "pub", "publish", str(tmp_path / "m.safetensors"), "--model", "m",
+           "--version", "1", "--name", "pub", "--listen",
+           f"127.0.0.1:{ports[0]}").expect("serving", 60)
+    cache = _start(procs, "cache", "peer", "--name", "cache", "--listen",
+                   f"127.0.0.1:{ports[1]}", "--join", f"127.0.0.1:{ports[0]}",
+                   "--follow", "m")
+    assert cache.expect("followed", 60)["version"] == 1
+    status = [*CLI, "status", "--preset", "local", "--join", f"127.0.0.1:{ports[0]}",
+              "--settle", "1"]
+    out = subprocess.run([*status, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["health"] == {"alive": 2}
+    assert report["members"]["cache"]["fetched"] == NBYTES
+    assert report["members"]["pub"]["served"] == NBYTES
+    assert report["versions"]["m@1"]["bytes"] == NBYTES
+    assert sorted(report["versions"]["m@1"]["holders"]) == ["cache", "pub"]
+    assert {(s["member"], s["behind"]) for s in report["staleness"]} == {
+        ("cache", 0), ("pub", 0)}
+    watch = subprocess.run([*status, "--watch", "--count", "1"], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, COLUMNS="100"))
+    assert watch.returncode == 0, watch.stderr
+    screen = watch.stdout
+    for text in ("alive 2", "cache", "pub (1/1)", "m@1", "transfers in flight",
+                 "staleness"):
+        assert text in screen, screen
+
+
+def test_rates_are_bytes_between_reports_over_the_time_between() -> None:
+    rates = Rates()
+
+    def report(t: float, nbytes: int) -> dict[str, object]:
+        return {"time": t, "links": [{"dest": "a", "source": "b", "model": "m",
+                                      "version": 1, "bytes": nbytes}]}
+    first, second = report(10.0, 1000), report(12.0, 5000)
+    rates.add(first)
+    rates.add(second)
+    assert first["links"][0]["rate"] is None  # type: ignore[index]
+    assert second["links"][0]["rate"] == 2000.0  # type: ignore[index]
