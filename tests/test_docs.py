@@ -1,4 +1,5 @@
-"""The example in docs/api.md runs as pasted."""
+"""The examples in docs/ run as pasted: the Python program in docs/api.md, and the shell
+sessions marked ``<!-- example: NAME -->`` in the integration pages."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tensorhub
+from tensorhub.processes import free_ports
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
@@ -30,3 +34,41 @@ def test_sharded_groups_example_runs_as_pasted(tmp_path: Path) -> None:
         served = [int(line.split("version ")[1].split(":")[0]) for line in lines
                   if line.startswith(f"engine rank {rank}")]
         assert served and served[-1] == 3 and served == sorted(served), out.stdout
+
+
+SHELL_EXAMPLE = re.compile(r"<!-- example: ([\w-]+) -->\n```bash\n(.*?)```", re.S)
+SHELL_DOCS = ("safetensors.md", "operations.md")
+
+
+def _shell_examples() -> list[tuple[str, str, str]]:
+    return [(page, m.group(1), m.group(2)) for page in SHELL_DOCS
+            for m in SHELL_EXAMPLE.finditer((DOCS.parent / page).read_text())]
+
+
+def test_every_shell_page_has_an_example() -> None:
+    assert {page for page, _, _ in _shell_examples()} == set(SHELL_DOCS)
+
+
+@pytest.mark.parametrize(("page", "name", "script"), _shell_examples(),
+                         ids=lambda v: v if "\n" not in v else "script")
+def test_shell_example_runs_as_pasted(page: str, name: str, script: str,
+                                      tmp_path: Path) -> None:
+    """The ``tensorhub`` and ``python`` the page types are this checkout's."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for cmd, argv in (("tensorhub", f"{sys.executable} -m tensorhub.cli"),
+                      ("python", sys.executable)):
+        (bindir / cmd).write_text(f'#!/bin/sh\nexec {argv} "$@"\n')
+        (bindir / cmd).chmod(0o755)
+    root = str(Path(tensorhub.__file__).resolve().parent.parent)
+    port, metrics = free_ports(2)
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
+               PORT=str(port), METRICS=str(metrics), COLUMNS="100",
+               PYTHONPATH=os.pathsep.join(
+                   [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=env)
+    assert out.returncode == 0, f"{page} {name}: {out.stderr[-2000:]}"
+    expected = {"safetensors-cli": "copy.safetensors equals model.safetensors",
+                "watch-and-scrape": 'tensorhub_members{state="alive"} 1.0'}
+    assert expected[name] in out.stdout, out.stdout

@@ -148,8 +148,12 @@ def test_follow_peer_holds_and_serves_each_new_version(
     assert got["version"] == 1 and got["sources"] == ["pub1"], got
     # same host label: read from the publisher's mmap across processes where allowed
     assert got["transports"] == (["shm"] if shm_available()[0] else ["tcp"])
-    second = _publish(started, tmp_path / "v2.safetensors", 2, ports[2], "--join",
-                      f"127.0.0.1:{ports[0]}")
+    second = LineProcess("serve v2", [  # a bare peer with the --serve role
+        *CLI, "peer", "--name", "pub2", "--listen", f"127.0.0.1:{ports[2]}", "--join",
+        f"127.0.0.1:{ports[0]}", "--preset", "local", "--serve",
+        str(tmp_path / "v2.safetensors"), "--model", "m", "--version", "2"])
+    started.append(second)
+    assert second.expect("serving", 60)["version"] == 2
     got = follower.expect("followed", 60)
     assert got["version"] == 2 and got["sources"] == ["pub2"]
     assert follower.expect("released", 30)["version"] == 1  # --keep 1
