@@ -108,7 +108,7 @@ async def fetch_to_file(peer: Peer, model: str, version: int | str,
     async with trio.open_nursery() as nursery:
         if progress is not None:
             nursery.start_soon(_watch_progress, peer, model, resolved, progress)
-        got = await peer.fetch(model, resolved, sources=None)
+        got = await peer.fetch(model, resolved)
         nursery.cancel_scope.cancel()
     if progress is not None:
         total = sum(a.nbytes for a in got.tensors.values())
