@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,16 @@ import pytest
 from safetensors.numpy import save_file
 
 from tensorhub.processes import LineProcess, free_ports
+from tensorhub.protocol import codec
+from tensorhub.protocol.messages import register_all
+from tensorhub.protocol.opstatus import (
+    MAX_HELD,
+    MAX_LINKS,
+    HeldVersion,
+    LinkBytes,
+    StatusReply,
+    encode_reply,
+)
 from tensorhub.statusview import Rates
 
 CLI = [sys.executable, "-m", "tensorhub.cli"]
@@ -25,19 +34,10 @@ NBYTES = sum(a.nbytes for a in WEIGHTS.values())
 
 
 @pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[tuple[list[int], list[LineProcess]]]:
-    """Ports [publisher, cache, metrics] and the processes started on them."""
+def mesh(tmp_path: Path, procs: list[LineProcess]) -> tuple[list[int], list[LineProcess]]:
+    """Ports [publisher, cache, metrics], and the processes started (killed at the end)."""
     save_file(WEIGHTS, str(tmp_path / "m.safetensors"))
-    ports = free_ports(3)
-    procs: list[LineProcess] = []
-    yield ports, procs
-    for p in procs:
-        if p.p.poll() is None:
-            p.p.terminate()
-        p.p.wait(timeout=20)
-        for stream in (p.p.stdin, p.p.stdout):
-            if stream is not None:
-                stream.close()
+    return free_ports(3), procs
 
 
 def _start(procs: list[LineProcess], name: str, *argv: str) -> LineProcess:
@@ -120,3 +120,19 @@ def test_rates_are_bytes_between_reports_over_the_time_between() -> None:
     rates.add(second)
     assert first["links"][0]["rate"] is None  # type: ignore[index]
     assert second["links"][0]["rate"] == 2000.0  # type: ignore[index]
+
+
+def test_a_status_reply_at_its_bounds_fits_the_smallest_frame() -> None:
+    register_all()
+    name = "m" * 200
+    reply = StatusReply(
+        7, "p" * 200, tuple(HeldVersion(name, v, 0, 1 << 40, 3, 9) for v in range(MAX_HELD)),
+        tuple(LinkBytes(name, v, "s" * 200, "tcp", 5, 10) for v in range(MAX_LINKS)),
+        1, 2, 3, 4, 5)
+    smallest = 64 << 10  # PeerConfig refuses a smaller max_message_bytes
+    data = encode_reply(reply, smallest)
+    assert len(data) <= smallest
+    back = codec.decode(data, smallest)
+    assert isinstance(back, StatusReply) and back.held and back.links
+    assert len(back.held) + len(back.links) + back.left_out == MAX_HELD + MAX_LINKS
+    assert back.held == reply.held[:len(back.held)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,19 +42,6 @@ def _assert_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> No
         assert np.array_equal(got[k], want[k]), k
 
 
-@pytest.fixture
-def started() -> Iterator[list[LineProcess]]:
-    procs: list[LineProcess] = []
-    yield procs
-    for p in procs:
-        if p.p.poll() is None:
-            p.p.terminate()
-        p.p.wait(timeout=20)
-        for stream in (p.p.stdin, p.p.stdout):
-            if stream is not None:
-                stream.close()
-
-
 def _publish(procs: list[LineProcess], path: Path, version: int, port: int,
              *extra: str) -> LineProcess:
     p = LineProcess(f"publish v{version}", [
@@ -78,11 +64,11 @@ def _fetch(join: int, out: Path, *extra: str) -> dict[str, object]:
 
 
 def test_publish_from_one_process_fetch_from_another_reads_back_equal(
-        tmp_path: Path, started: list[LineProcess]) -> None:
+        tmp_path: Path, procs: list[LineProcess]) -> None:
     want = _tensors(3)
     save_file(want, str(tmp_path / "model.safetensors"), metadata={"origin": "test"})
     (port,) = free_ports(1)
-    _publish(started, tmp_path / "model.safetensors", 1, port)
+    _publish(procs, tmp_path / "model.safetensors", 1, port)
     out = tmp_path / "copy.safetensors"
     summary = _fetch(port, out, "--version", "latest")
     assert summary["version"] == 1 and summary["verified"] is True
@@ -133,17 +119,17 @@ def test_mapped_tensors_are_read_only_views_of_the_file(tmp_path: Path) -> None:
 
 
 def test_follow_peer_holds_and_serves_each_new_version(
-        tmp_path: Path, started: list[LineProcess]) -> None:
+        tmp_path: Path, procs: list[LineProcess]) -> None:
     ports = free_ports(3)
     for v in (1, 2):
         save_file(_tensors(v), str(tmp_path / f"v{v}.safetensors"))
-    first = _publish(started, tmp_path / "v1.safetensors", 1, ports[0],
+    first = _publish(procs, tmp_path / "v1.safetensors", 1, ports[0],
                      "--label", "host=h1")
     follower = LineProcess("follower", [
         *CLI, "peer", "--name", "cache", "--listen", f"127.0.0.1:{ports[1]}", "--join",
         f"127.0.0.1:{ports[0]}", "--preset", "local", "--follow", "m", "--keep", "1",
         "--label", "host=h1"])
-    started.append(follower)
+    procs.append(follower)
     got = follower.expect("followed", 60)
     assert got["version"] == 1 and got["sources"] == ["pub1"], got
     # same host label: read from the publisher's mmap across processes where allowed
@@ -152,7 +138,7 @@ def test_follow_peer_holds_and_serves_each_new_version(
         *CLI, "peer", "--name", "pub2", "--listen", f"127.0.0.1:{ports[2]}", "--join",
         f"127.0.0.1:{ports[0]}", "--preset", "local", "--serve",
         str(tmp_path / "v2.safetensors"), "--model", "m", "--version", "2"])
-    started.append(second)
+    procs.append(second)
     assert second.expect("serving", 60)["version"] == 2
     got = follower.expect("followed", 60)
     assert got["version"] == 2 and got["sources"] == ["pub2"]

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..protocol import codec
 from ..protocol.opstatus import (
     MAX_HELD,
     MAX_LINKS,
@@ -18,6 +17,7 @@ from ..protocol.opstatus import (
     LinkBytes,
     StatusQuery,
     StatusReply,
+    encode_reply,
 )
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class StatusDesk:
         one of ours (dropped and counted if we did not ask ``sender`` that)."""
         peer = self.peer
         if isinstance(msg, StatusQuery):
-            data = codec.encode(status_reply(peer, msg.nonce), peer.config.max_message_bytes)
+            data = encode_reply(status_reply(peer, msg.nonce), peer.config.max_message_bytes)
             peer._router.send_nowait(sender, data, reply=True)
             return
         waiting = self._waiting.get(msg.nonce)

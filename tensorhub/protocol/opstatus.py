@@ -12,16 +12,20 @@ source) and a few counters.  Rates are the asker's business: it queries again an
 divides the difference by the time between replies.  A reply is matched to its query
 by ``nonce``; a late or unknown one is dropped.  Replies are bounded like every message
 (at most :data:`MAX_HELD` versions and :data:`MAX_LINKS` links, the rest left out and
-counted in ``left_out``), so a member with much state still answers in one frame.
+counted in ``left_out``), and :func:`encode_reply` halves the lists until the reply
+fits the frame size the peer is configured with, so a member with much state still
+answers in one frame.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 from ..bounds import U32, U63, MaxLen, PeerName, Rank
+from ..errors import LocalProtocolError
 from ..model import ModelName
+from . import codec
 
 MAX_HELD = 1024
 MAX_LINKS = 1024
@@ -74,3 +78,18 @@ class StatusReply:
 
 
 MESSAGES = (StatusQuery, StatusReply)
+
+
+def encode_reply(reply: StatusReply, max_bytes: int) -> bytes:
+    """``reply`` encoded within ``max_bytes``: held versions and links are halved (the
+    rest counted in ``left_out``) until it fits."""
+    while True:
+        try:
+            return codec.encode(reply, max_bytes)
+        except LocalProtocolError:
+            if not reply.held and not reply.links:
+                raise
+            held, links = reply.held[:len(reply.held) // 2], reply.links[:len(reply.links) // 2]
+            dropped = len(reply.held) - len(held) + len(reply.links) - len(links)
+            reply = replace(reply, held=held, links=links,
+                            left_out=min(reply.left_out + dropped, 2**32 - 1))
