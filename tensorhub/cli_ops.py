@@ -132,15 +132,17 @@ async def run_fetch(config: PeerConfig, args: argparse.Namespace) -> dict[str, A
         except ValueError:
             raise ConfigError(f"--version expects N or latest, got {version!r}") from None
     what = f"fetch {args.model}@{version}"
+    try:  # a bar on a terminal when rich is there (the ops extra), else plain lines
+        import rich.progress as bars
+    except ImportError:
+        bars = None  # type: ignore[assignment]
     async with open_peer(config) as peer:
-        if sys.stderr.isatty():
-            from .metrics import require
+        if bars is not None and sys.stderr.isatty():
+            from rich.console import Console
 
-            progress_mod = require("rich.progress")
-            with progress_mod.Progress(
-                    *progress_mod.Progress.get_default_columns(),
-                    progress_mod.DownloadColumn(), progress_mod.TransferSpeedColumn(),
-                    transient=False) as bar:
+            with bars.Progress(*bars.Progress.get_default_columns(), bars.DownloadColumn(),
+                               bars.TransferSpeedColumn(),
+                               console=Console(stderr=True)) as bar:
                 task = bar.add_task(what, total=None)
 
                 def show(done: int, total: int) -> None:

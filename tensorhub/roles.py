@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .errors import ConsistencyError, LocalProtocolError, TransportError, VersionUnavailable
+from .errors import (
+    ConsistencyError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransportError,
+    VersionUnavailable,
+)
 from .model import check_model_name, check_version
 from .safetensors_io import MappedFile, map_safetensors, write_safetensors
 
@@ -69,13 +75,18 @@ async def follow(peer: Peer, model: str, keep: int, emit: Emit) -> None:
         last = version
         try:
             got = await peer.fetch(model, version)
-        except (VersionUnavailable, ConsistencyError, TransportError) as exc:
+        except (VersionUnavailable, ConsistencyError, TransportError,
+                RemoteProtocolError) as exc:
             emit({"event": "follow-skipped", "model": model, "version": version,
                   "error": str(exc)})
             continue
-        except LocalProtocolError as exc:  # held already (published here, say)
+        except LocalProtocolError as exc:  # being fetched here already (another call)
             emit({"event": "follow-held", "model": model, "version": version,
                   "detail": str(exc)})
+            continue
+        if got.report.served_arrays:  # held here already (--serve, say): not ours to drop
+            emit({"event": "follow-held", "model": model, "version": version,
+                  "detail": "held here already"})
         else:
             held.append(version)
             emit({"event": "followed", "model": model, "version": version,

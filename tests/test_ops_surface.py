@@ -136,3 +136,15 @@ def test_a_status_reply_at_its_bounds_fits_the_smallest_frame() -> None:
     assert isinstance(back, StatusReply) and back.held and back.links
     assert len(back.held) + len(back.links) + back.left_out == MAX_HELD + MAX_LINKS
     assert back.held == reply.held[:len(back.held)]
+
+
+@pytest.mark.parametrize("argv", [
+    ["status", "--join", "127.0.0.1:1", "--watch", "--count", "1"],
+    ["peer", "--name", "x", "--metrics-port", "1"]])
+def test_without_the_ops_extra_the_command_says_how_to_install(argv: list[str]) -> None:
+    hide = ("import sys; sys.modules['rich'] = sys.modules['prometheus_client'] = None; "
+            "from tensorhub.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", hide, *argv, "--preset", "local"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "pip install 'tensorhub[ops]'" in out.stderr, out.stderr

@@ -149,3 +149,24 @@ def test_follow_peer_holds_and_serves_each_new_version(
     summary = _fetch(ports[1], tmp_path / "from-cache.safetensors", "--version", "2")
     assert summary["sources"] == {"cache": sum(a.nbytes for a in _tensors(2).values())}
     _assert_equal(_read(tmp_path / "from-cache.safetensors")[0], _tensors(2))
+
+
+def test_follow_never_releases_the_version_its_own_peer_serves(
+        tmp_path: Path, procs: list[LineProcess]) -> None:
+    ports = free_ports(3)
+    for v in (1, 2, 3):
+        save_file(_tensors(v), str(tmp_path / f"v{v}.safetensors"))
+    both = LineProcess("serve+follow", [
+        *CLI, "peer", "--name", "both", "--listen", f"127.0.0.1:{ports[0]}", "--preset",
+        "local", "--serve", str(tmp_path / "v1.safetensors"), "--model", "m", "--version",
+        "1", "--follow", "m", "--keep", "1"])
+    procs.append(both)
+    assert both.expect("serving", 60)["version"] == 1
+    assert both.expect("follow-held", 60)["version"] == 1
+    for v in (2, 3):
+        _publish(procs, tmp_path / f"v{v}.safetensors", v, ports[v - 1], "--join",
+                 f"127.0.0.1:{ports[0]}")
+        assert both.expect("followed", 60)["version"] == v
+    assert both.expect("released", 30)["version"] == 2  # 1 is served, not followed
+    summary = _fetch(ports[0], tmp_path / "v1-again.safetensors", "--version", "1")
+    assert summary["sources"] == {"both": sum(a.nbytes for a in _tensors(1).values())}
