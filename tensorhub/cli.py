@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -191,15 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command in ("peer", "publish"):
-            import os
-
             roles = cli_ops.roles_of(args)
             name = args.name or f"publish-{os.getpid()}"
             trio.run(_run_peer, _config(args, name), args.keys, roles)
             return 0
         if args.command == "fetch":
-            import os
-
             if not args.join:
                 raise ConfigError("fetch needs --join HOST:PORT")
             config = _config(args, args.name or f"fetch-{os.getpid()}")
@@ -227,8 +224,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             if not args.join:
                 raise ConfigError("status needs --join HOST:PORT")
-            import os
-
             if args.watch:
                 trio.run(cli_ops.run_watch,
                          _config(args, args.name or f"status-{os.getpid()}"), args)
