@@ -148,3 +148,21 @@ def test_without_the_ops_extra_the_command_says_how_to_install(argv: list[str]) 
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "pip install 'tensorhub[ops]'" in out.stderr, out.stderr
+
+
+def test_members_answer_status_queries_in_a_closed_mesh(
+        tmp_path: Path, mesh: tuple[list[int], list[LineProcess]]) -> None:
+    ports, procs = mesh
+    keys = str(tmp_path / "keys")
+    subprocess.run([*CLI, "keygen", keys, "--peer", "pub", "--peer", "obs", "--publisher",
+                    "m=pub"], check=True, capture_output=True, timeout=60)
+    _start(procs, "pub", "publish", str(tmp_path / "m.safetensors"), "--model", "m",
+           "--version", "1", "--name", "pub", "--keys", keys, "--listen",
+           f"127.0.0.1:{ports[0]}").expect("serving", 60)
+    out = subprocess.run([*CLI, "status", "--preset", "local", "--join",
+                          f"127.0.0.1:{ports[0]}", "--settle", "1", "--json", "--keys", keys,
+                          "--name", "obs"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["members"]["pub"]["answered"] is True
+    assert report["versions"]["m@1"]["bytes"] == NBYTES
