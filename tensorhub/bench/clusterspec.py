@@ -196,6 +196,9 @@ def parse_topology(text: str, where: str = "topology") -> ClusterSpec:
     defaults = _table(data.get("defaults", {}), "[defaults]", problems)
     _unknown(defaults, _DEFAULT_KEYS, "[defaults]", problems)
     dcs = [_dc(i, raw, problems) for i, raw in enumerate(_tables(data, "dc", problems))]
+    names = [dc.name for dc in dcs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    problems += [f"DC name {name!r} is used twice" for name in twice]
     index = {dc.name: i for i, dc in enumerate(dcs)}
     links: dict[tuple[int, int], DCLink] = {}
     for i, raw in enumerate(_tables(data, "link", problems)):
@@ -229,9 +232,9 @@ def parse_topology(text: str, where: str = "topology") -> ClusterSpec:
         fill = DCLink(_rate(defaults, "wan_mbit", "[defaults]", problems),
                       _rtt(defaults, "wan_rtt_ms", "[defaults]", problems))
         links.update({pair: fill for pair in missing})
-    elif missing:
-        names = ", ".join(f"{dcs[a].name}-{dcs[b].name}" for a, b in missing)
-        problems.append(f"no [[link]] for {names} (and no [defaults] wan_mbit / wan_rtt_ms)")
+    elif missing and not twice:
+        pairs = ", ".join(f"{dcs[a].name}-{dcs[b].name}" for a, b in missing)
+        problems.append(f"no [[link]] for {pairs} (and no [defaults] wan_mbit / wan_rtt_ms)")
     if not problems:
         try:
             return ClusterSpec(tuple(dcs), links)
