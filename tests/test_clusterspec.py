@@ -17,7 +17,10 @@ from tensorhub.bench.clusterspec import (
     TopologyFileError,
     fluid_bound_s,
     load_topology,
+    pair_class,
     parse_topology,
+    relay_buffer,
+    relay_routes,
     uniform,
 )
 from tensorhub.errors import ConfigError
@@ -188,3 +191,20 @@ def test_bound_is_never_below_any_single_cut(nics: list[float]) -> None:
     assert bound >= S / (nics[0] * MB) - 1e-9  # the source uploads a copy
     assert bound >= max(S / (n * MB) for n in nics[1:]) - 1e-9  # each receiver downloads one
     assert bound >= (len(nics) - 1) * S / (sum(nics) * MB) - 1e-9  # N copies uploaded
+
+
+def test_relay_routes_give_each_direction_its_delay_and_class() -> None:
+    spec = parse_topology(EXAMPLE)  # us-eu 100 Mbit / 80 ms, eu-ap uncapped / 10 ms
+    routes = {(r["src"], r["dst"]): r for r in relay_routes(spec, "10.77")}
+    assert len(routes) == 6  # every ordered pair of 3 DCs
+    us_eu = routes[("10.77.0.0/24", "10.77.1.0/24")]
+    assert us_eu["one_way_ms"] == 40
+    # Bytes sent back to the client in "us" come from "eu" (class 1:0x101), and bytes
+    # into "eu" from "us" (class 1:0x100).
+    assert us_eu["to_src_priority"] == 0x10000 | pair_class(1) == 0x10101
+    assert us_eu["to_dst_priority"] == 0x10000 | pair_class(0) == 0x10100
+    eu_ap = routes[("10.77.1.0/24", "10.77.2.0/24")]
+    assert (eu_ap["one_way_ms"], eu_ap["to_src_priority"], eu_ap["to_dst_priority"]) == (
+        5, 0, 0)  # uncapped: the default class
+    # The fastest, longest pair: us-ap at 400 Mbit / 40 ms -> 2 x 50 MB/s x 20 ms.
+    assert relay_buffer(spec) == 2_000_000

@@ -117,8 +117,9 @@ def measure(args: argparse.Namespace) -> tuple[list[float], list[dict[str, Any]]
                     singles.append(float(single_hop(mesh, version, args.size)["seconds"]))
                 else:
                     chains.append(chain(mesh, version, args.size, args.depth))
+            done = ", ".join(f"{n} {t:.2f}" for n, t in chains[-1]["done_s"].items())
             print(f"  run {run + 1}: single hop {singles[-1]:.3f} s, chain "
-                  f"{chains[-1]['seconds']:.3f} s", flush=True)
+                  f"{chains[-1]['seconds']:.3f} s (done at: {done})", flush=True)
         mtu = cluster.mtu
     return singles, chains, mtu
 

@@ -16,6 +16,9 @@ mistake is reported with where it is (:class:`TopologyFileError`).
 :func:`fluid_bound_s` is the time no schedule can beat when ``h0`` sends ``size`` bytes
 to every other host; the formula is in its docstring and in ``docs/cluster.md``.
 
+:func:`relay_routes`, :func:`relay_buffer` and :func:`pair_class` say what the router
+of the emulated cluster does per pair of DCs (delay, buffer, htb class).
+
 Pure: no I/O except reading the file in :func:`load_topology`.
 """
 
@@ -316,6 +319,44 @@ def _unknown(raw: Mapping[str, Any], allowed: Iterable[str], where: str,
     if extra:
         problems.append(f"{where}: unknown key(s) {', '.join(extra)} "
                         f"(allowed: {', '.join(sorted(allowed))})")
+
+
+# -- what the router does with it ----------------------------------------------------------
+
+
+def pair_class(dc: int) -> int:
+    """The htb minor class id, on a DC's router leg, of bytes coming from DC ``dc`` (1 is
+    the uncapped default class)."""
+    return 0x100 + dc
+
+
+def relay_routes(spec: ClusterSpec, subnet: str) -> list[dict[str, Any]]:
+    """The relay's ``--routes``: for each ordered pair of DCs (``<subnet>.<dc>.0/24``) the
+    one-way delay, and the ``SO_PRIORITY`` (htb class ``1:pair_class(x)``) of each
+    direction's socket: bytes back to the client come from the destination's DC, and
+    bytes to the destination from the client's. Uncapped pairs get priority 0."""
+    routes = []
+    for src, dst in itertools.permutations(range(len(spec.dcs)), 2):
+        link = spec.link(src, dst)
+        routes.append({
+            "src": f"{subnet}.{src}.0/24", "dst": f"{subnet}.{dst}.0/24",
+            "one_way_ms": link.rtt_ms / 2,
+            "to_src_priority": 0 if link.mbit is None else (1 << 16) | pair_class(dst),
+            "to_dst_priority": 0 if link.mbit is None else (1 << 16) | pair_class(src),
+        })
+    return routes
+
+
+def relay_buffer(spec: ClusterSpec) -> int:
+    """Bytes one direction of a relayed connection must be able to hold so the delay line
+    never caps a pair's rate: twice rate x one-way delay of the most demanding pair (an
+    uncapped pair runs at most at the faster NIC of its two DCs)."""
+    need = 0.0
+    for a, b in itertools.combinations(range(len(spec.dcs)), 2):
+        link = spec.link(a, b)
+        nic = max(max(spec.dcs[a].nics_mbit), max(spec.dcs[b].nics_mbit)) * 1e6 / 8
+        need = max(need, 2 * min(link.bytes_per_s, nic) * link.rtt_ms / 2000)
+    return int(need)
 
 
 # -- the fluid bound ------------------------------------------------------------------------

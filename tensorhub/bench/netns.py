@@ -67,7 +67,7 @@ from types import FrameType
 from typing import Any
 
 from ..errors import TensorHubError
-from .clusterspec import ClusterSpec, uniform
+from .clusterspec import ClusterSpec, pair_class, relay_buffer, relay_routes, uniform
 
 #: Namespace names of default-prefixed runs: ``thc<owner pid>-<token>-<role>``.
 DEFAULT_FAMILY = "thc"
@@ -257,8 +257,8 @@ class Cluster:
         relay = self.run_in(
             rt,
             [sys.executable, "-u", str(_RELAY_SCRIPT), "--listen", f"0.0.0.0:{RELAY_PORT}",
-             "--original-dst", "--routes", json.dumps(self._relay_routes()),
-             "--buffer-bytes", str(self._relay_buffer())],
+             "--original-dst", "--routes", json.dumps(relay_routes(self.spec, SUBNET)),
+             "--buffer-bytes", str(max(RELAY_MIN_BUFFER, relay_buffer(self.spec)))],
             stdout=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         line = read_line(relay, timeout_s=20.0)
@@ -279,42 +279,13 @@ class Cluster:
             if mbit is None:
                 continue
             burst = _burst(mbit)
-            classid = f"1:{_pair_class(x):x}"
+            classid = f"1:{pair_class(x):x}"
             _run(["tc", "-n", rt, "class", "add", "dev", f"dc{dc}", "parent", "1:",
                   "classid", classid, "htb", "rate", f"{round(mbit * 1000)}kbit",
                   "burst", str(burst), "cburst", str(burst), "quantum", "65536"])  # fmt: skip
             queue = burst + int(mbit * 1e6 / 8 * 0.05)  # 50 ms at rate, as the tbf NIC caps
             _run(["tc", "-n", rt, "qdisc", "add", "dev", f"dc{dc}", "parent", classid,
                   "bfifo", "limit", str(queue)])  # fmt: skip
-
-    def _relay_routes(self) -> list[dict[str, Any]]:
-        """For each ordered DC pair: subnets, one-way delay, and the htb class (as
-        ``SO_PRIORITY``) of each direction's bytes (see :meth:`_cap_pairs`)."""
-        routes = []
-        for src in range(self.dcs):
-            for dst in range(self.dcs):
-                if src == dst:
-                    continue
-                link = self.spec.link(src, dst)
-                routes.append({
-                    "src": f"{SUBNET}.{src}.0/24", "dst": f"{SUBNET}.{dst}.0/24",
-                    "one_way_ms": link.rtt_ms / 2,
-                    # bytes to the client (in src) come from dst, and vice versa
-                    "to_src_priority": 0 if link.mbit is None else _priority(dst),
-                    "to_dst_priority": 0 if link.mbit is None else _priority(src),
-                })
-        return routes
-
-    def _relay_buffer(self) -> int:
-        """Per direction of a relayed connection: twice rate x one-way delay of the
-        fastest, longest pair (an uncapped pair runs at most at the faster NIC)."""
-        need = 0.0
-        for a in range(self.dcs):
-            for b in range(a + 1, self.dcs):
-                link = self.spec.link(a, b)
-                nic = max(h.nic_mbit for h in self.hosts if h.dc in (a, b)) * 1e6 / 8
-                need = max(need, 2 * min(link.bytes_per_s, nic) * link.rtt_ms / 2000)
-        return max(RELAY_MIN_BUFFER, int(need))
 
     def _add_link(
         self, sw: str, sw_name: str, other: str, other_name: str, bridge: str, mbit: float | None
@@ -448,16 +419,6 @@ def _cap(namespace: str, dev: str, mbit: float) -> None:
 def _burst(mbit: float) -> int:
     """64 KiB (one GSO packet), or 1 ms at rate if more."""
     return max(64 * 1024, int(mbit * 1e6 / 8 / 1000))
-
-
-def _pair_class(dc: int) -> int:
-    """The htb minor class id of bytes coming from DC ``dc`` (1 is the default class)."""
-    return 0x100 + dc
-
-
-def _priority(dc: int) -> int:
-    """``SO_PRIORITY`` putting a socket's bytes in class ``1:<_pair_class(dc)>``."""
-    return (1 << 16) | _pair_class(dc)
 
 
 def _counters(namespace: str, dev: str) -> LinkCounters:

@@ -160,6 +160,8 @@ def summarize(rows: list[dict[str, Any]], size: int, mbit: float
     for row in rows:
         row["stream_median_s"] = statistics.median(row["stream_s"])
         row["fetch_median_s"] = statistics.median(row["fetch_s"])
+        row["fetch_data_median_s"] = statistics.median(r["seconds"]
+                                                       for r in row["fetch_reports"])
         row["stream_over_fetch"] = row["stream_median_s"] / row["fetch_median_s"]
         row["line_rate_s"] = line_s
     worst = min(r["stream_over_fetch"] for r in rows)
@@ -197,11 +199,11 @@ def run_cli(args: argparse.Namespace) -> int:
           f"median of {args.runs} run(s), keys {args.keys}", flush=True)
     rows, worst = summarize([measure_rtt(r, args) for r in rtts], size, args.mbit)
     print(f"\n{'rtt ms':>7} {'stream s':>9} {'fetch s':>8} {'stream/fetch':>13} "
-          f"{'line rate s':>12}")
+          f"{'line rate s':>12} {'fetch data phase s':>19}")
     for row in rows:
         print(f"{row['rtt_ms']:>7g} {row['stream_median_s']:>9.3f} "
               f"{row['fetch_median_s']:>8.3f} {row['stream_over_fetch']:>13.3f} "
-              f"{row['line_rate_s']:>12.3f}")
+              f"{row['line_rate_s']:>12.3f} {row['fetch_data_median_s']:>19.3f}")
     print()
     print_figures([worst])
     if args.json:
