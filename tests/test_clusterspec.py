@@ -4,6 +4,7 @@ and the fluid bound on heterogeneous NICs and several DCs. Pure: no root needed.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,13 @@ def test_relay_routes_give_each_direction_its_delay_and_class() -> None:
         5, 0, 0)  # uncapped: the default class
     # The fastest, longest pair: us-ap at 400 Mbit / 40 ms -> 2 x 50 MB/s x 20 ms.
     assert relay_buffer(spec) == 2_000_000
+
+
+def test_the_example_in_the_docs_parses() -> None:
+    docs = Path(__file__).resolve().parents[1] / "docs" / "cluster.md"
+    match = re.search(r"```toml\n(.*?)```", docs.read_text(), re.S)
+    assert match, "the topology example is missing from docs/cluster.md"
+    spec = parse_topology(match.group(1), "docs/cluster.md")
+    assert [len(dc.nics_mbit) for dc in spec.dcs] == [4, 4, 2]
+    assert spec.link(0, 2) == DCLink(400.0, 40.0)  # us-ap from [defaults]
+    assert fluid_bound_s(spec, S) == pytest.approx(S / (100 * MB))  # the 100 Mbit hosts
