@@ -138,13 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chaos, cluster, flip, rounds, transfer
+    from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     flip.add_options(bsub.add_parser("flip", help="the staged flip's pause with readers "
                                      "pinned on the old version"))
-    cluster.add_options(bsub.add_parser("cluster", help="fan-out in an emulated cluster "
-                                        "vs star, gloo and Ray (needs root)"))
+    cluster_cli.add_options(bsub.add_parser("cluster", help="fan-out in an emulated cluster "
+                                            "vs star, gloo and Ray (needs root)"))
+    rtt.add_options(bsub.add_parser("rtt", help="one fetch vs one plain TCP stream at "
+                                    "added round trips (needs root)"))
+    chain.add_options(bsub.add_parser("chain", help="a 4-deep relay chain vs one hop at "
+                                      "a capped NIC rate (needs root)"))
     chaos.add_options(bsub.add_parser("chaos", help="faults and a rogue peer against a "
                                       "mesh of processes; invariants checked per seed"))
     rounds.add_options(bsub.add_parser("rounds", help="model-parallel groups switching "
@@ -210,12 +214,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "bench":
-            from .bench import chaos, cluster, flip, rounds, transfer
+            from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, transfer
 
             if args.bench == "flip":
                 return flip.run_cli(args)
             if args.bench == "cluster":
-                return cluster.run_cli(args)
+                return cluster_cli.run_cli(args)
+            if args.bench == "rtt":
+                return rtt.run_cli(args)
+            if args.bench == "chain":
+                return chain.run_cli(args)
             if args.bench == "chaos":
                 return chaos.run_cli(args)
             if args.bench == "rounds":

@@ -25,7 +25,8 @@ import pytest
 from conftest import leftovers
 
 from tensorhub.bench import baselines, netns
-from tensorhub.bench.netns import ClusterUnavailable, cleanup_stale, open_cluster
+from tensorhub.bench.clusterspec import parse_topology
+from tensorhub.bench.netns import ClusterUnavailable, cleanup_stale, open_cluster, open_topology
 
 RELAY = Path(netns.__file__).with_name("relay.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,6 +241,49 @@ def test_two_dcs_add_relay_delay_and_count_wan_bytes(wan_support: None) -> None:
         assert size <= crossed[0].rx_bytes <= 1.05 * size, crossed  # out of DC 0
         assert crossed[0].tx_bytes < 0.05 * size  # only ACKs go back
         assert rate <= 1.3 * 100e6 / 8
+
+
+@pytest.mark.netns
+def test_three_dcs_give_each_pair_its_rate_and_round_trip(wan_support: None) -> None:
+    spec = parse_topology("""
+        [[dc]]
+        name = "a"
+        hosts = [200, 100]
+        [[dc]]
+        name = "b"
+        hosts = [200]
+        [[dc]]
+        name = "c"
+        hosts = [200]
+        [[link]]
+        between = ["a", "b"]
+        mbit = 50
+        rtt_ms = 40
+        [[link]]
+        between = ["a", "c"]
+        mbit = 100
+        rtt_ms = 10
+        [[link]]
+        between = ["b", "c"]
+        rtt_ms = 0
+    """)
+    with open_topology(spec) as cluster:
+        assert [(h.dc, h.nic_mbit) for h in cluster.hosts] == [(0, 200), (0, 100), (1, 200),
+                                                                 (2, 200)]
+        for name in ("h1", "h2", "h3"):
+            _started(_python(cluster, name, ECHO))
+        rtts = _round_trips(cluster, "h0", ["h1", "h2", "h3"])
+        local = rtts[cluster.host("h1").ip]
+        assert 0.038 <= rtts[cluster.host("h2").ip] - local <= 0.080, rtts
+        assert 0.009 <= rtts[cluster.host("h3").ip] - local <= 0.040, rtts
+        rates = {pair: _pull(cluster, [pair], 3 * MIB)
+                 for pair in [("h0", "h1"), ("h0", "h2"), ("h2", "h0"), ("h0", "h3"),
+                              ("h2", "h3")]}
+        expected = {("h0", "h1"): 100, ("h0", "h2"): 50, ("h2", "h0"): 50, ("h0", "h3"): 100,
+                    ("h2", "h3"): 200}  # the slower NIC, the pair's cap, or both NICs
+        for pair, mbit in expected.items():
+            assert 0.7 * mbit <= rates[pair] * 8 / 1e6 <= 1.3 * mbit, (pair, rates)
+    assert leftovers(cluster.prefix) == []
 
 
 @pytest.mark.netns

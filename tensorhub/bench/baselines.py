@@ -121,13 +121,15 @@ def ray_object_store(cluster: Cluster, size: int) -> float:
 
 
 def star_bound_s(cluster: Cluster, size: int) -> float:
-    """Fluid bound of the star: the trainer's upload, and each remote DC's WAN uplink."""
-    receivers = len(cluster.hosts) - 1
-    bound = receivers * size / (cluster.nic_mbit * 1e6 / 8)
-    if cluster.dcs > 1 and cluster.wan_mbit is not None:
-        for dc in range(1, cluster.dcs):
+    """Fluid bound of the star: the trainer's upload, the slowest receiver's download, and
+    each remote DC's link from the trainer's DC."""
+    trainer, receivers = cluster.hosts[0], cluster.hosts[1:]
+    bound = max(len(receivers) * size / (trainer.nic_mbit * 1e6 / 8),
+                max((size / (h.nic_mbit * 1e6 / 8) for h in receivers), default=0.0))
+    for dc in range(cluster.dcs):
+        if dc != trainer.dc:
             remote = sum(1 for h in cluster.hosts if h.dc == dc)
-            bound = max(bound, remote * size / (cluster.wan_mbit * 1e6 / 8))
+            bound = max(bound, remote * size / cluster.spec.link(trainer.dc, dc).bytes_per_s)
     return bound
 
 

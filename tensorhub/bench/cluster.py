@@ -3,10 +3,14 @@ what users run today, in one run and the same namespaces.
 
 Theory of operation
 -------------------
-:func:`~tensorhub.bench.netns.open_cluster` builds ``--hosts`` namespaces (``h0`` is the
-trainer, ``h1`` ... are rollouts; with ``--dcs 2`` the hosts are split into two DCs joined
-by a capped, delayed link). :func:`open_mesh` starts one TensorHub peer per host inside its
-namespace (:mod:`tensorhub.bench.worker`, TCP only, labels ``host``, ``dc``, ``rack``
+:func:`~tensorhub.bench.netns.open_topology` builds one namespace per host of
+``--topology FILE`` (any number of DCs, each host's NIC rate, each DC pair's rate and round
+trip; :mod:`tensorhub.bench.clusterspec`), or of the shorthand ``--hosts``, ``--nic-mbit``,
+``--dcs``, ``--wan-mbit``, ``--wan-rtt-ms`` (hosts split into DCs in contiguous blocks,
+every DC pair alike). ``h0`` is the trainer, ``h1`` ... are rollouts. ``--grid`` runs the
+whole benchmark once per setting (:mod:`tensorhub.bench.cluster_grid`); the command line
+is :mod:`tensorhub.bench.cluster_cli`. :func:`open_mesh` starts one TensorHub peer per host
+inside its namespace (:mod:`tensorhub.bench.worker`, TCP only, labels ``host``, ``dc``, ``rack``
 and ``nic_bps``, the NIC cap, which the planner's fan-out limits follow),
 driven by JSON lines; each worker's stderr goes to ``<scratch>/<name>.log`` and the tails
 are printed if anything fails. Then, for each of ``--runs``:
@@ -46,8 +50,6 @@ and whether it was met, and ``--json`` adds one JSON line at the end.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -59,13 +61,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_CHUNK_SIZE
 from ..errors import TensorHubError
-from ..protocol.topology import fluid_bound
 from ..security import write_keys
-from .baselines import BASELINES, BaselineError, parse_size
-from .figures import figure, print_figures
-from .netns import Cluster, Host, open_cluster
+from .baselines import BASELINES, BaselineError
+from .clusterspec import ClusterSpec, fluid_bound_s
+from .figures import figure
+from .netns import Cluster, Host, open_topology
 from .worker import WorkerClient
 
 MODEL = "bench"
@@ -80,8 +81,12 @@ _STALL_TIMEOUT_S = 60.0
 _SETUP_TIMEOUT_S = 120.0
 _FETCH_TIMEOUT_S = 900.0
 _ROOT = str(Path(__file__).resolve().parents[2])
-_EXTRAS = {"gloo": "torch", "ray": "ray"}
-_KEYS = {"star": "tcp_star", "gloo": "gloo", "ray": "ray"}
+BASELINE_EXTRAS = {"gloo": "torch", "ray": "ray"}
+FANOUT_BOUND = {False: 1.15, True: 1.25}
+"""``fanout_vs_fluid_bound``'s bound: in one DC, and with several."""
+INTERDC_BOUND = 1.05
+"""``interdc_bytes_vs_size``'s bound: about one copy crosses into each remote DC."""
+BASELINE_KEYS = {"star": "tcp_star", "gloo": "gloo", "ray": "ray"}
 """JSON keys of the baselines: ``star_s`` is TensorHub's star, the plain TCP one differs."""
 
 
@@ -103,7 +108,7 @@ class _Worker(WorkerClient):
                 "--listen", self.control, "--join", join, "--expect", str(expect),
                 "--chunk", str(chunk), "--transports", "tcp", "--host", host.name,
                 "--label", f"dc=dc{host.dc}", "--label", f"rack=dc{host.dc}-r0",
-                "--label", f"nic_bps={cluster.nic_mbit * 1e6 / 8:g}",
+                "--label", f"nic_bps={host.nic_mbit * 1e6 / 8:g}",
                 "--planning", "on" if plan else "off",
                 "--stall-timeout", str(_STALL_TIMEOUT_S)]  # fmt: skip
         argv += ["--keys", keys] if keys else []
@@ -265,12 +270,9 @@ def mesh_keys(cluster: Cluster, directory: str) -> str:
 
 
 def bound_s(cluster: Cluster, size: int) -> float:
-    """The fluid lower bound of a fan-out from ``h0`` to every other host of ``cluster``:
-    max{S/u_s, S/d_min, n*S/(u_s + sum u_i)}, and with DCs the inter-DC cut S/wan."""
-    nic = cluster.nic_mbit * 1e6 / 8
-    wan = cluster.wan_mbit * 1e6 / 8 if cluster.dcs > 1 and cluster.wan_mbit else float("inf")
-    return fluid_bound(size, nic, nic, [nic] * (len(cluster.hosts) - 1),
-                       wan_bytes=size if cluster.dcs > 1 else 0.0, wan_bps=wan)
+    """The fluid lower bound of a fan-out from ``h0`` to every other host of ``cluster``
+    (:func:`~tensorhub.bench.clusterspec.fluid_bound_s`)."""
+    return fluid_bound_s(cluster.spec, size)
 
 
 @dataclass(frozen=True)
@@ -290,12 +292,10 @@ class Measured:
     """With ``--keys both``: the keyed mesh's TensorHub fan-outs, else empty."""
 
 
-def measure(args: argparse.Namespace, size: int, chunk: int, baselines: Sequence[str]
-            ) -> tuple[Measured, float, int]:
+def measure(args: argparse.Namespace, spec: ClusterSpec, size: int, chunk: int,
+            baselines: Sequence[str]) -> tuple[Measured, float, int]:
     """Build the cluster, run every measurement, remove it all; (results, bound, mtu)."""
-    with (open_cluster(args.hosts, args.nic_mbit, dcs=args.dcs,
-                       wan_mbit=args.wan_mbit if args.dcs > 1 else None,
-                       wan_delay_ms=args.wan_delay_ms if args.dcs > 1 else 0.0) as cluster,
+    with (open_topology(spec) as cluster,
           tempfile.TemporaryDirectory(prefix="tensorhub-keys-") as key_dir):
         bound = bound_s(cluster, size)
         keys = mesh_keys(cluster, key_dir) if args.keys != "off" else None
@@ -334,7 +334,7 @@ def measure(args: argparse.Namespace, size: int, chunk: int, baselines: Sequence
             if cluster.dcs > 1:
                 wan_bytes[name] = cluster.wan_bytes() - wan_before
             print(f"  measured {name} baseline: {seconds[name]:.2f} s", flush=True)
-        remote = [h.name for h in cluster.hosts[1:] if h.dc != 0]
+        remote = [h.name for h in cluster.hosts[1:] if h.dc != cluster.hosts[0].dc]
         return (Measured(star, tensorhub, joiner, joiner_wan, joiner_host.name, remote,
                          seconds, wan_bytes, keyed), bound, cluster.mtu)
 
@@ -352,13 +352,15 @@ def _say(what: str, fan: Fanout, bound: float, size: int) -> None:
           f"bound{crossed})", flush=True)
 
 
-def report(m: Measured, bound: float, size: int, nic_mbit: float, plan: bool
+def report(m: Measured, bound: float, size: int, spec: ClusterSpec, plan: bool
            ) -> tuple[list[tuple[str, float, float, str]], list[dict[str, Any]]]:
-    """Rows (what, seconds, its bound, note) and the figures of issue 6."""
+    """Rows (what, seconds, its bound, note) and the figures of issue 6 (and 14: the
+    fan-out's bound is 1.15 in one DC, 1.25 across DCs)."""
     med = statistics.median
     star_s = med(f.seconds for f in m.star)
     th_s = med(f.seconds for f in m.tensorhub)
-    one_fetch = size / (nic_mbit * 1e6 / 8)
+    joiner_nic = spec.hosts[int(m.joiner_host.removeprefix("h"))][1]
+    one_fetch = size / (min(joiner_nic, spec.hosts[0][1]) * 1e6 / 8)
     busy_s = med(f.fetches[m.joiner_host]["seconds"] for f in m.star)
     joiner_s = float(m.joiner["seconds"])
 
@@ -377,10 +379,11 @@ def report(m: Measured, bound: float, size: int, nic_mbit: float, plan: bool
     ]
     for name, seconds in m.baselines.items():
         wan = m.baseline_wan_bytes.get(name)
-        rows.append((f"baseline {_KEYS[name].replace('_', ' ')}", seconds, bound,
+        rows.append((f"baseline {BASELINE_KEYS[name].replace('_', ' ')}", seconds, bound,
                      "" if wan is None else f"{wan / size:.2f} x size crossed DCs"))
     figures = [
-        figure("fanout_vs_fluid_bound", th_s / bound, "ratio", 1.25, "lower"),
+        figure("fanout_vs_fluid_bound", th_s / bound, "ratio",
+               FANOUT_BOUND[len(spec.dcs) > 1], "lower"),
         figure("fanout_vs_star", th_s / star_s, "ratio", 0.35, "lower"),
     ]
     for name, label in (("gloo", "fanout_vs_gloo"), ("ray", "fanout_vs_ray")):
@@ -393,7 +396,8 @@ def report(m: Measured, bound: float, size: int, nic_mbit: float, plan: bool
                  ("TensorHub star, remote DC done", star_remote, bound, "")]
         crossed_bytes = med(f.wan_bytes or 0 for f in m.tensorhub)
         figures += [
-            figure("interdc_bytes_vs_size", crossed_bytes / size, "ratio", 1.05, "lower"),
+            figure("interdc_bytes_vs_size", crossed_bytes / size, "ratio", INTERDC_BOUND,
+                   "lower"),
             figure("remote_dc_speedup_vs_star", star_remote / th_remote, "ratio", 3, "higher"),
         ]
     sources = ", ".join(f"{k} {v / size:.2f}" for k, v in
@@ -410,106 +414,3 @@ def report(m: Measured, bound: float, size: int, nic_mbit: float, plan: bool
         rows.insert(1, ("TensorHub fan-out, keyed", keyed_s, bound, crossed(m.keyed)))
         figures.append(figure("security_cost_cluster", keyed_s / th_s, "ratio", 1.10, "lower"))
     return rows, figures
-
-
-def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hosts", type=int, default=8,
-                   help="emulated hosts: h0 is the trainer, the others rollouts (default 8)")
-    p.add_argument("--nic-mbit", type=float, default=400.0, help="each host's NIC, both ways")
-    p.add_argument("--size", type=parse_size, default=parse_size("256MiB"),
-                   help="bytes per version (default 256MiB)")
-    p.add_argument("--chunk", type=parse_size, default=DEFAULT_CHUNK_SIZE,
-                   help="chunk size (default 8MiB)")
-    p.add_argument("--dcs", type=int, choices=(1, 2), default=1,
-                   help="datacenters: hosts split in halves; h0 in the first")
-    p.add_argument("--wan-mbit", type=float, default=100.0, help="inter-DC link (with --dcs 2)")
-    p.add_argument("--wan-delay-ms", type=float, default=20.0,
-                   help="round trip the inter-DC link adds (with --dcs 2)")
-    p.add_argument("--runs", type=int, default=1,
-                   help="star and TensorHub fan-outs each (median); baselines run once")
-    p.add_argument("--baselines", default="star,gloo,ray",
-                   help="comma-separated subset of star (plain TCP), gloo, ray; '' for none")
-    p.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True,
-                   help="TensorHub fetchers follow the coordinator's plan (default); "
-                        "--no-plan: they choose holders themselves")
-    p.add_argument("--keys", choices=("off", "on", "both"), default="off",
-                   help="on: every peer runs with keys; both: a keyed mesh next to the "
-                        "keyless one, a keyed fan-out after or before each TensorHub one "
-                        "(the cost of security)")
-    p.add_argument("--json", action="store_true", help="last line: JSON with figures")
-
-
-def _check(args: argparse.Namespace) -> list[str]:
-    """The chosen baselines; ``ClusterBenchError`` for options that cannot run here."""
-    chosen = [b.strip() for b in args.baselines.split(",") if b.strip()]
-    for name in chosen:
-        if name not in BASELINES:
-            raise ClusterBenchError(f"unknown baseline {name!r}; choose from "
-                                    f"{', '.join(BASELINES)}")
-        if name in _EXTRAS and importlib.util.find_spec(_EXTRAS[name]) is None:
-            raise ClusterBenchError(f"baseline {name} needs {_EXTRAS[name]}: pip install "
-                                    f"'tensorhub[bench]' (or --baselines without {name})")
-    if args.hosts < 3 or args.hosts < 2 * args.dcs or args.runs < 1:
-        raise ClusterBenchError("need --hosts >= 3, two hosts per DC, and --runs >= 1")
-    return chosen
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    chosen = _check(args)
-    size, chunk = args.size, args.chunk
-    rollouts = args.hosts - 1
-    where = (f"{args.dcs} DCs, {args.wan_mbit:g} Mbit / {args.wan_delay_ms:g} ms between"
-             if args.dcs > 1 else "1 DC")
-    print(f"cluster benchmark: trainer + {rollouts} rollouts, {args.nic_mbit:g} Mbit NICs, "
-          f"{where}; {size / 2**20:g} MiB, chunk {chunk / 2**20:g} MiB, "
-          f"median of {args.runs} run(s), keys {args.keys}", flush=True)
-    m, bound, mtu = measure(args, size, chunk, chosen)
-    rows, figures = report(m, bound, size, args.nic_mbit, args.plan)
-    print(f"\nfluid lower bound: {bound:.2f} s")
-    print(f"{'what':<40} {'seconds':>8} {'bound':>7} {'x bound':>8}  notes")
-    for what, seconds, its_bound, note in rows:
-        print(f"{what:<40} {seconds:>8.2f} {its_bound:>7.2f} {seconds / its_bound:>8.2f}  "
-              f"{note}")
-    print()
-    print_figures(figures)
-    if args.json:
-        print(json.dumps({
-            "figures": figures,
-            "baselines": {"fluid_bound_s": bound,
-                          "star_s": statistics.median(f.seconds for f in m.star),
-                          **{f"{_KEYS[k]}_s": v for k, v in m.baselines.items()},
-                          **{f"{_KEYS[k]}_wan_bytes": v
-                             for k, v in m.baseline_wan_bytes.items()},
-                          **({"keyless_fanout_median_s": statistics.median(
-                                  f.seconds for f in m.tensorhub),
-                              "keyed_fanout_median_s": statistics.median(
-                                  f.seconds for f in m.keyed)} if m.keyed else {})},
-            "measured": {
-                "tensorhub_s": [f.seconds for f in m.tensorhub],
-                "keyed_tensorhub_s": [f.seconds for f in m.keyed],
-                "star_s": [f.seconds for f in m.star],
-                "tensorhub_wan_bytes": [f.wan_bytes for f in m.tensorhub],
-                "star_wan_bytes": [f.wan_bytes for f in m.star],
-                "remote_rollouts": m.remote,
-                "tensorhub_remote_s": [f.completion_s(m.remote) for f in m.tensorhub]
-                if m.remote else [],
-                "star_remote_s": [f.completion_s(m.remote) for f in m.star] if m.remote else [],
-                "tensorhub_done_s": [{n: f.completion_s([n]) for n in f.fetches}
-                                     for f in m.tensorhub],
-                "bytes_by_source": [f.sources() for f in m.tensorhub],
-                "plans": [f.plans() for f in m.tensorhub],
-                "joiner_host": m.joiner_host, "joiner_s": m.joiner["seconds"],
-                "joiner_bytes_by_source": m.joiner["report"]["bytes_by_source"],
-                "joiner_wan_bytes": m.joiner_wan_bytes,
-                "busy_trainer_s": [f.fetches[m.joiner_host]["seconds"] for f in m.star],
-            },
-            "settings": {"hosts": args.hosts, "rollouts": rollouts, "nic_mbit": args.nic_mbit,
-                         "size_bytes": size, "chunk_bytes": chunk, "dcs": args.dcs,
-                         "wan_mbit": args.wan_mbit if args.dcs > 1 else None,
-                         "wan_delay_ms": args.wan_delay_ms if args.dcs > 1 else None,
-                         "runs": args.runs, "plan": args.plan, "baselines": chosen,
-                         "keys": args.keys,
-                         "mtu": mtu},
-        }))
-    return 0
-

@@ -7,9 +7,13 @@ Theory of operation
     netns h0 ─ eth0 ══veth══ h0 ┐                       netns rt (only with dcs > 1)
     netns h1 ─ eth0 ══veth══ h1 ┼─ br0 ─ r0 ══veth══ dc0 ┐
        ...        (DC 0)        ┘                        ├─ relay (delay) + nft redirect
-    netns h4 ─ eth0 ══veth══ h4 ┐                        │
+    netns h4 ─ eth0 ══veth══ h4 ┐                        │  (one leg per DC, any number)
        ...        (DC 1)        ┴─ br1 ─ r1 ══veth══ dc1 ┘
                          netns sw (the "switch": one bridge per DC)
+
+What to build is a :class:`~tensorhub.bench.clusterspec.ClusterSpec` (any number of DCs,
+each host's NIC rate, each DC pair's rate and round trip): :func:`open_topology` takes
+one; :func:`open_cluster` builds the uniform one of its arguments.
 
 * Every link lives in a namespace this module made; the machine's own namespace is never
   touched, so deleting the namespaces deletes every link, and no traffic can leave.
@@ -17,16 +21,22 @@ Theory of operation
   inside the DC). Clusters of different runs reuse these addresses in their own,
   isolated namespaces.
 * NIC caps: a ``tbf`` qdisc on both ends of each host's veth: on ``eth0`` (upload) and on
-  the switch-side end (download).
+  the switch-side end (download), at that host's own rate.
 * Cross-DC: hosts route ``10.77.0.0/16`` via their DC's router address ``10.77.d.254``.
   The router does **not** forward IP (``ip_forward=0``); an nftables rule redirects every
   TCP connection arriving from a DC to the relay (:mod:`tensorhub.bench.relay`), which
   reads the original destination (``SO_ORIGINAL_DST``), dials it from the router and
-  delays each direction by ``wan_delay_ms / 2``. So hosts use each other's real addresses
-  across DCs; servers see the router's address as the source; only TCP crosses.
-  The WAN cap is a ``tbf`` on both ends of each router leg; the router leg of DC ``d``
-  carries exactly the cross-DC traffic of DC ``d``, and its kernel counters are what
-  :meth:`Cluster.wan_counters` reads.
+  delays each direction by half the round trip of the DC pair (source subnet, destination
+  subnet). So hosts use each other's real addresses across DCs; servers see the router's
+  address as the source; only TCP crosses.
+* Per-pair rates: the router end of DC ``d``'s leg (``dc<d>``: traffic *into* DC ``d``)
+  has an ``htb`` qdisc with one class per other DC ``x`` at the rate of the pair
+  ``(x, d)``. The relay puts each socket's bytes in the right class with ``SO_PRIORITY``
+  (htb reads ``skb->priority`` as a class id; this kernel has no ``fw`` classifier):
+  the socket it dials into ``d`` carries bytes from ``x``, the socket back to a client
+  in ``x`` carries bytes from ``d``. The router leg of DC ``d`` carries exactly the
+  cross-DC traffic of DC ``d``; its kernel counters are what :meth:`Cluster.wan_counters`
+  reads.
 
 Cleanup: processes started in the namespaces are ended (SIGTERM, then SIGKILL) and the
 namespaces deleted on every exit of the ``with`` block, including exceptions, Ctrl-C and
@@ -57,6 +67,7 @@ from types import FrameType
 from typing import Any
 
 from ..errors import TensorHubError
+from .clusterspec import ClusterSpec, pair_class, relay_buffer, relay_routes, uniform
 
 #: Namespace names of default-prefixed runs: ``thc<owner pid>-<token>-<role>``.
 DEFAULT_FAMILY = "thc"
@@ -64,6 +75,8 @@ DEFAULT_FAMILY = "thc"
 SUBNET = "10.77"
 #: Where the relay listens inside the router namespace.
 RELAY_PORT = 15000
+#: The relay's per-direction buffer at least; more where rate x one-way delay needs it.
+RELAY_MIN_BUFFER = 4 * 1024 * 1024
 
 _RELAY_SCRIPT = Path(__file__).with_name("relay.py")
 _SCRATCH = "scratch"
@@ -91,6 +104,8 @@ class Host:
     namespace: str
     ip: str
     dc: int
+    nic_mbit: float
+    """Its NIC's cap, both ways."""
 
 
 @dataclass(frozen=True)
@@ -130,29 +145,17 @@ def check_support(dcs: int = 1) -> None:
 class Cluster:
     """A running emulated cluster; made by :func:`open_cluster`, valid inside its block."""
 
-    def __init__(
-        self,
-        prefix: str,
-        hosts: int,
-        nic_mbit: float,
-        dcs: int,
-        wan_mbit: float | None,
-        wan_delay_ms: float,
-        mtu: int,
-    ) -> None:
+    def __init__(self, prefix: str, spec: ClusterSpec, mtu: int) -> None:
         self.prefix = prefix
-        self.nic_mbit = nic_mbit
-        self.dcs = dcs
-        self.wan_mbit = wan_mbit
-        self.wan_delay_ms = wan_delay_ms
+        self.spec = spec
+        self.dcs = len(spec.dcs)
         self.mtu = mtu
         self.switch_namespace = f"{prefix}sw"
-        self.router_namespace = f"{prefix}rt" if dcs > 1 else None
+        self.router_namespace = f"{prefix}rt" if self.dcs > 1 else None
         built: list[Host] = []
-        for i in range(hosts):
-            dc = i * dcs // hosts
+        for i, (dc, nic) in enumerate(spec.hosts):
             k = sum(1 for h in built if h.dc == dc)
-            built.append(Host(f"h{i}", f"{prefix}h{i}", f"{SUBNET}.{dc}.{k + 1}", dc))
+            built.append(Host(f"h{i}", f"{prefix}h{i}", f"{SUBNET}.{dc}.{k + 1}", dc, nic))
         self.hosts: tuple[Host, ...] = tuple(built)
         #: A directory for the run's files (e.g. Ray's temp dirs), deleted at teardown.
         self.scratch_dir = Path(tempfile.gettempdir()) / f"{prefix}{_SCRATCH}"
@@ -227,7 +230,7 @@ class Cluster:
             _ip("-n", sw, "link", "set", f"br{dc}", "mtu", str(self.mtu), "up")
         for host in self.hosts:
             self._add_namespace(host.namespace)
-            self._add_link(sw, host.name, host.namespace, "eth0", f"br{host.dc}", self.nic_mbit)
+            self._add_link(sw, host.name, host.namespace, "eth0", f"br{host.dc}", host.nic_mbit)
             _ip("-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0")
             if self.router_namespace is not None:
                 gateway = f"{SUBNET}.{host.dc}.254"
@@ -238,9 +241,9 @@ class Cluster:
     def _build_router(self, rt: str) -> None:
         self._add_namespace(rt)
         for dc in range(self.dcs):
-            self._add_link(self.switch_namespace, f"r{dc}", rt, f"dc{dc}", f"br{dc}",
-                           self.wan_mbit)  # fmt: skip
+            self._add_link(self.switch_namespace, f"r{dc}", rt, f"dc{dc}", f"br{dc}", None)
             _ip("-n", rt, "addr", "add", f"{SUBNET}.{dc}.254/24", "dev", f"dc{dc}")
+            self._cap_pairs(rt, dc)
         rules = (
             "table ip tensorhub {\n"
             " chain prerouting {\n"
@@ -254,12 +257,35 @@ class Cluster:
         relay = self.run_in(
             rt,
             [sys.executable, "-u", str(_RELAY_SCRIPT), "--listen", f"0.0.0.0:{RELAY_PORT}",
-             "--original-dst", "--one-way-ms", str(self.wan_delay_ms / 2)],
+             "--original-dst", "--routes", json.dumps(relay_routes(self.spec, SUBNET)),
+             "--buffer-bytes", str(max(RELAY_MIN_BUFFER, relay_buffer(self.spec)))],
             stdout=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         line = read_line(relay, timeout_s=20.0)
         if not line.startswith("relay listening"):
             raise RuntimeError(f"the relay said {line!r} instead of 'relay listening ...'")
+
+    def _cap_pairs(self, rt: str, dc: int) -> None:
+        """On the router end of DC ``dc``'s leg (bytes into ``dc``): one htb class per
+        other DC, at the rate of that pair; unclassified bytes (ARP) are not capped."""
+        capped = [(x, self.spec.link(x, dc).mbit) for x in range(self.dcs) if x != dc]
+        if all(mbit is None for _, mbit in capped):
+            return
+        _run(["tc", "-n", rt, "qdisc", "add", "dev", f"dc{dc}", "root", "handle", "1:",
+              "htb", "default", "1"])  # fmt: skip
+        _run(["tc", "-n", rt, "class", "add", "dev", f"dc{dc}", "parent", "1:",
+              "classid", "1:1", "htb", "rate", "100gbit", "quantum", "65536"])  # fmt: skip
+        for x, mbit in capped:
+            if mbit is None:
+                continue
+            burst = _burst(mbit)
+            classid = f"1:{pair_class(x):x}"
+            _run(["tc", "-n", rt, "class", "add", "dev", f"dc{dc}", "parent", "1:",
+                  "classid", classid, "htb", "rate", f"{round(mbit * 1000)}kbit",
+                  "burst", str(burst), "cburst", str(burst), "quantum", "65536"])  # fmt: skip
+            queue = burst + int(mbit * 1e6 / 8 * 0.05)  # 50 ms at rate, as the tbf NIC caps
+            _run(["tc", "-n", rt, "qdisc", "add", "dev", f"dc{dc}", "parent", classid,
+                  "bfifo", "limit", str(queue)])  # fmt: skip
 
     def _add_link(
         self, sw: str, sw_name: str, other: str, other_name: str, bridge: str, mbit: float | None
@@ -305,20 +331,31 @@ def open_cluster(
 
     ``hosts`` are split into ``dcs`` contiguous blocks (host 0, the trainer by convention,
     is in DC 0). ``nic_mbit`` caps each host's upload and download. With ``dcs > 1``,
-    ``wan_mbit`` (None: no cap) caps each DC's uplink both ways and ``wan_delay_ms`` is
-    the round trip the relay adds (half per direction). ``mtu`` defaults to jumbo frames,
-    as in datacenter fabrics: it keeps header overhead in the counters under 1% and the
-    packet rate (CPU) low. ``prefix`` defaults to ``thc<pid>-<token>-``.
+    ``wan_mbit`` (None: no cap) caps each DC pair's link each way and ``wan_delay_ms`` is
+    the **round trip** the relay adds (half per direction). ``mtu`` defaults to jumbo
+    frames, as in datacenter fabrics: it keeps header overhead in the counters under 1%
+    and the packet rate (CPU) low. ``prefix`` defaults to ``thc<pid>-<token>-``.
+    The same as :func:`open_topology` of :func:`~tensorhub.bench.clusterspec.uniform`.
     """
     if hosts < 1 or dcs < 1 or dcs > hosts or hosts > 250 * dcs:
         raise ValueError(f"need 1 <= dcs <= hosts <= 250 * dcs, got {hosts=} {dcs=}")
     if nic_mbit <= 0 or (wan_mbit is not None and wan_mbit <= 0) or wan_delay_ms < 0:
         raise ValueError("rates must be > 0 and the delay >= 0")
-    check_support(dcs)
+    spec = uniform(hosts, nic_mbit, dcs, wan_mbit, wan_delay_ms)
+    with open_topology(spec, prefix, mtu) as cluster:
+        yield cluster
+
+
+@contextmanager
+def open_topology(spec: ClusterSpec, prefix: str | None = None, mtu: int = 9000
+                  ) -> Iterator[Cluster]:
+    """Build the cluster ``spec`` describes (see :func:`open_cluster`), yield it, and
+    always remove everything it created."""
+    check_support(len(spec.dcs))
     if prefix is None:
         cleanup_stale()
         prefix = f"{DEFAULT_FAMILY}{os.getpid()}-{secrets.token_hex(2)}-"
-    cluster = Cluster(prefix, hosts, nic_mbit, dcs, wan_mbit, wan_delay_ms, mtu)
+    cluster = Cluster(prefix, spec, mtu)
     with _signals_as_exit():
         try:
             cluster._build()
@@ -374,9 +411,14 @@ def _sh(namespace: str, *argv: str) -> str:
 
 def _cap(namespace: str, dev: str, mbit: float) -> None:
     """Egress token bucket: ``mbit`` sustained, 64 KiB bursts (one GSO packet), 50 ms queue."""
-    burst = max(64 * 1024, int(mbit * 1e6 / 8 / 1000))  # >= 1 ms at rate
+    burst = _burst(mbit)
     _run(["tc", "-n", namespace, "qdisc", "add", "dev", dev, "root", "tbf",
           "rate", f"{round(mbit * 1000)}kbit", "burst", str(burst), "latency", "50ms"])  # fmt: skip
+
+
+def _burst(mbit: float) -> int:
+    """64 KiB (one GSO packet), or 1 ms at rate if more."""
+    return max(64 * 1024, int(mbit * 1e6 / 8 / 1000))
 
 
 def _counters(namespace: str, dev: str) -> LinkCounters:

@@ -17,6 +17,11 @@ A pipe is a reader and a writer joined by a bounded FIFO queue:
   order is preserved and every byte is late by the one-way delay, however fast or slow
   the link after the relay is (that link's ``tc`` cap sets the rate).
 
+Routes (``--routes``, a JSON list) give each (client subnet, destination subnet) pair its
+own one-way delay and the ``SO_PRIORITY`` of each of its two sockets, which the emulated
+cluster's ``htb`` qdiscs read as a class id to cap each pair of DCs at its own rate; a
+connection no route matches gets ``--one-way-ms`` and priority 0.
+
 End-of-stream is queued like data and forwarded as a half-close after the same delay; a
 reset on either side resets both. The TCP handshake itself is not delayed: the client's
 ``connect`` completes at once and the first byte it sends pays the delay.
@@ -32,17 +37,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
+import json
 import socket
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 #: ``getsockopt(SOL_IP, SO_ORIGINAL_DST)`` (``linux/netfilter_ipv4.h``): the address a
 #: redirected connection was made to.
 SO_ORIGINAL_DST = 80
 
 _CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Route:
+    """What connections from ``src`` (the client's subnet) to ``dst`` (the destination's)
+    get: a one-way delay each direction, and the ``SO_PRIORITY`` of the socket back to
+    the client (``to_src_priority``) and of the one to the destination."""
+
+    src: ipaddress.IPv4Network
+    dst: ipaddress.IPv4Network
+    one_way_delay_s: float
+    to_src_priority: int = 0
+    to_dst_priority: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Route:
+        return cls(ipaddress.IPv4Network(raw["src"]), ipaddress.IPv4Network(raw["dst"]),
+                   float(raw["one_way_ms"]) / 1000.0, int(raw.get("to_src_priority", 0)),
+                   int(raw.get("to_dst_priority", 0)))
 
 
 @dataclass(frozen=True)
@@ -60,10 +87,13 @@ class RelayConfig:
     one_way_delay_s: float
     buffer_bytes: int = 4 * 1024 * 1024
     connect_timeout_s: float = 10.0
+    routes: Sequence[Route] = ()
+    """Per (client subnet, destination subnet): delay and priorities; first match wins."""
 
     def __post_init__(self) -> None:
-        if self.one_way_delay_s < 0:
-            raise ValueError(f"one_way_delay_s must be >= 0, got {self.one_way_delay_s}")
+        for delay in (self.one_way_delay_s, *(r.one_way_delay_s for r in self.routes)):
+            if delay < 0:
+                raise ValueError(f"one-way delays must be >= 0, got {delay}")
         if self.buffer_bytes < _CHUNK:
             raise ValueError(f"buffer_bytes must be >= {_CHUNK}, got {self.buffer_bytes}")
 
@@ -107,6 +137,11 @@ async def _relay_connection(config: RelayConfig, client: socket.socket) -> None:
         client.setblocking(False)
         upstream.setblocking(False)
         target = config.target or original_destination(client)
+        route = _route(config, client.getpeername()[0], target[0])
+        delay = config.one_way_delay_s if route is None else route.one_way_delay_s
+        if route is not None:
+            _prioritize(client, route.to_src_priority)
+            _prioritize(upstream, route.to_dst_priority)
         try:
             await asyncio.wait_for(
                 loop.sock_connect(upstream, target), config.connect_timeout_s
@@ -118,8 +153,8 @@ async def _relay_connection(config: RelayConfig, client: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             async with asyncio.TaskGroup() as pipes:
-                pipes.create_task(_pipe(config, client, upstream))
-                pipes.create_task(_pipe(config, upstream, client))
+                pipes.create_task(_pipe(config, delay, client, upstream))
+                pipes.create_task(_pipe(config, delay, upstream, client))
         except* OSError:
             _reset(client)
             _reset(upstream)
@@ -128,8 +163,19 @@ async def _relay_connection(config: RelayConfig, client: socket.socket) -> None:
         upstream.close()
 
 
-async def _pipe(config: RelayConfig, src: socket.socket, dst: socket.socket) -> None:
-    """Copy ``src`` to ``dst`` in order, each chunk ``one_way_delay_s`` late."""
+def _route(config: RelayConfig, client_ip: str, target_ip: str) -> Route | None:
+    src, dst = ipaddress.IPv4Address(client_ip), ipaddress.IPv4Address(target_ip)
+    return next((r for r in config.routes if src in r.src and dst in r.dst), None)
+
+
+def _prioritize(sock: socket.socket, priority: int) -> None:
+    if priority:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, priority)
+
+
+async def _pipe(config: RelayConfig, delay: float, src: socket.socket, dst: socket.socket
+                ) -> None:
+    """Copy ``src`` to ``dst`` in order, each chunk ``delay`` seconds late."""
     loop = asyncio.get_running_loop()
     # Chunks are at most _CHUNK bytes, so a count bound is also a byte bound.
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(
@@ -139,7 +185,7 @@ async def _pipe(config: RelayConfig, src: socket.socket, dst: socket.socket) -> 
     async def read() -> None:
         while True:
             chunk = await loop.sock_recv(src, _CHUNK)
-            await queue.put((loop.time() + config.one_way_delay_s, chunk))
+            await queue.put((loop.time() + delay, chunk))
             if not chunk:
                 return
 
@@ -181,12 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--one-way-ms", type=float, default=0.0)
     parser.add_argument("--buffer-bytes", type=int, default=RelayConfig.buffer_bytes)
+    parser.add_argument("--routes", type=json.loads, default=[],
+                        help='JSON list of {"src": CIDR, "dst": CIDR, "one_way_ms", '
+                             '"to_src_priority", "to_dst_priority"}')
     args = parser.parse_args(argv)
     config = RelayConfig(
         listen=args.listen,
         target=args.to,
         one_way_delay_s=args.one_way_ms / 1000.0,
         buffer_bytes=args.buffer_bytes,
+        routes=tuple(Route.from_dict(raw) for raw in args.routes),
     )
 
     def announce(address: tuple[str, int]) -> None:
