@@ -34,7 +34,7 @@ import numpy as np
 import trio
 
 from ..cli import _labels
-from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
+from ..config import PeerConfig
 from ..demo import checksum, fill, model_specs
 from ..errors import TensorHubError
 from ..model import VersionKey
@@ -195,7 +195,8 @@ async def main(args: argparse.Namespace) -> None:
     stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
     cfg = PeerConfig.local(args.name, listen=args.listen,
                            join=tuple(s for s in args.join.split(",") if s),
-                           chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
+                           chunk_size=args.chunk or None,
+                           transports=tuple(args.transports.split(",")),
                            labels=(("host", args.host), *_labels(args.label)),
                            planning=args.planning == "on",
                            security=load_keys(args.keys, args.name) if args.keys else None,
@@ -234,7 +235,8 @@ if __name__ == "__main__":
     p.add_argument("--listen", required=True)
     p.add_argument("--join", default="")
     p.add_argument("--expect", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
+    p.add_argument("--chunk", type=int, default=0,
+                   help="chunk size of what this worker publishes (0: automatic)")
     p.add_argument("--transports", default="shm,tcp")
     p.add_argument("--host", default="localhost")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",

@@ -18,6 +18,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (80, dataplane.MESSAGES_2),  # 80..89: data plane, continued (same-host version leases)
     (90, bans.MESSAGES),         # 90..99: ban notices (hints about holders of bad bytes)
     (100, dataplane.MESSAGES_3), # 100..109: data plane, continued (authentication)
+    (110, dataplane.MESSAGES_4), # 110..119: data plane, continued (streamed runs)
 )
 
 

@@ -1,6 +1,6 @@
 """Data plane over TCP (trio sockets), payload landed with ``recv_into``.
 
-The holder's server (:mod:`.server`) answers one request at a time per connection (see
+The holder's server (:mod:`.server`) answers a connection's requests in order (see
 :mod:`tensorhub.protocol.dataplane` for the framing).  Chunk payload is sent from the
 holder's own array memory and received straight into the reader's destination arrays:
 no ``bytes`` object is ever made of payload.
@@ -8,6 +8,10 @@ no ``bytes`` object is ever made of payload.
 A reader sends each request from the event loop; one thread per connection, already
 waiting in ``recv``, takes the reply, lands and verifies the payload and wakes the task.
 A chunk thus costs the reader one wake-up of the event loop and no hand-off to a thread.
+A fetch streams (:meth:`TcpConnection.stream_chunks`): it keeps a window of runs of
+chunks requested ahead, sized from the measured bandwidth-delay product
+(:class:`~tensorhub.protocol.sizing.StreamWindow`), so no chunk waits for a round trip,
+and the reader thread lands chunk k+1 while a pool thread checks chunk k.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import contextlib
 import itertools
 import os
 import socket
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,12 +38,17 @@ from ..protocol import codec
 from ..protocol.dataplane import (
     FRAME_HEADER,
     MAX_FRAME,
+    MAX_RUN_CHUNKS,
     OK,
+    ChunkReply,
     ChunkRequest,
+    ChunkRunRequest,
     ManifestRequest,
     Reply,
 )
-from .base import NotServing, Verifier, read_each
+from ..protocol.sizing import StreamWindow
+from . import copypool
+from .base import Landed, NotServing, Take, Verifier, read_each
 from .frames import _body_size, _recv_exact, _recv_frame, _send_frame
 from .handshake import DataAuth, prove_to_holder
 
@@ -165,10 +176,12 @@ class _Exchange:
 class TcpConnection:
     """A reader's connection to one holder's data-plane server.
 
-    Requests go out from the event loop; replies are read by one thread per connection
-    that is already waiting in ``recv`` when the reply lands, so a chunk costs no thread
-    hand-off on the way in: the thread copies the payload, verifies it and wakes the
-    waiting task.  The thread ends when the connection is closed.
+    Requests go out from the event loop, several at a time when streaming; replies are
+    read by one thread per connection that is already waiting in ``recv`` when a reply
+    lands, so a chunk costs no thread hand-off on the way in: the thread copies the
+    payload and either verifies it and wakes the waiting task (:meth:`read_chunk`) or,
+    for a streamed run, hands the check to a pool thread and reads on
+    (:meth:`stream_chunks`).  The thread ends when the connection is closed.
     """
 
     transport = "tcp"
@@ -182,8 +195,13 @@ class TcpConnection:
         self.peer = peer
         self._ids = itertools.count(1)
         self._plain: socket.socket | None = None  # the reader thread's; made on first read
-        self._pending: _Exchange | None = None
+        self._queue: deque[_Exchange | _Run] = deque()
+        """Requests sent and not wholly answered, oldest first (the event loop appends,
+        the reader thread takes)."""
         self._ended: BaseException | None = None  # why the reader thread stopped
+        self._last_end: float | None = None  # when the reader thread last landed a chunk
+        self.min_rtt: float | None = None
+        """The least time from a request sent with none in flight to its reply."""
 
     @classmethod
     async def connect(cls, address: str, peer: str, timeout: float,
@@ -203,8 +221,10 @@ class TcpConnection:
             data: bytes = await self._exchange(req, self._land_manifest)
             return data
         # Before any chunk (and always on a shared-memory connection): on the event loop.
+        sent = time.perf_counter()
         await _send_frame(self._sock, req)
         reply = await _recv_frame(self._sock)
+        self._rtt(time.perf_counter() - sent)
         if not isinstance(reply, Reply) or reply.req_id != req.req_id:
             raise RemoteProtocolError(f"{self.peer} answered out of turn")
         if reply.status != OK:
@@ -227,20 +247,27 @@ class TcpConnection:
                           verifies: Sequence[Verifier | None]) -> list[int | Exception]:
         return await read_each(self, key, chunks, dests, verifies)
 
-    async def _exchange(self, req: ManifestRequest | ChunkRequest,
-                        land: Callable[[socket.socket, Reply], Any]) -> Any:
-        """Send ``req`` and wait for the reader thread to land its reply with ``land``."""
+    def _start_reader(self) -> None:
         if self._plain is None:
             self._plain = _dup(self._sock)
             trio.lowlevel.start_thread_soon(
                 partial(self._read_replies, self._plain, trio.lowlevel.current_trio_token()),
                 lambda _: None, name=f"tensorhub tcp reader ({self.peer})")
-        ex = self._pending = _Exchange(req.req_id, land)
+
+    def _enqueue(self, item: _Exchange | _Run) -> None:
+        self._queue.append(item)
+        # Published before this check, while the reader thread records why it stopped
+        # before it fails what is queued: one of the two sees the other.
+        if self._ended is not None:
+            raise TransportError(f"connection to {self.peer} is closed: {self._ended}")
+
+    async def _exchange(self, req: ManifestRequest | ChunkRequest,
+                        land: Callable[[socket.socket, Reply], Any]) -> Any:
+        """Send ``req`` and wait for the reader thread to land its reply with ``land``."""
+        self._start_reader()
+        ex = _Exchange(req.req_id, land)
         try:
-            # Published before this check, while the reader thread records why it stopped
-            # before it looks for a request to fail: one of the two sees the other.
-            if self._ended is not None:
-                raise TransportError(f"connection to {self.peer} is closed: {self._ended}")
+            self._enqueue(ex)
             await _send_frame(self._sock, req)
             await ex.done.wait()
         except BaseException:
@@ -256,17 +283,90 @@ class TcpConnection:
             raise NotServing(ex.reply.status, ex.reply.detail or f"status {ex.reply.status}")
         return ex.value
 
+    # -- streamed runs -------------------------------------------------------------------
+
+    async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
+                            window: StreamWindow) -> None:
+        """See :meth:`Connection.stream_chunks`: runs of chunks asked for with
+        ``ChunkRunRequest``, a new run whenever at least half the window (or a chunk)
+        is free, so the holder never waits for a request."""
+        self._start_reader()
+        stream = _Stream(trio.lowlevel.current_trio_token())
+        if self.min_rtt is not None:
+            window.rtt(self.min_rtt)
+        sizes: dict[int, int] = {}  # chunk -> bytes, asked for and not reported
+        ahead = 0
+        try:
+            while True:
+                want = window.bytes()
+                if not sizes or want - ahead >= max(window.chunk_bytes, want // 2):
+                    run = take(want - ahead)
+                    if not run and not sizes:
+                        return
+                    for chunk, dest, _ in run:
+                        sizes[chunk] = n = sum(map(_NBYTES, dest))
+                        ahead += n
+                    await self._send_runs(key, run, stream)
+                await stream.wait()
+                while stream.items:
+                    item = stream.items.popleft()
+                    if isinstance(item, BaseException):
+                        raise item
+                    chunk, result, rtt, sample = item
+                    ahead -= sizes.pop(chunk)
+                    if rtt is not None:
+                        self._rtt(rtt)
+                        window.rtt(rtt)
+                    if sample is not None:
+                        window.delivered(*sample)
+                    if not landed(chunk, result):
+                        if sizes:
+                            self._shutdown()  # chunks in flight: out of step
+                        return
+        except BaseException:
+            self._shutdown()
+            raise
+
+    async def _send_runs(self, key: VersionKey, run: Sequence[tuple[int, Sequence[Any],
+                                                                     Verifier | None]],
+                         stream: _Stream) -> None:
+        """Ask for ``run`` in requests of consecutive chunks."""
+        at = 0
+        while at < len(run):
+            stop = at + 1
+            while stop < len(run) and stop - at < MAX_RUN_CHUNKS \
+                    and run[stop][0] == run[stop - 1][0] + 1:
+                stop += 1
+            part = run[at:stop]
+            req = ChunkRunRequest(next(self._ids), key.model, key.version, part[0][0],
+                                  len(part), key.shard, key.layout)
+            self._enqueue(_Run(req.req_id, part[0][0], [d for _, d, _ in part],
+                               [v for _, _, v in part], stream, time.perf_counter(),
+                               not self._queue))
+            await _send_frame(self._sock, req)
+            at = stop
+
+    def _rtt(self, seconds: float) -> None:
+        if self.min_rtt is None or seconds < self.min_rtt:
+            self.min_rtt = seconds
+
     # -- the reader thread ---------------------------------------------------------------
 
     def _read_replies(self, sock: socket.socket, token: trio.lowlevel.TrioToken) -> None:
-        """Wait, idle, for each reply and land it as the request in flight says; stop on
-        the first error (the connection is then out of step) or when it is closed."""
+        """Wait, idle, for each reply and land it as the request it answers says; stop
+        on the first error (the connection is then out of step) or when it is closed."""
         try:
             while True:
                 reply = _recv_frame_blocking(sock, partial(self._on_idle, token))
-                ex, self._pending = self._pending, None
-                if ex is None:
+                now = time.perf_counter()
+                if not self._queue:
                     raise RemoteProtocolError(f"{self.peer} sent a frame nobody asked for")
+                head = self._queue[0]
+                if isinstance(head, _Run):
+                    self._land_run(sock, head, reply, now)
+                    continue
+                ex = head
+                self._queue.popleft()
                 try:
                     if not isinstance(reply, Reply) or reply.req_id != ex.req_id:
                         raise RemoteProtocolError(f"{self.peer} answered out of turn")
@@ -280,21 +380,56 @@ class TcpConnection:
                     _wake(token, ex)
         except BaseException as exc:
             self._ended = exc
-            ex, self._pending = self._pending, None
-            if ex is not None:  # it was sent after this thread's last look
-                ex.error = exc
-                _wake(token, ex)
+            while self._queue:  # some may have been sent after this thread's last look
+                item = self._queue.popleft()
+                if isinstance(item, _Run):
+                    item.stream.post(exc)
+                elif item.error is None:
+                    item.error = exc
+                    _wake(token, item)
             # This frame lives on in the traceback of self._ended: not the last
             # request's buffers (a cancelled fetch's memory would wait for the collector).
-            ex = None
+            item = head = ex = None  # type: ignore[assignment]
         finally:
             sock.close()
+
+    def _land_run(self, sock: socket.socket, run: _Run, reply: Any, now: float) -> None:
+        """Land the next chunk of ``run``; its check runs in a pool thread meanwhile
+        (:data:`VERIFY_ASIDE`), and the result goes to the run's stream."""
+        i, chunk = run.at, run.first + run.at
+        if not isinstance(reply, ChunkReply) or reply.req_id != run.req_id \
+                or reply.chunk != chunk:
+            raise RemoteProtocolError(f"{self.peer} answered out of turn")
+        rtt = now - run.sent_at if i == 0 and run.alone else None
+        sample: tuple[int, float] | None = None
+        result: int | Exception
+        dest, verify = run.dests[i], run.verifies[i]
+        if reply.status != OK:
+            self._last_end = None  # the holder may have waited: no rate sample next
+            result = NotServing(reply.status, reply.detail or f"status {reply.status}")
+            verify = None
+        else:
+            result = self._land_payload(sock, reply.length, chunk, dest)
+            end = time.perf_counter()
+            if self._last_end is not None and run.sent_at <= self._last_end:
+                sample = (result, end - self._last_end)
+            self._last_end = end
+        run.at += 1
+        if run.at == len(run.dests):
+            self._queue.popleft()
+        if verify is not None and VERIFY_ASIDE:
+            copypool.pool.submit(partial(_check_then_post, run.stream, chunk, dest, verify,
+                                         result, rtt, sample))
+            return
+        if verify is not None:
+            result = _checked(dest, verify, result)
+        run.stream.post((chunk, result, rtt, sample))
 
     def _on_idle(self, token: trio.lowlevel.TrioToken) -> None:
         """No reply for ``_THREAD_TIMEOUT``: a stall if one was asked for (a safety net:
         the caller's deadline comes first); else wait on, unless the run that owns this
         connection has ended (``run_sync_soon`` then raises)."""
-        if self._pending is not None:
+        if self._queue:
             raise TransportError(f"{self.peer} sent no reply for {_THREAD_TIMEOUT:.0f}s")
         token.run_sync_soon(_nothing)
 
@@ -304,17 +439,22 @@ class TcpConnection:
         _recv_exact_blocking(sock, memoryview(buf))
         return bytes(buf)
 
-    def _land_chunk(self, sock: socket.socket, reply: Reply, chunk: int,
-                    dest: Sequence[memoryview], verify: Verifier | None) -> int:
+    def _land_payload(self, sock: socket.socket, length: int, chunk: int,
+                      dest: Sequence[Any]) -> int:
         want: int = sum(map(_NBYTES, dest))
-        if reply.length != want:
+        if length != want:
             raise RemoteProtocolError(
-                f"{self.peer} sent {reply.length} bytes for chunk {chunk}, expected {want}")
+                f"{self.peer} sent {length} bytes for chunk {chunk}, expected {want}")
         if len(dest) > 2:
             _recv_scattered_blocking(sock, dest)
         else:
             for d in dest:
                 _recv_exact_blocking(sock, _bytes_of(d))
+        return want
+
+    def _land_chunk(self, sock: socket.socket, reply: Reply, chunk: int,
+                    dest: Sequence[memoryview], verify: Verifier | None) -> int:
+        want = self._land_payload(sock, reply.length, chunk, dest)
         if verify is not None:
             verify(dest)  # while the bytes are still in cache
         return want
@@ -340,7 +480,7 @@ class TcpConnection:
         pending or stray byte waiting, not closed by either side.  A kept idle
         connection is checked with this before each reuse (see
         :mod:`tensorhub.peer.connections`)."""
-        if self._ended is not None or self._pending is not None or self._sock.fileno() < 0:
+        if self._ended is not None or self._queue or self._sock.fileno() < 0:
             return False
         probe = socket.socket(fileno=self._sock.fileno())
         try:
@@ -382,3 +522,67 @@ def _nothing() -> None:
 def _wake(token: trio.lowlevel.TrioToken, ex: _Exchange) -> None:
     with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wait
         token.run_sync_soon(ex.done.set)
+
+
+VERIFY_ASIDE = True
+"""Check a streamed chunk in a pool thread while the reader thread lands the next one
+(else in the reader thread, which then reads nothing meanwhile)."""
+
+
+_Item = tuple[int, "int | Exception", "float | None", "tuple[int, float] | None"]
+
+
+@dataclass(eq=False)
+class _Run:
+    """A ``ChunkRunRequest`` in flight: where each chunk lands, how it is checked, and
+    the stream its results go to."""
+
+    req_id: int
+    first: int
+    dests: list[Sequence[Any]]
+    verifies: list[Verifier | None]
+    stream: _Stream
+    sent_at: float
+    alone: bool
+    """Nothing else was in flight when it was sent: its first reply times a round trip."""
+    at: int = 0
+
+
+class _Stream:
+    """Where the reader thread (and the pool threads checking chunks) put a stream's
+    results -- ``(chunk, bytes or error, rtt sample, rate sample)``, or the exception
+    that ended the connection -- for the task in :meth:`TcpConnection.stream_chunks`."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self.items: deque[_Item | BaseException] = deque()
+        self._arrived = trio.Event()
+
+    def post(self, item: _Item | BaseException) -> None:
+        """Any thread: queue ``item`` and wake the stream's task."""
+        self.items.append(item)
+        with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wait
+            self._token.run_sync_soon(self._wake)
+
+    def _wake(self) -> None:
+        self._arrived.set()
+
+    async def wait(self) -> None:
+        """Until at least one item is queued."""
+        while not self.items:
+            await self._arrived.wait()
+            self._arrived = trio.Event()
+
+
+def _checked(dest: Sequence[Any], verify: Verifier, n: int | Exception) -> int | Exception:
+    try:
+        verify(dest)
+    except Exception as exc:
+        return exc
+    return n
+
+
+def _check_then_post(stream: _Stream, chunk: int, dest: Sequence[Any], verify: Verifier,
+                     n: int | Exception, rtt: float | None,
+                     sample: tuple[int, float] | None) -> None:
+    stream.post((chunk, _checked(dest, verify, n), rtt, sample))
