@@ -132,8 +132,21 @@ async def read_each(conn: Connection, key: VersionKey, chunks: Sequence[int],
 async def stream_each(conn: Connection, key: VersionKey, take: Take, landed: Landed) -> None:
     """:meth:`Connection.stream_chunks` as reads one after another, each of up to
     ``conn.batch_bytes`` (for a transport whose reads cost no round trip, or that has no
-    streamed runs); a refusal is reported and the stream goes on."""
+    streamed runs); a refusal or a failed check is reported and the stream goes on."""
     queue: list[tuple[int, Sequence[Any], Verifier | None]] = []
+    failed: dict[int, Exception] = {}
+
+    def guarded(chunk: int, verify: Verifier | None) -> Verifier | None:
+        if verify is None:
+            return None
+
+        def check(dest: Sequence[memoryview]) -> None:
+            try:
+                verify(dest)
+            except Exception as exc:  # that chunk's result, not the read's
+                failed[chunk] = exc
+        return check
+
     while True:
         if not queue:
             queue = list(take(max(conn.batch_bytes, 1)))
@@ -142,10 +155,10 @@ async def stream_each(conn: Connection, key: VersionKey, take: Take, landed: Lan
         chunks = [c for c, _, _ in queue]
         try:
             results = await conn.read_chunks(key, chunks, [d for _, d, _ in queue],
-                                             [v for _, _, v in queue])
+                                             [guarded(c, v) for c, _, v in queue])
         except NotServing as ns:  # the first chunk, refused; the connection is in step
             results = [ns]
         for chunk, result in zip(chunks, results, strict=False):
-            if not landed(chunk, result):
+            if not landed(chunk, failed.pop(chunk, result)):
                 return
         del queue[:len(results)]
