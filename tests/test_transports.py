@@ -42,7 +42,6 @@ from tensorhub.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
 from tensorhub.peer.destination import allocate_flat
 from tensorhub.peer.store import Store
-from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
     NOT_HELD,
@@ -59,6 +58,7 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
+from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.security import Identity, Keyring
 from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
