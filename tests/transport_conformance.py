@@ -422,6 +422,32 @@ async def test_a_stream_refuses_a_missing_chunk_and_goes_on(open_holder: OpenHol
         await conn.aclose()
 
 
+async def test_a_stream_from_a_holder_still_receiving_gets_chunks_as_they_land(
+        open_holder: OpenHolder) -> None:
+    """Partial-prefix serving: a stream asks ahead of what the holder has; the holder
+    sends each chunk once it is verified there, and the stream waits for it."""
+    rng = rng_for("stream-arriving")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [rng.randrange(1, 200_000) for _ in range(6)],
+                      chunk_size=65_536 + rng.randrange(1000), verified=False)
+        count = pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        got: list[Streamed] = []
+
+        async def read() -> None:
+            got.append(await stream(conn, pub, range(count), rng))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            for c in range(count):  # lands one by one while the stream waits
+                await trio.testing.wait_all_tasks_blocked()
+                assert not got
+                pub.local.mark_verified(c)
+        assert sorted(got[0].results) == list(range(count))
+        assert_good(pub, got[0], range(count))
+        await conn.aclose()
+
+
 async def test_a_stream_reports_a_failed_check_in_the_middle(open_holder: OpenHolder) -> None:
     """Bytes failing their check in the middle of a stream are that chunk's error only;
     a ``landed`` that says stop ends the stream there."""

@@ -48,7 +48,7 @@ from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
 from ..protocol.pace import Pace
 from ..protocol.refs import Holding
-from ..protocol.sizing import StreamWindow, choose_chunk_size
+from ..protocol.sizing import StreamWindow, choose_chunk_size, size_text
 from ..transport.base import Connection, NotServing, Verifier
 from .store import LocalVersion
 
@@ -237,9 +237,9 @@ class Fetch:
         self.report = FetchReport(self.key.model, self.key.version)
         size = self.manifest.chunk_size
         auto, _ = choose_chunk_size(self.manifest.total_bytes)
-        self.report.chunk_size = f"{size} bytes, chosen by the publisher" + (
-            " (the automatic choice for this size)" if size == auto else
-            f" (the automatic choice would be {auto}: set by its PeerConfig.chunk_size)")
+        self.report.chunk_size = f"{size_text(size)} chosen by the publisher: " + (
+            f"automatic for {size_text(self.manifest.total_bytes)}" if size == auto else
+            f"its PeerConfig.chunk_size (automatic would be {size_text(auto)})")
         self.changed = trio.Event()
 
     def poke(self) -> None:

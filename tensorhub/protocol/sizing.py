@@ -49,15 +49,15 @@ RATE_GAIN = 0.25
 def choose_chunk_size(total_bytes: int, override: int | None = None) -> tuple[int, str]:
     """The chunk size for a version of ``total_bytes``, and why (see the module doc)."""
     if override is not None:
-        return override, f"{_size(override)}: set by PeerConfig.chunk_size"
+        return override, f"{size_text(override)}: set by PeerConfig.chunk_size"
     if total_bytes < 0:
         raise LocalProtocolError(f"total_bytes must be >= 0, got {total_bytes}")
     size = MIN_AUTO_CHUNK
     while size < MAX_AUTO_CHUNK and size * TARGET_CHUNKS < total_bytes:
         size *= 2
-    return size, (f"{_size(size)}: automatic for {_size(total_bytes)} (about "
-                  f"{TARGET_CHUNKS} chunks, {_size(MIN_AUTO_CHUNK)} to "
-                  f"{_size(MAX_AUTO_CHUNK)})")
+    return size, (f"{size_text(size)}: automatic for {size_text(total_bytes)} (about "
+                  f"{TARGET_CHUNKS} chunks, {size_text(MIN_AUTO_CHUNK)} to "
+                  f"{size_text(MAX_AUTO_CHUNK)})")
 
 
 class StreamWindow:
@@ -105,16 +105,17 @@ class StreamWindow:
         w = self.bytes()
         rate = self.rate
         if rate is None or self.min_rtt is None:
-            return f"{_size(w)}: the floor of {MIN_CHUNKS} chunks (nothing measured yet)"
+            return f"{size_text(w)}: the floor of {MIN_CHUNKS} chunks (nothing measured yet)"
         bdp = rate * self.min_rtt
         bound = "the floor" if w == self.floor and w > GAIN * bdp else \
             "the cap" if w == self.cap and w < GAIN * bdp else f"{GAIN:g} x the BDP"
-        return (f"{_size(w)} ({bound}): rate {rate / 1e6:.0f} MB/s x min rtt "
-                f"{self.min_rtt * 1e3:.2f} ms = {_size(int(bdp))} in flight")
+        return (f"{size_text(w)} ({bound}): rate {rate / 1e6:.0f} MB/s x min rtt "
+                f"{self.min_rtt * 1e3:.2f} ms = {size_text(int(bdp))} in flight")
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """``n`` bytes for people: ``16 MiB``, ``4.27 MiB``, ``512 B``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
-            return f"{n / (1 << shift):g} {unit}"
+            return f"{n / (1 << shift):.3g} {unit}"
     return f"{n} B"
