@@ -57,7 +57,7 @@ from .frames import _body_size, _frame, _recv_body, _recv_exact, _send_all, _sen
 from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
 from .shm_serve import LeaseTerms, serve_shm
-from .tcp import _send_segments_blocking, _tune
+from .sockio import send_segments, tune
 
 _BACKLOG = 128
 
@@ -248,7 +248,7 @@ class _ServerConn:
         rate = RequestRate(self.limits.requests_per_second, trio.current_time())
         try:
             if not self.local:
-                _tune(self.sock)
+                tune(self.sock)
             if self.server.auth is not None and not await self.authenticate(self.server.auth):
                 return
             while True:
@@ -449,7 +449,7 @@ async def _send_from_thread(twin: socket.socket, views: list[memoryview]) -> Non
         with suppress(trio.RunFinishedError):
             token.run_sync_soon(done.set)
 
-    trio.lowlevel.start_thread_soon(partial(_send_segments_blocking, twin, views), deliver,
+    trio.lowlevel.start_thread_soon(partial(send_segments, twin, views), deliver,
                                     name="tensorhub chunk send")
     try:
         await done.wait()

@@ -16,7 +16,6 @@ and the reader thread lands chunk k+1 while a pool thread checks chunk k.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import itertools
 import os
@@ -26,7 +25,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter
 from typing import Any
 
 import trio
@@ -34,10 +32,7 @@ import trio
 from ..errors import RemoteProtocolError, TransportError
 from ..limits import MAX_MANIFEST_BYTES
 from ..model import VersionKey
-from ..protocol import codec
 from ..protocol.dataplane import (
-    FRAME_HEADER,
-    MAX_FRAME,
     MAX_RUN_CHUNKS,
     OK,
     ChunkReply,
@@ -49,23 +44,14 @@ from ..protocol.dataplane import (
 from ..protocol.sizing import StreamWindow
 from . import copypool
 from .base import Landed, NotServing, Take, Verifier, read_each
-from .frames import _body_size, _recv_exact, _recv_frame, _send_frame
+from .frames import _recv_exact, _recv_frame, _send_frame
 from .handshake import DataAuth, prove_to_holder
+from .sockio import NBYTES, bytes_of, recv_exact, recv_frame, recv_scattered, tune
 
-_SOCKBUF = 4 << 20
-
-
-
-# -- the payload path: plain sockets in threads ------------------------------------------
+# -- the payload path: plain sockets in threads (:mod:`.sockio`) --------------------------
 #
-# Payload moves in threads on a duplicate of the connection's descriptor: the syscalls
-# run without the GIL and without an event-loop round trip per ``recv``, and several
-# connections copy in parallel.  The holder sends each reply in one worker-thread call;
-# the reader keeps one thread per connection (see TcpConnection).  The descriptor stays
-# non-blocking (trio sends on it too); Python's socket timeout makes the threads' calls
-# wait with poll() instead.  Measured here: 4 streams ~3.9 GB/s vs ~2.9 GB/s with trio's
-# ``recv_into``; the reader's standing thread, over a worker-thread call per chunk,
-# ~8% on ``tensorhub bench transfer --only tcp``.
+# The reader's standing thread, over a worker-thread call per chunk: ~8% on
+# ``tensorhub bench transfer --only tcp``.
 
 _THREAD_TIMEOUT = 120.0  # a safety net; stalls are detected by the caller's deadline
 _MAX_MANIFEST = MAX_MANIFEST_BYTES  # the limits table's bound
@@ -75,89 +61,6 @@ def _dup(sock: trio.socket.SocketType) -> socket.socket:
     plain = socket.socket(fileno=os.dup(sock.fileno()))
     plain.settimeout(_THREAD_TIMEOUT)
     return plain
-
-
-def _recv_exact_blocking(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise TransportError("connection closed mid-payload")
-        got += k
-
-
-def _send_segments_blocking(sock: socket.socket, segments: Sequence[memoryview]) -> None:
-    if len(segments) == 1:
-        sock.sendall(segments[0])
-        return
-    pending = [s for s in segments if len(s)]
-    while pending:
-        batch = pending[:_IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        i = 0
-        while i < len(batch) and sent >= len(batch[i]):
-            sent -= len(batch[i])
-            i += 1
-        if i < len(batch):
-            pending[i] = pending[i][sent:]
-        del pending[:i]
-
-
-_IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux)
-
-
-_NBYTES = attrgetter("nbytes")
-
-
-def _recv_scattered_blocking(sock: socket.socket, dest: Sequence[Any]) -> None:
-    """Fill the buffers of ``dest`` in order with vectored reads: the kernel scatters
-    the payload, however many tensors a chunk spans (measured: 4 MiB in 1,024 pieces in
-    0.55 ms, vs 1.0-1.5 ms for a staging buffer and a copy per piece)."""
-    pieces = [d for d in dest if d.nbytes]
-    ends = list(itertools.accumulate(map(_NBYTES, pieces)))
-    total = ends[-1] if ends else 0
-    got = i = 0
-    while got < total:
-        batch = pieces[i:i + _IOV_BATCH]
-        into_first = got - (ends[i - 1] if i else 0)
-        if into_first:
-            batch[0] = _bytes_of(batch[0])[into_first:]
-        k = sock.recvmsg_into(batch)[0]
-        if k == 0:
-            raise TransportError("connection closed mid-payload")
-        got += k
-        i = bisect.bisect_right(ends, got, i)
-
-
-def _bytes_of(buf: Any) -> memoryview:
-    """A flat byte view of a C-contiguous buffer (itself when it is one already)."""
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _recv_frame_blocking(sock: socket.socket, on_idle: Callable[[], None]) -> Any:
-    """The next frame, however long until its first byte: each time the socket's timeout
-    passes with nothing, ``on_idle()`` decides whether to wait on (or raises)."""
-    head = bytearray(FRAME_HEADER)
-    view = memoryview(head)
-    while True:
-        try:
-            got = sock.recv_into(view)
-            break
-        except TimeoutError:
-            on_idle()
-    if got == 0:
-        raise TransportError("connection closed")
-    _recv_exact_blocking(sock, view[got:])
-    body = bytearray(_body_size(head))
-    _recv_exact_blocking(sock, memoryview(body))
-    return codec.decode(bytes(body), MAX_FRAME)
-
-
-def _tune(sock: trio.socket.SocketType) -> None:
-    sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-    for opt in (trio.socket.SO_SNDBUF, trio.socket.SO_RCVBUF):
-        sock.setsockopt(trio.socket.SOL_SOCKET, opt, _SOCKBUF)
 
 
 @dataclass(eq=False)
@@ -210,7 +113,7 @@ class TcpConnection:
         proves its identity to the other first (:mod:`.handshake`)."""
         host, _, port = address.rpartition(":")
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-        _tune(sock)
+        tune(sock)
         await _dial(sock, (host, int(port)), peer, timeout, auth,
                     f"cannot connect to {peer} at {address}")
         return cls(sock, peer)
@@ -304,7 +207,7 @@ class TcpConnection:
                     if not run and not sizes:
                         return
                     for chunk, dest, _ in run:
-                        sizes[chunk] = n = sum(map(_NBYTES, dest))
+                        sizes[chunk] = n = sum(map(NBYTES, dest))
                         ahead += n
                     await self._send_runs(key, run, stream)
                 await stream.wait()
@@ -357,7 +260,7 @@ class TcpConnection:
         on the first error (the connection is then out of step) or when it is closed."""
         try:
             while True:
-                reply = _recv_frame_blocking(sock, partial(self._on_idle, token))
+                reply = recv_frame(sock, partial(self._on_idle, token))
                 now = time.perf_counter()
                 if not self._queue:
                     raise RemoteProtocolError(f"{self.peer} sent a frame nobody asked for")
@@ -436,20 +339,20 @@ class TcpConnection:
     def _land_manifest(self, sock: socket.socket, reply: Reply) -> bytes:
         _check_manifest_length(self.peer, reply)
         buf = bytearray(reply.length)
-        _recv_exact_blocking(sock, memoryview(buf))
+        recv_exact(sock, memoryview(buf))
         return bytes(buf)
 
     def _land_payload(self, sock: socket.socket, length: int, chunk: int,
                       dest: Sequence[Any]) -> int:
-        want: int = sum(map(_NBYTES, dest))
+        want: int = sum(map(NBYTES, dest))
         if length != want:
             raise RemoteProtocolError(
                 f"{self.peer} sent {length} bytes for chunk {chunk}, expected {want}")
         if len(dest) > 2:
-            _recv_scattered_blocking(sock, dest)
+            recv_scattered(sock, dest)
         else:
             for d in dest:
-                _recv_exact_blocking(sock, _bytes_of(d))
+                recv_exact(sock, bytes_of(d))
         return want
 
     def _land_chunk(self, sock: socket.socket, reply: Reply, chunk: int,
