@@ -5,12 +5,15 @@ judged by progress, a holder that fails mid-stream replaced without losing a chu
 
 from __future__ import annotations
 
+import os
 import random
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy as np
 import trio
 
@@ -19,6 +22,8 @@ from tensorhub.model import PeerInfo, VersionKey
 from tensorhub.peer.destination import allocate_flat
 from tensorhub.peer.fetcher import Fetch, FetchReport
 from tensorhub.peer.store import LocalVersion, Store
+from tensorhub.protocol import codec
+from tensorhub.protocol.dataplane import BAD_REQUEST, MAX_RUN_CHUNKS, NOT_HELD, ChunkReply
 from tensorhub.protocol.refs import Holding
 from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.transport.base import Connection
@@ -26,6 +31,8 @@ from tensorhub.transport.server import TcpServer
 from tensorhub.transport.tcp import TcpConnection
 
 KEY = VersionKey("m", 1)
+SEED = int(os.environ.get("TENSORHUB_SEED") or random.randrange(2**32))
+print(f"tests/test_streaming.py: seed {SEED} (TENSORHUB_SEED={SEED} replays it)")
 
 
 @dataclass
@@ -74,7 +81,8 @@ def fetch(reader: LocalVersion, sources: list[Holder], **kw: Any) -> Fetch:
     async def connect(peer: PeerInfo) -> Connection:
         return await TcpConnection.connect(peer.data, peer.name, 5)
 
-    return Fetch(me="reader", local=reader, view=view, connect=connect,
+    return Fetch(me="reader", local=reader, view=view, connect=connect, release=kw.pop(
+                     "release", None),
                  upstream=frozenset(kw.pop("upstream", ())), window=kw.pop("window", 2),
                  stall_timeout=kw.pop("stall_timeout", 10.0), on_progress=lambda: None,
                  banned=lambda _n: None, on_bad_bytes=lambda *_a: None, **kw)
@@ -95,8 +103,16 @@ async def test_a_fetch_streams_runs_and_reports_its_windows() -> None:
         local, data = version(1, 24 << 20, 1 << 20)
         h0.store.add(local)
         reader = reader_of(local)
-        report = await fetch(reader, [h0]).run()
+        kept: list[bool] = []
+
+        async def release(conn: Connection) -> None:  # as the pool checks before keeping
+            assert isinstance(conn, TcpConnection)
+            kept.append(conn.reusable())
+            await conn.aclose()
+
+        report = await fetch(reader, [h0], release=release).run()
     assert report.verified and same(reader, data)
+    assert kept and all(kept)  # streams end in step: the pool keeps their connections
     assert report.chunks == report.chunks_received == 24
     assert report.reads < report.chunks  # runs of several chunks at a time
     assert set(report.windows) == {"h0"} and "MiB" in report.windows["h0"]
@@ -158,3 +174,82 @@ async def test_a_holder_that_dies_mid_stream_is_replaced_and_no_chunk_is_lost() 
     assert report.verified and same(reader, data)
     assert report.chunks == 64 and report.chunks_received == 64
     assert sum(report.bytes_by_source.values()) == 64 << 20
+
+
+async def test_hostile_runs_get_an_answer_per_chunk_or_a_closed_connection() -> None:
+    """Run requests with any first chunk, count and names: a request within bounds is
+    answered with one ChunkReply per chunk, in order (refusals included); one out of
+    bounds closes that connection and is counted; the holder serves on throughout."""
+    rng = random.Random(SEED)
+    bad: list[str] = []
+    store = Store()
+    local, data = version(4, 10 * 4096, 4096)
+    store.add(local)
+    server = TcpServer(store, lambda _p, _n: None, bad.append)
+    address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        for i in range(60):
+            first = rng.choice([0, 3, 9, 10, 2**31, 2**32 - 1, 2**32, -1, rng.randrange(20)])
+            count = rng.choice([0, 1, 2, 7, MAX_RUN_CHUNKS, MAX_RUN_CHUNKS + 1, -3, 2**40])
+            model = rng.choice(["m", "other", "", "x" * 300, 7])
+            wire = [110, i, model, 1, first, count, 0, b""]
+            valid = 0 <= first < 2**32 and 1 <= count <= MAX_RUN_CHUNKS \
+                and isinstance(model, str) and len(model) <= 200 \
+                and first + count - 1 < 2**32
+            before = len(bad)
+            stream = await trio.open_tcp_stream("127.0.0.1", int(address.rpartition(":")[2]))
+            async with stream:
+                body = msgpack.packb(wire, use_bin_type=True)
+                await stream.send_all(struct.pack(">I", len(body)) + body)
+                got = await replies(stream, count if valid else 0)
+            if valid:
+                assert [r.chunk for r, _ in got] == list(range(first, first + count))
+                for r, payload in got:
+                    if model == "m" and r.chunk < 10:
+                        assert r.status == 0 and payload == data[r.chunk * 4096:][:4096].tobytes()
+                    else:
+                        assert r.status in (NOT_HELD, BAD_REQUEST) and payload == b"", r
+            else:
+                with trio.fail_after(5):
+                    while len(bad) == before:
+                        await trio.sleep(0.001)
+                assert not got
+        reader = reader_of(local)
+        conn = await TcpConnection.connect(address, "h0", 5)
+        await conn.read_chunk(KEY, 3, reader.segments(3))
+        assert bytes(reader.segments(3)[0]) == data[3 * 4096:4 * 4096].tobytes()
+        await conn.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def replies(stream: trio.SocketStream, count: int) -> list[tuple[ChunkReply, bytes]]:
+    """``count`` chunk replies and their payloads, then nothing (or the end) within 0.2 s
+    of quiet; stops early at the end of the connection."""
+    buf = bytearray()
+    out: list[tuple[ChunkReply, bytes]] = []
+
+    async def need(n: int) -> bool:
+        while len(buf) < n:
+            with trio.move_on_after(5 if len(out) < count else 0.2):
+                more = await stream.receive_some(1 << 16)
+                if not more:
+                    return False
+                buf.extend(more)
+                continue
+            return False
+        return True
+
+    while await need(4):
+        size = struct.unpack(">I", buf[:4])[0]
+        if not await need(4 + size):
+            break
+        reply = codec.decode(bytes(buf[4:4 + size]))
+        del buf[:4 + size]
+        assert isinstance(reply, ChunkReply)
+        length = reply.length if reply.status == 0 else 0
+        if not await need(length):
+            break
+        out.append((reply, bytes(buf[:length])))
+        del buf[:length]
+    return out
