@@ -9,7 +9,7 @@ import os
 import random
 import struct
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,8 @@ import msgpack
 import numpy as np
 import trio
 
+import tensorhub
+from tensorhub import PeerConfig
 from tensorhub.manifest import build_manifest
 from tensorhub.model import PeerInfo, VersionKey
 from tensorhub.peer.destination import allocate_flat
@@ -25,7 +27,7 @@ from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol import codec
 from tensorhub.protocol.dataplane import BAD_REQUEST, MAX_RUN_CHUNKS, NOT_HELD, ChunkReply
 from tensorhub.protocol.refs import Holding
-from tensorhub.protocol.sizing import StreamWindow
+from tensorhub.protocol.sizing import StreamWindow, choose_chunk_size
 from tensorhub.transport.base import Connection
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.tcp import TcpConnection
@@ -253,3 +255,31 @@ async def replies(stream: trio.SocketStream, count: int) -> list[tuple[ChunkRepl
         out.append((reply, bytes(buf[:length])))
         del buf[:length]
     return out
+
+
+async def test_a_peer_chooses_the_chunk_size_and_says_so() -> None:
+    """Without ``chunk_size`` a publisher cuts a version by its size and says so in
+    ``statistics().chunking``; a fetch report names the chunk size and each source's
+    window; ``chunk_size`` set overrides the choice."""
+    async with AsyncExitStack() as stack:
+        pub = await stack.enter_async_context(tensorhub.open_peer(PeerConfig.local("pub")))
+        seed = pub.info.control.removeprefix("tcp://")
+        fixed = await stack.enter_async_context(tensorhub.open_peer(
+            PeerConfig.local("fixed", join=(seed,), chunk_size=1 << 20)))
+        reader = await stack.enter_async_context(tensorhub.open_peer(
+            PeerConfig.local("reader", join=(seed,), transports=("tcp",))))
+        assert pub.statistics().chunking.startswith("automatic")
+        weights = {"w": np.arange(6 << 20, dtype=np.uint8)}
+        manifest = await pub.publish("m", 1, weights)
+        assert manifest.chunk_size == choose_chunk_size(6 << 20)[0] == 4 << 20
+        assert "automatic for 6 MiB" in pub.statistics().chunking
+        assert (await fixed.publish("n", 1, weights)).chunk_size == 1 << 20
+        assert fixed.statistics().chunking.startswith("1048576 bytes (PeerConfig")
+        for model, source in (("m", "pub"), ("n", "fixed")):
+            with trio.fail_after(10):
+                while await reader.latest(model) != 1:
+                    await reader.wait_changed()
+            got = await reader.fetch(model, 1)
+            assert np.array_equal(got.tensors["w"], weights["w"])
+            assert set(got.report.windows) == {source}, got.report.windows
+        assert "automatic would be 4 MiB" in got.report.chunk_size
