@@ -337,13 +337,13 @@ class Fetch:
                     self.pending.append(c)
                     self.pending.sort()
                     stop = self._failed(name, c, result)
-                else:
+                    self._notify()  # a chunk to fetch again
+                else:  # no news for waiting workers: nothing new to fetch
                     self.pace.completed(name, result, now - last[0])
                     self._landed(c, result, name, ready)
                     self.failures.pop(name, None)
                     self.on_progress()
                 last[0] = now
-                self._notify()
                 return not stop
 
             with scope:
