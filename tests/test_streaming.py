@@ -52,7 +52,8 @@ async def holders(count: int) -> AsyncIterator[list[Holder]]:
         out = []
         for i in range(count):
             store, served = Store(), list[int]()
-            server = TcpServer(store, lambda _p, n, s=served: s.append(n), lambda _w: None)
+            server = TcpServer(store, lambda _p, n, s=served: s.append(n),  # type: ignore[misc]
+                               lambda _w: None)
             port = server.bind("127.0.0.1", 0)
             scope = trio.CancelScope()
 
@@ -283,3 +284,55 @@ async def test_a_peer_chooses_the_chunk_size_and_says_so() -> None:
             assert np.array_equal(got.tensors["w"], weights["w"])
             assert set(got.report.windows) == {source}, got.report.windows
         assert "automatic would be 4 MiB" in got.report.chunk_size
+
+
+async def delayed_relay(listener: trio.SocketListener, port: int, one_way: float) -> None:
+    """Forward connections to ``port``, every byte ``one_way`` seconds late each way
+    (there is no netem here: a round trip added in user space)."""
+    async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+        send, recv = trio.open_memory_channel[tuple[float, bytes]](1 << 16)
+
+        async def read() -> None:
+            async with send:
+                while data := await src.receive_some(1 << 16):
+                    await send.send((trio.current_time() + one_way, data))
+
+        async def write() -> None:
+            async with recv:
+                async for at, data in recv:
+                    await trio.sleep_until(at)
+                    await dst.send_all(data)
+            await dst.send_eof()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            nursery.start_soon(write)
+
+    async def handle(client: trio.SocketStream) -> None:
+        upstream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with client, upstream, trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, upstream)
+            nursery.start_soon(pump, upstream, client)
+
+    await trio.serve_listeners(handle, [listener])
+
+
+async def test_a_long_round_trip_costs_requests_per_window_not_per_chunk() -> None:
+    """Over a 100 ms round trip a stream measures the link and asks for as much as its
+    bandwidth-delay product at once: a few requests for 64 chunks, where one request
+    per chunk would pay 64 round trips."""
+    async with holders(1) as (h0,), trio.open_nursery() as nursery:
+        local, data = version(5, 64 * 262_144, 262_144)
+        h0.store.add(local)
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        nursery.start_soon(delayed_relay, listeners[0], int(h0.info.data.rpartition(":")[2]),
+                           0.05)
+        relayed = listeners[0].socket.getsockname()[1]
+        h0.info = PeerInfo("h0", "tcp://127.0.0.1:1", f"127.0.0.1:{relayed}")
+        reader = reader_of(local)
+        report = await fetch(reader, [h0], window=1).run()
+        nursery.cancel_scope.cancel()
+    assert report.verified and same(reader, data)
+    assert report.reads <= 8, report.reads
+    window = report.windows["h0"]
+    assert "x the BDP" in window or "the cap" in window, window
