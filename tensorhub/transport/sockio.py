@@ -12,6 +12,7 @@ with trio's ``recv_into``.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import socket
 from collections.abc import Callable, Sequence
@@ -25,7 +26,14 @@ from ..protocol import codec
 from ..protocol.dataplane import FRAME_HEADER, MAX_FRAME
 from .frames import _body_size
 
-SOCKBUF = 4 << 20
+SEND_BUFFER = 4 << 20
+"""Bytes of a holder's send buffer (Linux doubles it), when the kernel allows that much
+(``net.core.wmem_max``): larger than send-side autotuning's usual ceiling (4 MiB), so a
+holder's writes rarely wait.  The receive buffer is left to the kernel's autotuning
+(``net.ipv4.tcp_rmem``), as a plain TCP stream's is: a fixed one caps the window at any
+round trip -- at the default ``rmem_max`` of 208 KiB, a setting is cut to 416 KiB and
+turns autotuning off -- and measured here (256 MiB over loopback, interleaved runs),
+autotuning was faster than a fixed 8 MiB (1.00 vs 0.88 of a raw socket)."""
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -106,6 +114,17 @@ def recv_frame(sock: socket.socket, on_idle: Callable[[], None]) -> Any:
 
 
 def tune(sock: trio.socket.SocketType) -> None:
+    """No Nagle; the send buffer of :data:`SEND_BUFFER` where the kernel allows it."""
     sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-    for opt in (trio.socket.SO_SNDBUF, trio.socket.SO_RCVBUF):
-        sock.setsockopt(trio.socket.SOL_SOCKET, opt, SOCKBUF)
+    if _kernel_max("wmem_max") >= SEND_BUFFER:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, SEND_BUFFER)
+
+
+@functools.cache
+def _kernel_max(name: str) -> int:
+    """``/proc/sys/net/core/<name>`` (0 where it cannot be read)."""
+    try:
+        with open(f"/proc/sys/net/core/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
