@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import os
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ from .sockio import NBYTES, bytes_of, recv_exact, recv_frame, recv_scattered, tu
 # The reader's standing thread, over a worker-thread call per chunk: ~8% on
 # ``tensorhub bench transfer --only tcp``.
 
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 _THREAD_TIMEOUT = 120.0  # a safety net; stalls are detected by the caller's deadline
 _MAX_MANIFEST = MAX_MANIFEST_BYTES  # the limits table's bound
 
@@ -364,8 +366,14 @@ class TcpConnection:
 
     # -- closing -------------------------------------------------------------------------
 
-    def _shutdown(self) -> None:
-        """End the connection now; the reader thread wakes, stops and closes its socket."""
+    def _shutdown(self, abort: bool = True) -> None:
+        """End the connection now; the reader thread wakes, stops and closes its socket.
+        ``abort``: with a reset, so a holder still sending to us stops at once and ends
+        its lease (after a plain close, a holder facing our closed receive window would
+        wait out its lease timeout)."""
+        if abort and self._sock.fileno() >= 0:
+            with contextlib.suppress(OSError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
         if self._plain is not None:
             with contextlib.suppress(OSError):
                 self._plain.shutdown(socket.SHUT_RDWR)
@@ -373,10 +381,10 @@ class TcpConnection:
 
     def close(self) -> None:
         """:meth:`aclose` without a checkpoint (for a pool of idle connections)."""
-        self._shutdown()
+        self._shutdown(abort=bool(self._queue) or self._ended is not None)
 
     async def aclose(self) -> None:
-        self._shutdown()
+        self._shutdown(abort=bool(self._queue) or self._ended is not None)
 
     def reusable(self) -> bool:
         """True iff this connection is in step and open: nothing in flight, no reply
