@@ -209,7 +209,7 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
 
         for name in names[2:]:
             procs[name].call("prepared", cmd="prepare", model="big", shape="model", size=size)
-        procs["f_tcp"].call("prepared", cmd="prepare", model="big4", shape="model", size=size)
+        procs["f_tcp"].call("prepared", cmd="prepare", model="big4", like="big")
         raw: list[float] = []
         raw4: list[float] = []
         tcp: list[dict[str, Any]] = []

@@ -8,7 +8,8 @@ line, answering each with one JSON line on stdout:
   "shared": bool}`` allocates (``shared``: with :func:`tensorhub.shared_empty`), fills and
   pre-faults arrays, publishes them, and reports the RSS before and after ``publish``
   (ROS: publishing must not copy).
-* ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers.
+* ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers
+  (with ``"like": MODEL``, reuses that model's instead: for fetches taking turns).
 * ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
   and reports the fetch report, monotonic start / end times, the CPU seconds this
   process spent meanwhile (every thread) and the peak RSS.
@@ -149,7 +150,9 @@ class Worker:
                     "rss_after_mib": rss_mib()[0], "seconds": t1 - t0,
                     "checksum": checksum(arrays)}
         if kind == "prepare":
-            self.buffers[f"into:{cmd['model']}"] = allocate(specs_for(cmd["shape"], cmd["size"]))
+            like = cmd.get("like")
+            self.buffers[f"into:{cmd['model']}"] = self.buffers[f"into:{like}"] if like \
+                else allocate(specs_for(cmd["shape"], cmd["size"]))
             return {"event": "prepared", "rss_mib": rss_mib()[0]}
         if kind == "fetch":
             into = self.buffers.get(f"into:{cmd['model']}") if cmd.get("into") else None
