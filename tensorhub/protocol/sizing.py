@@ -117,5 +117,6 @@ def size_text(n: int) -> str:
     """``n`` bytes for people: ``16 MiB``, ``4.27 MiB``, ``512 B``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
-            return f"{n / (1 << shift):.3g} {unit}"
+            v = n / (1 << shift)
+            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
     return f"{n} B"
