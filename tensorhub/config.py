@@ -138,13 +138,13 @@ class PeerConfig:
     fetch_window: int = 4
     """Streams per fetch (one connection each).  Each keeps a window of chunks requested
     ahead of what has landed, sized from the bandwidth-delay product measured on its
-    source (at least two chunks), so one stream fills a link at any round trip; several
+    source (at least four chunks), so one stream fills a link at any round trip; several
     spread a fetch over several holders and its checks over several cores."""
 
     max_inflight_bytes: int = 512 << 20
     """Bytes of chunk requests in flight per fetch, over all its streams: the cap on the
     measured windows (a stream's share is this over the number of streams) and on the
-    number of streams (two chunks each at least).  Costs the reader nothing -- chunks
+    number of streams (the floor of a window each, four chunks).  Costs the reader nothing -- chunks
     land in their destination -- and the holder only its socket buffers; 512 MiB covers
     a 40 Gbit link at 100 ms.  Raise it for faster long links."""
 

@@ -70,7 +70,7 @@ def test_a_window_is_capped_and_never_below_two_chunks() -> None:
     w.delivered(16 * MIB, 16 * MIB / 12.5e9)  # 100 Gbit at 80 ms: a 1 GB product
     assert w.bytes() == 64 * MIB and "cap" in w.why()
     small = StreamWindow(16 * MIB, 1)  # a cap under the floor: the floor wins
-    assert small.bytes() == 2 * 16 * MIB
+    assert small.bytes() == MIN_CHUNKS * 16 * MIB
     with pytest.raises(LocalProtocolError):
         StreamWindow(0, 1)
 

@@ -20,6 +20,7 @@ from ..errors import RemoteProtocolError, TransportError, VersionUnavailable
 from ..manifest import Manifest
 from ..model import PeerInfo, VersionKey
 from ..protocol.refs import Holding
+from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, HolderView
@@ -43,9 +44,9 @@ def holder_view(peer: Peer, allowed: frozenset[str] | None) -> HolderView:
 
 def window(peer: Peer, manifest: Manifest) -> int:
     """Streams (workers) of one fetch: ``fetch_window``, within ``max_inflight_bytes``
-    at the floor of two chunks each."""
+    at the floor of a window each (``sizing.MIN_CHUNKS`` chunks)."""
     return max(1, min(peer.config.fetch_window,
-                      peer.config.max_inflight_bytes // (2 * manifest.chunk_size)))
+                      peer.config.max_inflight_bytes // (MIN_CHUNKS * manifest.chunk_size)))
 
 
 def window_cap(peer: Peer, manifest: Manifest) -> int:
