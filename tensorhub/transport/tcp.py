@@ -215,8 +215,8 @@ class TcpConnection:
                 await stream.wait()
                 while stream.items:
                     item = stream.items.popleft()
-                    if isinstance(item, BaseException):
-                        raise item
+                    if isinstance(item, BaseException):  # the connection failed
+                        raise _failure(self.peer, item) from None
                     chunk, result, rtt, sample = item
                     ahead -= sizes.pop(chunk)
                     if rtt is not None:
@@ -284,7 +284,9 @@ class TcpConnection:
                 finally:
                     _wake(token, ex)
         except BaseException as exc:
-            self._ended = exc
+            # Kept without its traceback: the frames it would keep (this thread's, with
+            # the run being landed) hold a fetch's buffers until the cyclic collector.
+            self._ended = exc.with_traceback(None)
             while self._queue:  # some may have been sent after this thread's last look
                 item = self._queue.popleft()
                 if isinstance(item, _Run):
@@ -483,6 +485,15 @@ class _Stream:
         while not self.items:
             await self._arrived.wait()
             self._arrived = trio.Event()
+
+
+def _failure(peer: str, exc: BaseException) -> Exception:
+    """A new error saying why the connection to ``peer`` failed, of the kind the fetcher
+    acts on (the reader thread's own is kept by the connection: raising it here would
+    tie this task's frames, and the fetch's buffers, to it)."""
+    if isinstance(exc, RemoteProtocolError):
+        return RemoteProtocolError(str(exc))
+    return TransportError(f"connection to {peer} failed: {exc or type(exc).__name__}")
 
 
 def _checked(dest: Sequence[Any], verify: Verifier, n: int | Exception) -> int | Exception:
