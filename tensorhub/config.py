@@ -20,6 +20,8 @@ from .manifest import DIGEST_ALGOS
 from .security import Security
 
 DEFAULT_CHUNK_SIZE = 4 << 20
+"""The smallest automatic chunk size (:mod:`tensorhub.protocol.sizing`), and what
+benchmarks force to compare with earlier runs."""
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -100,10 +102,14 @@ class PeerConfig:
     this only bounds what a flooding sender costs us."""
 
     # -- data plane -------------------------------------------------------------
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    """Bytes per chunk: the unit of verification, so of store-and-forward.  Each level of a
-    transfer tree lags its parent by one chunk-time; per-chunk costs grow below ~4 MiB.
-    Measured (8 emulated hosts, 400 Mbit, 256 MiB): 2/4/8 MiB -> 1.28/1.16/1.30x bound."""
+    chunk_size: int | None = None
+    """Bytes per chunk of what this peer publishes: the unit of verification, so of
+    store-and-forward.  ``None`` (the default) lets the system choose from each
+    version's size: about 64 chunks, a power of two from 4 to 64 MiB
+    (:func:`tensorhub.protocol.sizing.choose_chunk_size`; ``statistics().chunking``
+    and each fetch report say what was chosen).  Each level of a transfer tree lags its
+    parent by one chunk-time; per-chunk costs grow below ~4 MiB.  Measured (8 emulated
+    hosts, 400 Mbit, 256 MiB): 2/4/8 MiB -> 1.28/1.16/1.30x bound."""
 
     digest_algo: str = "blake3"
     """Per-chunk digest of what this peer publishes (see ``manifest.DIGEST_ALGOS``).
@@ -131,10 +137,17 @@ class PeerConfig:
     plane carries)."""
 
     fetch_window: int = 4
-    """Chunk requests in flight per fetch (one connection each)."""
+    """Streams per fetch (one connection each).  Each keeps a window of chunks requested
+    ahead of what has landed, sized from the bandwidth-delay product measured on its
+    source (at least four chunks), so one stream fills a link at any round trip; several
+    spread a fetch over several holders and its checks over several cores."""
 
-    max_inflight_bytes: int = 64 << 20
-    """Bytes of chunk requests in flight per fetch; the window is the smaller bound."""
+    max_inflight_bytes: int = 512 << 20
+    """Bytes of chunk requests in flight per fetch, over all its streams: the cap on the
+    measured windows (a stream's share is this over the number of streams) and on the
+    number of streams (the floor of a window each, four chunks).  Costs the reader nothing -- chunks
+    land in their destination -- and the holder only its socket buffers; 512 MiB covers
+    a 40 Gbit link at 100 ms.  Raise it for faster long links."""
 
     nic_bps: float = 12.5e9
     """NIC bandwidth (bytes/s) assumed for peers without a ``nic_bps`` label: 100 Gbit.
@@ -245,8 +258,8 @@ class PeerConfig:
         for name in ("gossip_fanout", "indirect_checks", "retransmit_mult", "fetch_window"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ConfigError(f"{name} must be in [1, 64]")
-        if not 4096 <= self.chunk_size <= 1 << 30:
-            raise ConfigError("chunk_size must be in [4 KiB, 1 GiB]")
+        if self.chunk_size is not None and not 4096 <= self.chunk_size <= 1 << 30:
+            raise ConfigError("chunk_size must be None (automatic) or in [4 KiB, 1 GiB]")
         if not 64 << 10 <= self.max_message_bytes <= 1 << 30:
             raise ConfigError("max_message_bytes must be in [64 KiB, 1 GiB]")
         if self.gossip_queue < 16:

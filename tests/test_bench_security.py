@@ -49,7 +49,7 @@ def test_transfer_keys_both_measures_both_meshes_in_one_run(
     assert fetchers["off"]["security"].startswith("insecure"), fetchers
     assert fetchers["on"]["security"].startswith("keys"), fetchers
     assert fetchers["off"]["digest"] == fetchers["on"]["digest"], fetchers
-    assert doc["settings"] == {"size": 8 * MIB, "chunk": 4 * MIB, "runs": 2, "only": "tcp",
+    assert doc["settings"] == {"size": 8 * MIB, "chunk": "auto", "runs": 2, "only": "tcp",
                                "keys": "both"}
 
 

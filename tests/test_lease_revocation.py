@@ -215,7 +215,7 @@ async def test_a_send_cut_short_by_shutdown_ends_before_its_lease(
     the send is cut short, and the lease ends only after the thread has let go of the
     memory (never while it may still read it)."""
     events: list[str] = []
-    send = server_module._send_segments_blocking
+    send = server_module.send_segments
 
     def recorded_send(*args: Any) -> None:
         try:
@@ -223,7 +223,7 @@ async def test_a_send_cut_short_by_shutdown_ends_before_its_lease(
         finally:
             events.append("send ended")
 
-    monkeypatch.setattr(server_module, "_send_segments_blocking", recorded_send)
+    monkeypatch.setattr(server_module, "send_segments", recorded_send)
     async with holder() as h:
         pub = publish(h.store, random.Random(SEED), [48 << 20], 48 << 20)
         key = pub.local.manifest.key

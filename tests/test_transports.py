@@ -46,7 +46,9 @@ from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
     NOT_HELD,
     NOT_YET,
+    ChunkReply,
     ChunkRequest,
+    ChunkRunRequest,
     Reply,
     ShmChunkRequest,
     ShmFileGrant,
@@ -56,6 +58,7 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
+from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.security import Identity, Keyring
 from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
@@ -193,6 +196,7 @@ sys.path.insert(0, "tests")
 import transport_conformance
 from tensorhub import shared_empty
 from tensorhub.peer.store import Store
+from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.transport.server import TcpServer
 if sys.argv[4] == "shared":
     transport_conformance.EMPTY = shared_empty
@@ -949,6 +953,50 @@ async def test_tcp_frame_nobody_asked_for_closes_the_connection() -> None:
         assert not any(dest[0])
         with pytest.raises((TransportError, OSError)):  # out of step: closed
             await conn.read_chunk(KEY, 0, dest)
+        await conn.aclose()
+
+
+STREAM_LIES = {
+    "another chunk": lambda r: [ChunkReply(r.req_id, r.first + 1, NOT_YET, 0)],
+    "another run": lambda r: [ChunkReply(r.req_id + 1, r.first, NOT_YET, 0)],
+    "a plain reply": lambda r: [Reply(r.req_id, NOT_YET, 0)],
+    "a wrong length": lambda r: [ChunkReply(r.req_id, r.first, 0, 4095)],
+    "a refusal, then another chunk": lambda r: [ChunkReply(r.req_id, r.first, NOT_YET, 0),
+                                                ChunkReply(r.req_id, r.first + 2, 0, 4096)],
+}
+
+
+@pytest.mark.parametrize("lie", sorted(STREAM_LIES))
+async def test_tcp_stream_refuses_replies_out_of_turn(lie: str) -> None:
+    """A holder that answers a run out of turn ends the stream with a protocol error;
+    nothing lands, nothing that came before the lie is affected."""
+    answer = STREAM_LIES[lie]
+
+    def serve(req: Any) -> list[Any]:
+        return answer(req) if isinstance(req, ChunkRunRequest) else []
+
+    async with fake_holder(serve) as address:
+        conn = await TcpConnection.connect(address, "liar", 5)
+        dests = {c: memoryview(bytearray(4096)) for c in range(3)}
+        reported: list[tuple[int, int | Exception]] = []
+        taken: list[int] = []
+
+        def take(_budget: int) -> list[tuple[int, Any, Any]]:
+            run = [c for c in dests if c not in taken]
+            taken.extend(run)
+            return [(c, [dests[c]], None) for c in run]
+
+        def landed(c: int, result: int | Exception) -> bool:
+            reported.append((c, result))
+            return True
+
+        with pytest.raises((TransportError, RemoteProtocolError),
+                           match=r"nobody asked for|out of turn|expected 4096"):
+            with trio.fail_after(10):
+                await conn.stream_chunks(KEY, take, landed, StreamWindow(4096, 1 << 20))
+        assert all(isinstance(r, NotServing) for _, r in reported)
+        assert not any(any(d) for d in dests.values())
+        assert not conn.reusable()
         await conn.aclose()
 
 

@@ -19,6 +19,12 @@ The contract, for every transport:
   never reported read unless they are exactly right;
 * malformed, oversized or out-of-turn requests close that connection, are counted by
   the server's ``on_bad`` and do not disturb other connections;
+* a stream (``stream_chunks``) reports each chunk it was given exactly once, in any
+  order, with its exact bytes or its own failure: a chunk the holder lacks is refused
+  (``NOT_YET``) and the stream goes on; a chunk whose check fails is that chunk's error
+  and the chunks around it are good; a holder that dies mid-stream makes the stream
+  fail, and no chunk is reported read unless it is exactly right; ``landed`` returning
+  False ends it at once;
 * a read in flight holds the holder's lease: unpublish (``Store.wait_drained``) waits for
   it (and for a same-host version lease until the reader's next request or the
   connection's end); a cancelled read ends the lease once the reader closes the
@@ -50,15 +56,20 @@ from tensorhub.protocol import codec
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
     MAX_FRAME,
+    MAX_RUN_CHUNKS,
     NOT_HELD,
     NOT_YET,
+    ChunkReply,
+    ChunkRunRequest,
     Reply,
     ShmDone,
 )
 from tensorhub.protocol.messages import register_all
-from tensorhub.transport.base import Connection, NotServing
+from tensorhub.protocol.sizing import StreamWindow
+from tensorhub.transport.base import Connection, NotServing, Verifier
 
 register_all()
+RUN_ID = {cls: i for i, cls in codec.registered().items()}[ChunkRunRequest]
 
 SEED = int(os.environ.get("TENSORHUB_SEED") or random.randrange(2**32))
 print(f"tests/transport_conformance.py: seed {SEED} (TENSORHUB_SEED={SEED} replays it)")
@@ -334,6 +345,181 @@ async def test_a_chunk_still_arriving_is_served_once_verified(open_holder: OpenH
         await other.aclose()
 
 
+# -- streams --------------------------------------------------------------------------
+
+
+@dataclass
+class Streamed:
+    """What a stream reported: each chunk's bytes (or error), in the order reported."""
+
+    bufs: dict[int, np.ndarray[Any, Any]] = field(default_factory=dict)
+    results: dict[int, int | Exception] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
+
+
+async def stream(conn: Connection, pub: Published, chunks: Sequence[int],
+                 rng: random.Random, verify: Callable[[int], Verifier | None] = lambda c: None,
+                 on_landed: Callable[[int, int | Exception], bool] = lambda c, r: True,
+                 ) -> Streamed:
+    """Stream ``chunks`` (handed out in runs of random sizes) into fresh buffers cut at
+    random, checking each chunk's bytes before ``verify(c)`` runs."""
+    out = Streamed()
+    todo = list(chunks)
+
+    def checked(c: int) -> Verifier:
+        extra = verify(c)
+
+        def check(landed: Sequence[memoryview]) -> None:
+            assert b"".join(bytes(d) for d in landed) == pub.chunk(c).tobytes(), c
+            if extra is not None:
+                extra(landed)
+        return check
+
+    def take(budget: int) -> list[tuple[int, Any, Verifier | None]]:
+        assert budget > 0
+        run = todo[:rng.randrange(1, 5)]
+        del todo[:len(run)]
+        for c in run:
+            out.bufs[c] = np.zeros(len(pub.chunk(c)), dtype=np.uint8)
+        return [(c, cut(out.bufs[c], rng, rng.randrange(1, 4)), checked(c)) for c in run]
+
+    def landed(c: int, result: int | Exception) -> bool:
+        assert c not in out.results, f"chunk {c} reported twice"
+        out.results[c] = result
+        out.order.append(c)
+        return on_landed(c, result)
+
+    window = StreamWindow(pub.local.manifest.chunk_size, 1 << 30)
+    await conn.stream_chunks(pub.local.manifest.key, take, landed, window)
+    return out
+
+
+def assert_good(pub: Published, got: Streamed, chunks: Sequence[int]) -> None:
+    for c in chunks:
+        assert got.results[c] == len(pub.chunk(c)), f"chunk {c}: {got.results[c]!r}"
+        assert np.array_equal(got.bufs[c], pub.chunk(c)), f"chunk {c}"
+
+
+async def test_a_stream_refuses_a_missing_chunk_and_goes_on(open_holder: OpenHolder) -> None:
+    """A holder that lacks a chunk in the middle of a run answers it NOT_YET; the chunks
+    before and after it arrive, exactly."""
+    rng = rng_for("stream-missing")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [rng.randrange(1, 300_000) for _ in range(8)],
+                      chunk_size=100_000 + rng.randrange(1000), verified=False)
+        count = pub.local.manifest.num_chunks
+        gap = count // 2
+        for c in range(count):
+            if c != gap:
+                pub.local.mark_verified(c)
+        pub.local.end_receiving()  # it will not get the gap: NOT_YET at once
+        conn = await holder.connect()
+        got = await stream(conn, pub, range(count), rng)
+        assert sorted(got.results) == list(range(count))
+        refused = got.results[gap]
+        assert isinstance(refused, NotServing) and refused.status == NOT_YET, refused
+        assert_good(pub, got, [c for c in range(count) if c != gap])
+        await read_into(conn, pub, 0, [memoryview(got.bufs[0])])  # type: ignore[arg-type]
+        await conn.aclose()
+
+
+async def test_a_stream_from_a_holder_still_receiving_gets_chunks_as_they_land(
+        open_holder: OpenHolder) -> None:
+    """Partial-prefix serving: a stream asks ahead of what the holder has; the holder
+    sends each chunk once it is verified there, and the stream waits for it."""
+    rng = rng_for("stream-arriving")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [rng.randrange(1, 200_000) for _ in range(6)],
+                      chunk_size=65_536 + rng.randrange(1000), verified=False)
+        count = pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        got: list[Streamed] = []
+
+        async def read() -> None:
+            got.append(await stream(conn, pub, range(count), rng))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            for c in range(count):  # lands one by one while the stream waits
+                await trio.testing.wait_all_tasks_blocked()
+                assert not got
+                pub.local.mark_verified(c)
+        assert sorted(got[0].results) == list(range(count))
+        assert_good(pub, got[0], range(count))
+        await conn.aclose()
+
+
+async def test_a_stream_reports_a_failed_check_in_the_middle(open_holder: OpenHolder) -> None:
+    """Bytes failing their check in the middle of a stream are that chunk's error only;
+    a ``landed`` that says stop ends the stream there."""
+    rng = rng_for("stream-bad")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [rng.randrange(1, 400_000) for _ in range(10)],
+                      chunk_size=200_000 + rng.randrange(1000))
+        count = pub.local.manifest.num_chunks
+        bad = rng.randrange(1, count - 1)
+
+        class BadDigest(Exception):
+            pass
+
+        def verify(c: int) -> Verifier | None:
+            def refuse(_landed: Sequence[memoryview]) -> None:
+                raise BadDigest(f"chunk {c}")
+            return refuse if c == bad else None
+
+        conn = await holder.connect()
+        got = await stream(conn, pub, range(count), rng, verify)
+        assert isinstance(got.results[bad], BadDigest)
+        assert_good(pub, got, [c for c in range(count) if c != bad])
+        await conn.aclose()
+
+        conn = await holder.connect()
+        got = await stream(conn, pub, range(count), rng, verify,
+                           lambda c, r: not isinstance(r, BadDigest))
+        assert isinstance(got.results[bad], BadDigest)
+        assert got.order[-1] == bad  # nothing reported after the stop
+        assert_good(pub, got, [c for c in got.results if c != bad])
+        await conn.aclose()
+
+
+async def test_a_stream_cut_by_the_holder_fails_and_lands_nothing_wrong(
+        open_holder: OpenHolder) -> None:
+    """The holder dies once the first chunk has landed: the stream fails (or, with
+    everything already on its way, ends), and every chunk it reported is exact."""
+    rng = rng_for("stream-cut")
+    async with open_holder() as holder:
+        pub = publish(holder.store, rng, [48 << 20], chunk_size=4 << 20)
+        count = pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        first = trio.Event()
+
+        def on_landed(_c: int, _r: int | Exception) -> bool:
+            first.set()
+            return True
+
+        outcome: list[BaseException | Streamed] = []
+
+        async def run() -> None:
+            try:
+                outcome.append(await stream(conn, pub, range(count), rng,
+                                            on_landed=on_landed))
+            except FAILED as exc:
+                outcome.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            with trio.fail_after(10):
+                await first.wait()
+            await holder.kill()
+        if isinstance(outcome[0], Streamed):
+            for c, r in outcome[0].results.items():
+                if isinstance(r, int):
+                    assert np.array_equal(outcome[0].bufs[c], pub.chunk(c)), c
+        with pytest.raises(FAILED):
+            await stream(conn, pub, range(count), rng)
+        await conn.aclose()
+
+
 # -- peer death -----------------------------------------------------------------------
 
 
@@ -381,6 +567,12 @@ BAD_REQUESTS = {
     "absurd length": struct.pack(">I", 0xFFFF_FFF0) + b"x" * 64,
     "oversized frame": struct.pack(">I", MAX_FRAME + 1) + b"x" * 64,
     "a reply as request": _frame(codec.encode(Reply(1, 0, 0))),
+    "a chunk reply as request": _frame(codec.encode(ChunkReply(1, 0, 0, 0))),
+    "a run of no chunks": _frame(msgpack.packb([RUN_ID, 1, "m", 1, 0, 0, 0, b""])),
+    "a run over the cap": _frame(msgpack.packb([RUN_ID, 1, "m", 1, 0, MAX_RUN_CHUNKS + 1, 0,
+                                                b""])),
+    "a run past the last index": _frame(codec.encode(ChunkRunRequest(1, "m", 1, 2**32 - 1,
+                                                                     2))),
     "done out of turn": _frame(codec.encode(ShmDone(1))),
 }
 

@@ -5,7 +5,11 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
 (a) raw baseline: two processes, a blocking socket ``sendall`` -> ``recv_into`` a
     pre-faulted buffer of the same size, run just before each (b) while the same peers
     are up, so both see the same machine (idle peers alone slow it by several percent);
-(b) TensorHub single-hop fetch over TCP, integrity on, into pre-faulted arrays;
+(b) TensorHub single-hop fetch over TCP, integrity on, into pre-faulted arrays, at the
+    default settings (the chunk size the system chooses for the version, ``--chunk``
+    to force one), and the same with 4 MiB chunks forced (a second publisher, ``pub4``,
+    publishes the same model with ``chunk_size`` set): ``tcp_vs_raw`` and
+    ``tcp_vs_raw_4mib_chunks``, each against the raw run just before it;
 (c) the same over the same-host transport: the publisher's arrays are shared memory
     (``tensorhub.shared_empty``), so the reader maps them (``shm-memfd``);
 (d) a chain publisher -> A -> B -> C, each fetching from the previous while it receives
@@ -109,12 +113,17 @@ def numpy_copier(size: int) -> Callable[[], float]:
     return once
 
 
+FORCED_CHUNK = DEFAULT_CHUNK_SIZE  # what pub4 publishes with (4 MiB)
+
+
 def run(size: int, chunk: int, runs: int, only_tcp: bool = False, keys: bool = False
         ) -> dict[str, Any]:
-    names = ["pub", "f_tcp"] if only_tcp else ["pub", "f_tcp", "f_shm", "a", "b", "c"]
+    """``chunk`` 0: the chunk size the system chooses."""
+    names = ["pub", "pub4", "f_tcp"] if only_tcp else \
+        ["pub", "pub4", "f_tcp", "f_shm", "a", "b", "c"]
     with tempfile.TemporaryDirectory(prefix="tensorhub-keys-") as key_dir:
         if keys:
-            write_keys(key_dir, names, {"*": ["pub"]})
+            write_keys(key_dir, names, {"*": ["pub", "pub4"]})
         return _run(names, size, chunk, runs, only_tcp, key_dir if keys else None)
 
 
@@ -130,7 +139,8 @@ def _mesh(names: list[str], chunk: int, key_dir: str | None
         for i, name in enumerate(names):
             argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
                     "--listen", f"127.0.0.1:{ports[i]}", "--expect", str(len(names)),
-                    "--chunk", str(chunk), "--transports", transports.get(name, "tcp")]
+                    "--chunk", str(FORCED_CHUNK if name == "pub4" else chunk),
+                    "--transports", transports.get(name, "tcp")]
             argv += ["--join", seed] if i else []
             argv += ["--keys", key_dir] if key_dir else []
             procs[name] = WorkerClient(name, subprocess.Popen(
@@ -143,9 +153,9 @@ def _mesh(names: list[str], chunk: int, key_dir: str | None
             p.close()
 
 
-def _fetch_once(proc: WorkerClient, model: str) -> dict[str, Any]:
-    """One timed fetch of ``model@1`` from ``pub`` into prepared arrays, then dropped."""
-    got = proc.call("fetched", cmd="fetch", model=model, version=1, sources=["pub"],
+def _fetch_once(proc: WorkerClient, model: str, source: str = "pub") -> dict[str, Any]:
+    """One timed fetch of ``model@1`` from ``source`` into prepared arrays, then dropped."""
+    got = proc.call("fetched", cmd="fetch", model=model, version=1, sources=[source],
                     into=True)
     proc.call("unpublished", cmd="unpublish", model=model, version=1)
     return got
@@ -184,6 +194,8 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
         pub = procs["pub"]
         published = pub.call("published", cmd="publish", model="big", version=1,
                              shape="model", size=size, shared=True)
+        procs["pub4"].call("published", cmd="publish", model="big4", version=1,
+                           shape="model", size=size, shared=True)
         results["publisher_rss_growth_mib"] = (published["rss_after_mib"]
                                                - published["rss_before_mib"])
 
@@ -198,11 +210,19 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
                 out.append(_fetch_once(proc, model))
             return out
 
-        for name in names[1:]:
+        for name in names[2:]:
             procs[name].call("prepared", cmd="prepare", model="big", shape="model", size=size)
+        procs["f_tcp"].call("prepared", cmd="prepare", model="big4", like="big")
         raw: list[float] = []
-        tcp = single(procs["f_tcp"], "big", lambda: raw_socket_seconds(size, 1)[0], raw)
-        results.update(raw=raw, tcp=tcp,
+        raw4: list[float] = []
+        tcp: list[dict[str, Any]] = []
+        tcp4: list[dict[str, Any]] = []
+        for _ in range(runs):  # interleaved, each right after its own raw run
+            raw.append(raw_socket_seconds(size, 1)[0])
+            tcp.append(_fetch_once(procs["f_tcp"], "big"))
+            raw4.append(raw_socket_seconds(size, 1)[0])
+            tcp4.append(_fetch_once(procs["f_tcp"], "big4", "pub4"))
+        results.update(raw=raw, tcp=tcp, raw4=raw4, tcp4=tcp4,
                        fetcher_peak_rss_mib=max(r["peak_rss_mib"] for r in tcp))
         if only_tcp:
             return results
@@ -233,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="1GiB", help="bytes per transfer (default 1GiB)")
-    p.add_argument("--chunk", default=str(DEFAULT_CHUNK_SIZE),
-                   help=f"chunk size (default {DEFAULT_CHUNK_SIZE >> 20}MiB)")
+    p.add_argument("--chunk", default="auto",
+                   help="chunk size of pub's version (default auto: the system chooses "
+                        "from the version's size; pub4 always publishes 4 MiB chunks)")
     p.add_argument("--runs", type=int, default=5, help="runs per measurement (median)")
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
     p.add_argument("--only", choices=("all", "tcp"), default="all",
@@ -246,7 +267,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    size, chunk, runs = parse_size(args.size), parse_size(args.chunk), args.runs
+    size, runs = parse_size(args.size), args.runs
+    chunk = 0 if args.chunk == "auto" else parse_size(args.chunk)
     both = args.keys == "both"
     only_tcp = args.only == "tcp" or both
     r = run_both(size, chunk, runs) if both else run(size, chunk, runs, only_tcp,
@@ -263,9 +285,21 @@ def run_cli(args: argparse.Namespace) -> int:
         ("(b) TensorHub fetch, TCP, integrity on" + (", keyless" if both else ""), tcp_s,
          tcp_rate),
     ]
-    figures = [figure("tcp_vs_raw", tcp_rate / raw_rate, "ratio", 0.85, "higher")]
+    figures = [figure("tcp_vs_raw", tcp_rate / raw_rate, "ratio", 0.9, "higher")]
     measured: dict[str, Any] = {"tcp_s": [x["seconds"] for x in r["tcp"]],
-                                "model_bytes": model_bytes}
+                                "model_bytes": model_bytes,
+                                "chunk_size": r["tcp"][0]["report"]["chunk_size"],
+                                "windows": r["tcp"][-1]["report"]["windows"]}
+    if "tcp4" in r:
+        raw4_rate = size / med(r["raw4"])
+        tcp4_s = med([x["seconds"] for x in r["tcp4"]])
+        rows += [("(a) raw socket, before each 4 MiB fetch", med(r["raw4"]), raw4_rate),
+                 ("(b) TensorHub fetch, TCP, 4 MiB chunks forced", tcp4_s,
+                  model_bytes / tcp4_s)]
+        figures.append(figure("tcp_vs_raw_4mib_chunks", model_bytes / tcp4_s / raw4_rate,
+                              "ratio", 0.85, "higher"))
+        measured.update(tcp4_s=[x["seconds"] for x in r["tcp4"]], raw4_s=r["raw4"],
+                        windows_4mib=r["tcp4"][-1]["report"]["windows"])
     baselines: dict[str, Any] = {"raw_socket_s": raw_s, "numpy_copy_s": copy_s}
     if both:
         keyed_s = med([x["seconds"] for x in r["tcp_keyed"]])
@@ -315,8 +349,9 @@ def run_cli(args: argparse.Namespace) -> int:
                         small_s=[x["seconds"] for x in r["small"]], small_bytes=small_bytes,
                         publisher_rss_growth_mib=r["publisher_rss_growth_mib"],
                         fetcher_peak_rss_mib=r["fetcher_peak_rss_mib"])
-    print(f"transfer benchmark: {size / 2**20:.0f} MiB, chunk {chunk / 2**20:g} MiB, "
-          f"median of {runs} runs, keys {args.keys}")
+    print(f"transfer benchmark: {size / 2**20:.0f} MiB, chunk "
+          f"{f'{chunk / 2**20:g} MiB' if chunk else 'auto'} "
+          f"({measured['chunk_size']}), median of {runs} runs, keys {args.keys}")
     print(f"{'path':<52} {'seconds':>8} {'GB/s':>7}")
     for label, secs, rate in rows:
         print(f"{label:<52} {secs:>8.3f} {rate / 1e9:>7.2f}")
@@ -333,7 +368,7 @@ def run_cli(args: argparse.Namespace) -> int:
             "figures": figures,
             "baselines": baselines,
             "measured": measured,
-            "settings": {"size": size, "chunk": chunk, "runs": runs,
+            "settings": {"size": size, "chunk": chunk or "auto", "runs": runs,
                          "only": "tcp" if only_tcp else "all", "keys": args.keys},
         }))
     return 0

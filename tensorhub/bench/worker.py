@@ -8,7 +8,8 @@ line, answering each with one JSON line on stdout:
   "shared": bool}`` allocates (``shared``: with :func:`tensorhub.shared_empty`), fills and
   pre-faults arrays, publishes them, and reports the RSS before and after ``publish``
   (ROS: publishing must not copy).
-* ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers.
+* ``{"cmd": "prepare", "model", "shape", "size"}`` allocates pre-faulted ``into`` buffers
+  (with ``"like": MODEL``, reuses that model's instead: for fetches taking turns).
 * ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
   and reports the fetch report, monotonic start / end times, the CPU seconds this
   process spent meanwhile (every thread) and the peak RSS.
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..config import DEFAULT_CHUNK_SIZE, PeerConfig, parse_labels
+from ..config import PeerConfig, parse_labels
 from ..demo import checksum, fill, model_specs
 from ..errors import TensorHubError
 from ..model import VersionKey
@@ -176,7 +177,9 @@ class Worker:
                     "rss_after_mib": rss_mib()[0], "seconds": t1 - t0,
                     "checksum": checksum(arrays)}
         if kind == "prepare":
-            self.buffers[f"into:{cmd['model']}"] = allocate(specs_for(cmd["shape"], cmd["size"]))
+            like = cmd.get("like")
+            self.buffers[f"into:{cmd['model']}"] = self.buffers[f"into:{like}"] if like \
+                else allocate(specs_for(cmd["shape"], cmd["size"]))
             return {"event": "prepared", "rss_mib": rss_mib()[0]}
         if kind == "fetch":
             into = self.buffers.get(f"into:{cmd['model']}") if cmd.get("into") else None
@@ -268,7 +271,8 @@ async def main(args: argparse.Namespace) -> None:
     stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
     cfg = PeerConfig.local(args.name, listen=args.listen,
                            join=tuple(s for s in args.join.split(",") if s),
-                           chunk_size=args.chunk, transports=tuple(args.transports.split(",")),
+                           chunk_size=args.chunk or None,
+                           transports=tuple(args.transports.split(",")),
                            labels=(("host", args.host), *parse_labels(args.label)),
                            planning=args.planning == "on",
                            security=load_keys(args.keys, args.name) if args.keys else None,
@@ -309,7 +313,8 @@ if __name__ == "__main__":
     p.add_argument("--listen", required=True)
     p.add_argument("--join", default="")
     p.add_argument("--expect", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
+    p.add_argument("--chunk", type=int, default=0,
+                   help="chunk size of what this worker publishes (0: automatic)")
     p.add_argument("--transports", default="shm,tcp")
     p.add_argument("--host", default="localhost")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",

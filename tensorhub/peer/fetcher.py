@@ -1,18 +1,25 @@
 """One fetch: pull every chunk of a version from holders, verify it, land it in place.
 
-A bounded window of workers (``PeerConfig.fetch_window``) each take the lowest
+A bounded number of workers (``PeerConfig.fetch_window``) each take the lowest
 unverified, unclaimed chunk and the best holder that has it: a holder other than the
-original publisher first, then the one we are reading least from.  Chunks land with
-``recv_into`` straight in the destination arrays and are checked against the manifest
-digest in a worker thread before they count; a verified chunk is served to others at
-once (partial-prefix serving) and never fetched again.  A holder that refuses or sends
+original publisher first, then the one we are reading least from.  The worker then
+*streams* from that holder (``Connection.stream_chunks``): it claims runs of the
+pending chunks that holder is the source for (consecutive ones the holder has; planned
+chunks stay with their planned source) and keeps a window of them requested ahead, sized
+from the bandwidth-delay product measured on that source
+(:class:`~tensorhub.protocol.sizing.StreamWindow`), until the holder is the source of
+nothing pending.  Chunks land with ``recv_into`` straight in the destination arrays and
+are checked against the manifest digest in a worker thread before they count; a
+verified chunk is served to others at once (partial-prefix serving) and never fetched
+again.  A holder that refuses or sends
 bad bytes is dropped for this fetch and its chunk goes to another; one that sent bytes
 failing their digest is also banned by the peer (``banned`` / ``on_bad_bytes``), so
 later fetches skip it too.  A holder whose connection fails is retried after a backoff.
 
-Stalls.  A read that takes longer than its source's limit (:class:`~tensorhub.protocol.
-pace.Pace`: from the source's measured pace, never under a floor that holds on a loaded
-host) is a stall.  The stalled source gets twice as long next time; its chunks go to
+Stalls.  A stream that lands no chunk for longer than its source's limit per chunk
+(:class:`~tensorhub.protocol.pace.Pace`: from the source's measured pace, never under a
+floor that holds on a loaded host) is a stall; the limit applies to progress, chunk by
+chunk, not to a whole run.  The stalled source gets twice as long next time; its chunks go to
 another holder that has them, and only when there is none is the same source asked
 again at once: a slow but live sole source is never dropped.  What ends a fetch is a
 real timeout: no chunk landed for ``stall_timeout``.  Then, or when no holder is left for
@@ -23,10 +30,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import trio
 
 from ..errors import (
@@ -41,14 +46,19 @@ from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
 from ..protocol.pace import Pace
 from ..protocol.refs import Holding
-from ..transport.base import Connection, NotServing
+from ..protocol.sizing import StreamWindow, choose_chunk_size, size_text
+from ..transport.base import Connection, NotServing, Verifier
+from .fetch_report import Fetched as Fetched
+from .fetch_report import FetchReport as FetchReport
 from .store import LocalVersion
 
 RELAY_DEPTH = 1
-"""Requests in flight to one planned parent.  One: chunks arrive in order, one after the
-other, and each level of a tree lags its parent by one chunk-time.  Measured in the
-8-host emulated cluster (256 MiB, 4 MiB chunks): 1 gave 1.16x the fluid bound, 2 gave
-1.28x (two chunks share our link, so every level lags by two)."""
+"""Streams to one planned parent (or named parent still receiving).  One: chunks arrive
+in order, one after the other, and each level of a tree lags its parent by one
+chunk-time; the stream's window keeps the parent's next chunks asked for, and the parent
+sends each as it lands.  Measured in the 8-host emulated cluster (256 MiB, 4 MiB chunks,
+one request at a time): 1 gave 1.16x the fluid bound, 2 gave 1.28x (two chunks share
+our link, so every level lags by two)."""
 
 HolderView = Callable[[VersionKey], list[tuple[PeerInfo, Holding]]]
 Connector = Callable[[PeerInfo], Awaitable[Connection]]
@@ -65,91 +75,6 @@ failure in a row, up to ``stall_timeout``."""
 class Stalled(TransportError):
     """A read took longer than its source's stall limit."""
 """Told ``(holder, version, reason)`` when a holder's chunk failed its digest."""
-
-
-@dataclass
-class FetchReport:
-    """What one fetch did: where its bytes came from and how long it took."""
-
-    model: str
-    version: int
-    seconds: float = 0.0
-    bytes: int = 0
-    chunks: int = 0
-    chunks_received: int = 0
-    """Chunk payloads received in full (verified or not): equals ``chunks`` when no
-    chunk had to be received twice."""
-    reads: int = 0
-    """Reads that landed chunks: one per chunk, except from a same-host holder that
-    leased the whole version, read several neighbouring chunks at a time."""
-    bytes_by_source: dict[str, int] = field(default_factory=dict)
-    transport_by_source: dict[str, str] = field(default_factory=dict)
-    integrity_failures: dict[str, int] = field(default_factory=dict)
-    dropped_sources: dict[str, str] = field(default_factory=dict)
-    banned_sources: dict[str, str] = field(default_factory=dict)
-    """Holders this fetch did not read from because the peer bans them (a chunk of
-    theirs failed its digest, in this fetch or an earlier one), and why."""
-    resourced_chunks: int = 0
-    stall_retries: dict[str, int] = field(default_factory=dict)
-    """Reads that stalled at a source no other holder could replace, and were asked of it
-    again (with more time) rather than failing the fetch."""
-    planned_bytes: int = 0
-    """Bytes that came from the source the coordinator's plan named."""
-    plan: str = ""
-    """The plan followed: coordinator and epoch, or why there was none."""
-    verified: bool = False
-    served_arrays: bool = False
-    """True when the fetch found the version already held here complete and returned
-    the very arrays this peer serves it from (the caller's published arrays, or those of
-    an earlier fetch), not a copy: writing to them changes what readers get.  Unpublish
-    first, or fetch with ``into=``, to get arrays of one's own."""
-
-    def add(self, other: FetchReport) -> None:
-        """Count ``other`` (a part of the same fetch) in this report."""
-        self.bytes += other.bytes
-        self.chunks += other.chunks
-        self.chunks_received += other.chunks_received
-        self.reads += other.reads
-        self.resourced_chunks += other.resourced_chunks
-        for name, n in other.bytes_by_source.items():
-            self.bytes_by_source[name] = self.bytes_by_source.get(name, 0) + n
-        for name, n in other.integrity_failures.items():
-            self.integrity_failures[name] = self.integrity_failures.get(name, 0) + n
-        for name, n in other.stall_retries.items():
-            self.stall_retries[name] = self.stall_retries.get(name, 0) + n
-        self.transport_by_source.update(other.transport_by_source)
-        self.dropped_sources.update(other.dropped_sources)
-        self.banned_sources.update(other.banned_sources)
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else math.inf
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model, "version": self.version, "seconds": self.seconds,
-            "bytes": self.bytes, "chunks": self.chunks, "mb_per_s": self.mb_per_s,
-            "chunks_received": self.chunks_received, "reads": self.reads,
-            "bytes_by_source": dict(self.bytes_by_source),
-            "transport_by_source": dict(self.transport_by_source),
-            "integrity_failures": dict(self.integrity_failures),
-            "dropped_sources": dict(self.dropped_sources),
-            "banned_sources": dict(self.banned_sources),
-            "resourced_chunks": self.resourced_chunks, "verified": self.verified,
-            "stall_retries": dict(self.stall_retries),
-            "served_arrays": self.served_arrays,
-            "planned_bytes": self.planned_bytes, "plan": self.plan,
-        }
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """The result of :meth:`Peer.fetch`: the version, its tensors and what it took."""
-
-    version: int
-    tensors: dict[str, np.ndarray[Any, Any]]
-    report: FetchReport
-
 
 
 def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -173,11 +98,12 @@ class Fetch:
                  upstream: frozenset[str], window: int, stall_timeout: float,
                  on_progress: Callable[[], None], banned: BanCheck, on_bad_bytes: BadBytes,
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
-                 only: Sequence[int] | None = None, release: Releaser | None = None
-                 ) -> None:
+                 only: Sequence[int] | None = None, release: Releaser | None = None,
+                 window_cap: int = 256 << 20) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
         needs just the chunks that overlap its slices); ``release`` takes each
-        connection a worker is done with (default: close it)."""
+        connection a worker is done with (default: close it); ``window_cap`` bounds
+        the bytes one stream keeps requested ahead."""
         self.me = me
         self.local = local
         self.manifest = local.manifest
@@ -192,6 +118,9 @@ class Fetch:
         self.connect = connect
         self.release: Releaser = release or _close
         self.window = window
+        self.window_cap = window_cap
+        self.windows: dict[str, StreamWindow] = {}
+        """Each source's stream window, from what its streams measured."""
         self.stall_timeout = stall_timeout
         self.banned = banned
         self.on_bad_bytes = on_bad_bytes
@@ -208,10 +137,16 @@ class Fetch:
         self.wanted = len(wanted)
         self.claimed: dict[int, str] = {}
         self.load: dict[str, int] = {}
+        """Streams open per source."""
         self.dropped: dict[str, str] = {}
         self.lacks: dict[str, set[int]] = {}
         self.tried: set[int] = set()
         self.report = FetchReport(self.key.model, self.key.version)
+        size = self.manifest.chunk_size
+        auto, _ = choose_chunk_size(self.manifest.total_bytes)
+        self.report.chunk_size = f"{size_text(size)} chosen by the publisher: " + (
+            f"automatic for {size_text(self.manifest.total_bytes)}" if size == auto else
+            f"its PeerConfig.chunk_size (automatic would be {size_text(auto)})")
         self.changed = trio.Event()
 
     def poke(self) -> None:
@@ -235,33 +170,81 @@ class Fetch:
             return False
         return True
 
-    def _pick(self) -> tuple[int, PeerInfo] | None:
-        holders = [(p, h) for p, h in self.view(self.key) if self._usable(p.name)]
-        for chunk in self.pending:
-            planned = self.planned.get(chunk)
-            if planned is not None and self._usable(planned.name) \
-                    and chunk not in self.lacks.get(planned.name, ()):
-                if self.load.get(planned.name, 0) < RELAY_DEPTH:
-                    return chunk, planned
-                # A planned parent gets few requests at a time, so chunks arrive in order
-                # one after the other: more would share our link between several chunks
-                # and delay our own children (and theirs) by that many chunk-times.
+    def _source_for(self, chunk: int, holders: list[tuple[PeerInfo, Holding]],
+                    streaming: str | None = None) -> PeerInfo | None:
+        """The best source of ``chunk`` now, or None; ``streaming`` names the source of
+        the stream asking (its own stream does not count in its load, and it wins ties)."""
+        def load(name: str) -> int:
+            return self.load.get(name, 0) - (name == streaming)
+
+        planned = self.planned.get(chunk)
+        if planned is not None and self._usable(planned.name) \
+                and chunk not in self.lacks.get(planned.name, ()):
+            # A planned parent gets one stream, so chunks arrive in order one after the
+            # other: more would share our link between several chunks and delay our own
+            # children (and theirs) by that many chunk-times.
+            return planned if load(planned.name) < RELAY_DEPTH else None
+        best: tuple[tuple[int, int, bool, str], PeerInfo] | None = None
+        for peer, holding in holders:
+            if chunk in self.lacks.get(peer.name, ()) or not (
+                    holding.has(chunk) or peer.name in self.upstream):
                 continue
-            best: tuple[tuple[int, int, str], PeerInfo] | None = None
-            for peer, holding in holders:
-                if chunk in self.lacks.get(peer.name, ()) or not (
-                        holding.has(chunk) or peer.name in self.upstream):
-                    continue
-                if peer.name in self.upstream and not holding.complete \
-                        and self.load.get(peer.name, 0) >= RELAY_DEPTH:
-                    continue  # a named parent still receiving: chunks in order, as planned
-                rank = (int(holding.publisher == peer.name), self.load.get(peer.name, 0),
-                        peer.name)
-                if best is None or rank < best[0]:
-                    best = (rank, peer)
-            if best is not None:
-                return chunk, best[1]
+            if peer.name in self.upstream and not holding.complete \
+                    and load(peer.name) >= RELAY_DEPTH:
+                continue  # a named parent still receiving: chunks in order, as planned
+            rank = (int(holding.publisher == peer.name), load(peer.name),
+                    peer.name != streaming, peer.name)
+            if best is None or rank < best[0]:
+                best = (rank, peer)
+        return None if best is None else best[1]
+
+    def _holders(self) -> list[tuple[PeerInfo, Holding]]:
+        return [(p, h) for p, h in self.view(self.key) if self._usable(p.name)]
+
+    def _pick(self) -> tuple[int, PeerInfo] | None:
+        holders = self._holders()
+        for chunk in self.pending:
+            peer = self._source_for(chunk, holders)
+            if peer is not None:
+                return chunk, peer
         return None
+
+    def _take(self, peer: PeerInfo, budget: int) -> list[int]:
+        """Claim the next run for a stream from ``peer``: the lowest pending chunk it is
+        the source of, and the pending chunks right after it that it has too (planned
+        chunks stay with their planned source), about ``budget`` bytes and no more than
+        leaves work for every worker."""
+        name = peer.name
+        if not self._usable(name):
+            return []
+        holders = self._holders()
+        holding = next((h for p, h in holders if p.name == name), None)
+        at = next((i for i, c in enumerate(self.pending)
+                   if (found := self._source_for(c, holders, name)) is not None
+                   and found.name == name), None)
+        if at is None:
+            return []
+        chunk = self.pending[at]
+        share = max(1, -(-len(self.pending) // self.window))
+        out, size = [chunk], self._size(chunk)
+        for nxt in self.pending[at + 1:at + share]:
+            planned = self.planned.get(nxt)
+            mine = planned.name == name if planned is not None else (
+                name in self.upstream or (holding is not None and holding.has(nxt)))
+            if nxt != out[-1] + 1 or not mine or nxt in self.lacks.get(name, ()) \
+                    or size + self._size(nxt) > budget:
+                break
+            out.append(nxt)
+            size += self._size(nxt)
+        for c in out:
+            self.pending.remove(c)
+            self.claimed[c] = name
+        self.report.reads += 1
+        return out
+
+    def _size(self, chunk: int) -> int:
+        first, stop = self.manifest.chunk_range(chunk)
+        return stop - first
 
     def _missing(self) -> str:
         names = sorted({
@@ -288,6 +271,7 @@ class Fetch:
         self.report.seconds = trio.current_time() - start
         self.report.verified = not self.pending and not self.claimed
         self.report.dropped_sources = dict(self.dropped)
+        self.report.windows = {name: w.why() for name, w in self.windows.items()}
         return self.report
 
     async def _worker(self) -> None:
@@ -302,22 +286,8 @@ class Fetch:
                     await self._wait_for_source()
                     continue
                 chunk, peer = job
-                chunks = self._batch(chunk, peer, conns.get(peer.name))
-                for c in chunks:
-                    self.pending.remove(c)
-                    self.claimed[c] = peer.name
-                self.load[peer.name] = self.load.get(peer.name, 0) + 1
-                landed: set[int] = set()
-                try:
-                    landed = await self._read(conns, chunks, peer)
-                finally:
-                    self.load[peer.name] -= 1
-                    for c in chunks:
-                        del self.claimed[c]
-                        if c not in landed:
-                            self.pending.append(c)
-                    self.pending.sort()
-                    self._notify()  # a slot or a source is free again
+                if not await self._stream(conns, chunk, peer):
+                    await trio.lowlevel.checkpoint()  # claimed meanwhile by another worker
         finally:
             for conn in conns.values():
                 await self.release(conn)
@@ -329,24 +299,80 @@ class Fetch:
         for name in [n for n in conns if not self._usable(n)]:
             await self.release(conns.pop(name))
 
-    def _batch(self, chunk: int, peer: PeerInfo, conn: Connection | None) -> list[int]:
-        """``chunk`` and the pending chunks right after it that ``peer`` holds, as many
-        as ``conn`` takes in one read but no more than leaves work for every worker
-        (planned chunks stay with their planned source)."""
-        count = 0 if conn is None else min(conn.batch_bytes // self.manifest.chunk_size,
-                                           -(-len(self.pending) // self.window))
-        if count < 2:
-            return [chunk]
-        holding = next((h for p, h in self.view(self.key) if p.name == peer.name), None)
-        out = [chunk]
-        at = self.pending.index(chunk)
-        for nxt in self.pending[at + 1:at + count]:
-            planned = self.planned.get(nxt)
-            if nxt != out[-1] + 1 or holding is None or not holding.has(nxt) \
-                    or (planned is not None and planned.name != peer.name):
-                break
-            out.append(nxt)
-        return out
+    async def _stream(self, conns: dict[str, Connection], chunk: int, peer: PeerInfo
+                      ) -> int:
+        """Stream from ``peer`` (picked as the source of ``chunk``) for as long as it is
+        the source of pending chunks; returns how many it claimed.  Chunks not landed go
+        back to pending."""
+        name = peer.name
+        taken: dict[int, None] = {}  # claimed by this stream, not reported yet
+        claimed = 0
+        window = self.windows.get(name)
+        if window is None:
+            window = self.windows[name] = StreamWindow(self.manifest.chunk_size,
+                                                       self.window_cap)
+        stop = False  # the source failed: close the connection
+        self.load[name] = self.load.get(name, 0) + 1
+        try:
+            conn = conns.get(name)
+            if conn is None:
+                conn = conns[name] = await self.connect(peer)
+            ready = conn
+
+            def take(budget: int) -> list[tuple[int, Any, Verifier | None]]:
+                nonlocal claimed
+                run = self._take(peer, budget)
+                claimed += len(run)
+                taken.update(dict.fromkeys(run))
+                out: list[tuple[int, Any, Verifier | None]] = []
+                for c in run:
+                    dest = self.local.buffers(c) if ready.lands_arrays else \
+                        self.local.segments(c)
+                    out.append((c, dest, self._verifier(c, name)))
+                return out
+
+            last = [trio.current_time()]
+            scope = trio.CancelScope(deadline=last[0] + self.pace.limit(
+                name, self.manifest.chunk_size))
+
+            def landed(c: int, result: int | Exception) -> bool:
+                nonlocal stop
+                del taken[c]
+                del self.claimed[c]
+                now = trio.current_time()
+                scope.deadline = now + self.pace.limit(name, self.manifest.chunk_size)
+                if isinstance(result, Exception):
+                    self.pending.append(c)
+                    self.pending.sort()
+                    stop = self._failed(name, c, result)
+                    self._notify()  # a chunk to fetch again
+                else:  # no news for waiting workers: nothing new to fetch
+                    self.pace.completed(name, result, now - last[0])
+                    self._landed(c, result, name, ready)
+                    self.failures.pop(name, None)
+                    self.on_progress()
+                last[0] = now
+                return not stop
+
+            with scope:
+                await conn.stream_chunks(self.key, take, landed, window)
+            if scope.cancelled_caught:
+                limit = self.pace.limit(name, self.manifest.chunk_size)
+                raise Stalled(f"stalled: no chunk of {sorted(taken)[:4]} in {limit:.2f}s")
+        except (NotServing, IntegrityError, RemoteProtocolError, TransportError, OSError) as exc:
+            stop = self._failed(name, min(taken, default=chunk), exc)
+        finally:
+            self.load[name] -= 1
+            for c in taken:
+                del self.claimed[c]
+                self.pending.append(c)
+            self.pending.sort()
+            self._notify()  # a slot or a source is free again
+        if stop:
+            conn = conns.pop(name, None)
+            if conn is not None:
+                await conn.aclose()
+        return claimed
 
     async def _wait_for_source(self) -> None:
         """No usable holder has a pending chunk.  Wait for news: a holder that is still
@@ -362,43 +388,6 @@ class Fetch:
         changed = self.changed
         with trio.move_on_at(wake):
             await changed.wait()
-
-    async def _read(self, conns: dict[str, Connection], chunks: list[int], peer: PeerInfo
-                    ) -> set[int]:
-        """Read ``chunks`` from ``peer``; returns those that landed verified."""
-        name = peer.name
-        try:
-            conn = conns.get(name)
-            if conn is None:
-                conn = conns[name] = await self.connect(peer)
-            dests = [self.local.buffers(c) if conn.lands_arrays else self.local.segments(c)
-                     for c in chunks]
-            size = sum(stop - first for first, stop in map(self.manifest.chunk_range, chunks))
-            limit = self.pace.limit(name, size)
-            started = trio.current_time()
-            verifies = [self._verifier(c, name) for c in chunks]
-            with trio.move_on_after(limit) as scope:
-                results = await conn.read_chunks(self.key, chunks, dests, verifies)
-            if scope.cancelled_caught:
-                raise Stalled(f"stalled: chunks {chunks} took over {limit:.2f}s")
-        except (NotServing, IntegrityError, RemoteProtocolError, TransportError, OSError) as exc:
-            await self._failed(conns, name, chunks[0], exc)
-            return set()
-        landed: set[int] = set()
-        for chunk, result in zip(chunks, results, strict=False):  # results may stop early
-            if isinstance(result, Exception):
-                await self._failed(conns, name, chunk, result)
-                break
-            landed.add(chunk)
-            self._landed(chunk, result, name, conn)
-        if landed:
-            self.report.reads += 1
-            self.failures.pop(name, None)
-            self.pace.completed(name, sum(stop - first for first, stop in
-                                          map(self.manifest.chunk_range, landed)),
-                                trio.current_time() - started)
-            self.on_progress()
-        return landed
 
     def _verifier(self, chunk: int, source: str) -> Callable[[Sequence[memoryview]], None]:
         algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
@@ -424,48 +413,45 @@ class Fetch:
             self.report.planned_bytes += n
         self.report.transport_by_source[name] = conn.transport
 
-    async def _failed(self, conns: dict[str, Connection], name: str, chunk: int,
-                      exc: Exception) -> None:
-        """What a failed read of ``chunk`` from ``name`` means for the source."""
+    def _failed(self, name: str, chunk: int, exc: Exception) -> bool:
+        """What a failed read of ``chunk`` from ``name`` means for the source; True when
+        the stream from it must end (its connection closed)."""
         if isinstance(exc, NotServing):
             if exc.status == NOT_YET:
                 self.lacks.setdefault(name, set()).add(chunk)
-            else:
-                await self._drop(conns, name, f"refused: {exc.detail}", math.inf)
+                return False
+            self._drop(name, f"refused: {exc.detail}", math.inf)
         elif isinstance(exc, IntegrityError):
             self.report.chunks_received += 1  # received in full, then refused
             self.report.integrity_failures[name] = self.report.integrity_failures.get(name, 0) + 1
             self.on_bad_bytes(name, self.key, str(exc))
-            await self._drop(conns, name, str(exc), math.inf)
+            self._drop(name, str(exc), math.inf)
         elif isinstance(exc, RemoteProtocolError):
-            await self._drop(conns, name, str(exc), math.inf)
+            self._drop(name, str(exc), math.inf)
         elif isinstance(exc, Stalled):
-            await self._stalled(conns, name, chunk, str(exc))
+            self._stalled(name, chunk, str(exc))
         elif isinstance(exc, TransportError | OSError):
             # Maybe a passing fault: retry this source after a backoff (membership
             # removes it from the view meanwhile if it died).
             n = self.failures[name] = self.failures.get(name, 0) + 1
-            await self._drop(conns, name, str(exc) or type(exc).__name__,
-                             min(self.stall_timeout, RETRY_BASE * 2 ** min(n - 1, 16)))
+            self._drop(name, str(exc) or type(exc).__name__,
+                       min(self.stall_timeout, RETRY_BASE * 2 ** min(n - 1, 16)))
         else:
             raise exc
+        return True
 
-    async def _stalled(self, conns: dict[str, Connection], name: str, chunk: int,
-                       why: str) -> None:
-        """A read from ``name`` hit its limit (see the module docstring)."""
+    def _stalled(self, name: str, chunk: int, why: str) -> None:
+        """A stream from ``name`` landed nothing within its limit (see the module
+        docstring).  Its connection is out of step (cancelled mid-run) and is closed."""
         self.pace.stalled(name)
         now = trio.current_time()
         if now - self.last_progress >= self.stall_timeout:  # a real timeout
-            await self._drop(conns, name, why, self.stall_timeout)
+            self._drop(name, why, self.stall_timeout)
         elif self._others_have(name, chunk):
-            await self._drop(conns, name, why, self.pace.limit(name, self.manifest.chunk_size))
+            self._drop(name, why, self.pace.limit(name, self.manifest.chunk_size))
         else:
-            # The only source: ask it again, with twice the time.  The connection is
-            # out of step (the read was cancelled mid-exchange): open a new one.
+            # The only source: ask it again, with twice the time, on a new connection.
             self.report.stall_retries[name] = self.report.stall_retries.get(name, 0) + 1
-            conn = conns.pop(name, None)
-            if conn is not None:
-                await conn.aclose()
 
     def _others_have(self, name: str, chunk: int) -> bool:
         """Whether a usable holder other than ``name`` could serve ``chunk``."""
@@ -476,14 +462,10 @@ class Fetch:
                    and (h.has(chunk) or p.name in self.upstream)
                    for p, h in self.view(self.key))
 
-    async def _drop(self, conns: dict[str, Connection], name: str, reason: str,
-                    bench_for: float) -> None:
+    def _drop(self, name: str, reason: str, bench_for: float) -> None:
         self.dropped[name] = reason
         self.benched[name] = max(self.benched.get(name, 0.0), trio.current_time() + bench_for)
         self.tried.update(c for c, src in self.claimed.items() if src == name)
-        conn = conns.pop(name, None)
-        if conn is not None:
-            await conn.aclose()
 
 
 async def _close(conn: Connection) -> None:

@@ -20,6 +20,7 @@ from ..errors import ConsistencyError, RemoteProtocolError, TransportError, Vers
 from ..manifest import Manifest
 from ..model import PeerInfo, VersionKey
 from ..protocol.refs import Holding
+from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, HolderView
@@ -42,9 +43,16 @@ def holder_view(peer: Peer, allowed: frozenset[str] | None) -> HolderView:
 
 
 def window(peer: Peer, manifest: Manifest) -> int:
-    """Chunk reads in flight for one fetch: ``fetch_window``, within ``max_inflight_bytes``."""
+    """Streams (workers) of one fetch: ``fetch_window``, within ``max_inflight_bytes``
+    at the floor of a window each (``sizing.MIN_CHUNKS`` chunks)."""
     return max(1, min(peer.config.fetch_window,
-                      peer.config.max_inflight_bytes // manifest.chunk_size))
+                      peer.config.max_inflight_bytes // (MIN_CHUNKS * manifest.chunk_size)))
+
+
+def window_cap(peer: Peer, manifest: Manifest) -> int:
+    """Bytes one stream of a fetch may keep requested ahead: its share of
+    ``max_inflight_bytes``."""
+    return peer.config.max_inflight_bytes // window(peer, manifest)
 
 
 async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
@@ -83,7 +91,7 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
                     upstream=allowed or frozenset(), plan=plan,
                     connect=peer._pool.connect, release=peer._pool.release,
-                    window=window(peer, manifest),
+                    window=window(peer, manifest), window_cap=window_cap(peer, manifest),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
         job.report.plan = plan_note

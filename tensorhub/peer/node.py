@@ -58,6 +58,7 @@ from ..protocol.messages import register_all
 from ..protocol.opstatus import StatusQuery, StatusReply
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
+from ..protocol.sizing import choose_chunk_size
 from ..protocol.versions import Seal
 from ..security import Identity
 from ..transport.admission import ServerLimits
@@ -143,6 +144,8 @@ class Peer:
         self._seen_changes = 0
         self._wake_ticker = trio.Event()
         self._fetches: set[Fetch] = set()
+        self.chunking = "nothing published yet"
+        """The chunk size of this peer's last publish, and why (``statistics().chunking``)."""
         self._closed = False
         self.operations = Operations(config.name)
         """The API calls in flight: closing the peer ends them with PeerClosed."""
@@ -344,8 +347,10 @@ class Peer:
             raise LocalProtocolError(f"{key} is already held here; unpublish it first")
         arrays = [(str(name), as_host_array(t, str(name))) for name, t in tensors.items()]
         placed = [spec.place(name, a.shape) for name, a in arrays]
+        chunk_size, self.chunking = choose_chunk_size(
+            sum(a.nbytes for _, a in arrays), self.config.chunk_size)
         manifest = await trio.to_thread.run_sync(
-            build_manifest, key, arrays, self.config.chunk_size, self.config.digest_algo,
+            build_manifest, key, arrays, chunk_size, self.config.digest_algo,
             spec.size, placed, self.config.manifest_limits)
         mid = manifest.manifest_id()
         for peer, holding in self.control.holders(key):

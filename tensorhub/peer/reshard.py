@@ -16,10 +16,11 @@ from ..model import VersionKey, byte_view
 from ..protocol.layout import execute
 from ..protocol.resharding import plan_reshard
 from ..protocol.sharding import Sharding
+from ..protocol.sizing import choose_chunk_size
 from ..protocol.versions import Seal
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, first_error
-from .fetching import check_schema, fetch_manifest, holder_view, window
+from .fetching import check_schema, fetch_manifest, holder_view, window, window_cap
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -110,7 +111,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         job = Fetch(me=peer.info.name, local=part, view=holder_view(peer, allowed),
                     upstream=allowed or frozenset(), connect=peer._pool.connect,
                     release=peer._pool.release,
-                    window=window(peer, m), stall_timeout=peer.config.stall_timeout,
+                    window=window(peer, m), window_cap=window_cap(peer, m),
+                    stall_timeout=peer.config.stall_timeout,
                     on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
                     only=plan.chunks[s])
         peer._fetches.add(job)
@@ -144,7 +146,9 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
             execute(plan.plans[t.name], bufs, dest)
         return build_manifest(key, [(t.name, a) for t, a in zip(plan.tensors, arrays,
                                                               strict=True)],
-                              peer.config.chunk_size, peer.config.digest_algo,
+                              choose_chunk_size(sum(a.nbytes for a in arrays),
+                                                peer.config.chunk_size)[0],
+                              peer.config.digest_algo,
                               spec.size, [(t.global_shape, t.start)
                                           for t in plan.tensors])
 

@@ -59,6 +59,10 @@ class PeerStats:
     reports: tuple[dict[str, Any], ...] = field(default=())
     data_server: ServerStats | None = None
     """What the data server admitted, refused and revoked (and whether it authenticates)."""
+    chunking: str = ""
+    """How this peer cuts what it publishes into chunks (automatic, or
+    ``PeerConfig.chunk_size``), and what its last publish chose and why.  Each fetch
+    report says the chunk size and the stream windows of that fetch."""
 
 
 def _security_text(peer: Peer) -> str:
@@ -108,4 +112,8 @@ def peer_statistics(peer: Peer) -> PeerStats:
               for n, (left, why) in peer.bans.active(trio.current_time()).items()},
         ban_notices=dict(peer.bans.notices),
         reports=tuple(peer._reports), data_server=peer._server.statistics(),
+        chunking=("automatic (about 64 chunks a version, 4 to 64 MiB)"
+                  if peer.config.chunk_size is None else
+                  f"{peer.config.chunk_size} bytes (PeerConfig.chunk_size)")
+        + f"; last publish: {peer.chunking}",
     )

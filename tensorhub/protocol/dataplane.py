@@ -2,13 +2,19 @@
 
 Theory of operation
 -------------------
-A data-plane connection carries strictly alternating request / reply exchanges.  Each
-frame is a 4-byte big-endian length followed by a codec-encoded message.  A ``Reply``
-with ``status == OK`` and ``length > 0`` is followed by exactly ``length`` raw payload
-bytes, which the reader lands straight in its destination buffer; nothing else on the
-connection is unframed.  Status codes say why a holder would not serve, so a reader can
-tell "try another holder" (``NOT_HELD``, ``NOT_YET``) from "you asked nonsense"
-(``BAD_REQUEST``).
+Each frame is a 4-byte big-endian length followed by a codec-encoded message.  A
+``Reply`` (or ``ChunkReply``) with ``status == OK`` and ``length > 0`` is followed by
+exactly ``length`` raw payload bytes, which the reader lands straight in its destination
+buffer; nothing else on the connection is unframed.  Status codes say why a holder would
+not serve, so a reader can tell "try another holder" (``NOT_HELD``, ``NOT_YET``) from
+"you asked nonsense" (``BAD_REQUEST``).
+
+A reader may send its next request before the last is answered: the holder answers
+requests in the order they came, one after the other.  A ``ChunkRunRequest`` asks for
+``count`` consecutive chunks at once; the holder answers it with one ``ChunkReply`` per
+chunk, in order, each with its own status (a chunk it lacks is ``NOT_YET`` and the run
+goes on), streaming each chunk as soon as it holds it verified.  So a reader keeps a
+window of requests ahead of what has landed and no chunk waits for a round trip.
 """
 
 from __future__ import annotations
@@ -230,3 +236,40 @@ class AuthProof:
 
 
 MESSAGES_3 = (AuthHello, AuthProof)
+
+
+# -- streamed runs (fourth id block) ----------------------------------------------------
+
+MAX_RUN_CHUNKS = 1024
+"""Chunks one :class:`ChunkRunRequest` may ask for.  A reader keeps its window in
+several runs when it needs more; the holder charges each chunk of a run against the
+connection's request rate, so a run buys nothing a flood of single requests would not."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRunRequest:
+    """Stream chunks ``first`` .. ``first + count - 1`` of a version back to back: one
+    :class:`ChunkReply` each, in order, sent as soon as the holder has the chunk."""
+
+    req_id: U63
+    model: ModelName
+    version: U63
+    first: U32
+    count: Annotated[int, Range(1, MAX_RUN_CHUNKS)]
+    shard: Rank = 0
+    layout: LayoutId = b""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReply:
+    """The answer for chunk ``chunk`` of run ``req_id``: like :class:`Reply`, followed by
+    ``length`` payload bytes when ``status == OK``."""
+
+    req_id: U63
+    chunk: U32
+    status: U8
+    length: U64
+    detail: Text = ""
+
+
+MESSAGES_4 = (ChunkRunRequest, ChunkReply)

@@ -29,6 +29,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (90, bans.MESSAGES),         # 90..99: ban notices (hints about holders of bad bytes)
     (100, dataplane.MESSAGES_3), # 100..109: data plane, continued (authentication)
     (110, opstatus.MESSAGES),    # 110..119: status queries (tensorhub status)
+    (120, dataplane.MESSAGES_4), # 120..129: data plane, continued (streamed runs)
 )
 
 

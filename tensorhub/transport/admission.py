@@ -10,9 +10,10 @@ counts every refusal, so a holder's statistics say what it turned away and why
 
 Memory per connection is bounded by construction elsewhere (the server never allocates
 a declared frame size before the bytes arrive, and a frame is at most
-``dataplane.MAX_FRAME``), and one request is outstanding per connection: the server reads
-the next request only after answering the last, so a pipelining client waits in its own
-socket buffers.
+``dataplane.MAX_FRAME``), and the server reads a connection's next request only after
+answering the last, so a pipelining client waits in its own socket buffers.  A streamed
+run (``ChunkRunRequest``, at most ``dataplane.MAX_RUN_CHUNKS`` chunks) costs the request
+rate one token per chunk.
 """
 
 from __future__ import annotations
@@ -168,15 +169,16 @@ class Admission:
 
 class RequestRate:
     """A token bucket: ``rate`` requests a second, bursts of up to one second's worth.
-    :meth:`delay` says how long the next request must wait (0 when a token is free)."""
+    :meth:`delay` says how long the next request must wait (0 when its tokens are free)."""
 
     def __init__(self, rate: float, now: float) -> None:
         self.rate = rate
         self.tokens = rate
         self.at = now
 
-    def delay(self, now: float) -> float:
+    def delay(self, now: float, cost: int = 1) -> float:
+        """Take ``cost`` tokens (a request asking for that many chunks)."""
         self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        self.tokens -= 1
+        self.tokens -= cost
         return 0.0 if self.tokens >= 0 else -self.tokens / self.rate

@@ -1,8 +1,8 @@
 """The transport seam: how a reader gets bytes from a holder.
 
 A transport opens a :class:`Connection` to one holder; the connection asks for a
-manifest or for one chunk, and lands the chunk's bytes straight in the destination
-segments it is given.  The serving side is the same for every transport: a
+manifest, for one chunk or for a stream of chunks, and lands each chunk's bytes straight
+in the destination segments it is given.  The serving side is the same for every transport: a
 :class:`Provider` hands out *leases* on the memory of verified chunks, and the holder's
 unpublish waits for leases to end.  Every transport is checked by one conformance suite
 (``tests/transport_conformance.py``).
@@ -12,11 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..model import VersionKey
+from ..protocol.sizing import StreamWindow
 
 Verifier = Callable[[Sequence[memoryview]], None]
+Take = Callable[[int], Sequence[tuple[int, Sequence[Any], Verifier | None]]]
+"""``take(budget)``: claim consecutive chunks to stream next, about ``budget`` bytes of
+them (at least one chunk while any is left; none ends the stream): ``(chunk,
+destination, verify)`` each."""
+Landed = Callable[[int, "int | Exception"], bool]
+"""``landed(chunk, result)``: the chunk's bytes landed and passed ``verify`` (``result``
+is their count), or it failed with ``result`` (:class:`NotServing`: refused, the stream
+goes on; anything else: its bytes are not to be used).  Returns False to end the stream
+at once (a connection with chunks still in flight is then closed: they are not read)."""
 
 
 class NotServing(Exception):
@@ -89,6 +99,16 @@ class Connection(Protocol):
         :meth:`read_chunk` does, when no chunk was read."""
         ...
 
+    async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
+                            window: StreamWindow) -> None:
+        """Stream chunks of ``key``: ask for what ``take`` gives while fewer than
+        ``window.bytes()`` are in flight, and report each chunk to ``landed`` as it lands
+        (verified).  Returns once ``take`` gives nothing and every chunk taken has been
+        reported, or ``landed`` said stop.  Raises (the connection then closed) when the
+        connection fails: chunks taken and not reported were not read.  A transport
+        that measures its streams tells ``window`` what it saw."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -107,3 +127,38 @@ async def read_each(conn: Connection, key: VersionKey, chunks: Sequence[int],
             out.append(exc)
             break
     return out
+
+
+async def stream_each(conn: Connection, key: VersionKey, take: Take, landed: Landed) -> None:
+    """:meth:`Connection.stream_chunks` as reads one after another, each of up to
+    ``conn.batch_bytes`` (for a transport whose reads cost no round trip, or that has no
+    streamed runs); a refusal or a failed check is reported and the stream goes on."""
+    queue: list[tuple[int, Sequence[Any], Verifier | None]] = []
+    failed: dict[int, Exception] = {}
+
+    def guarded(chunk: int, verify: Verifier | None) -> Verifier | None:
+        if verify is None:
+            return None
+
+        def check(dest: Sequence[memoryview]) -> None:
+            try:
+                verify(dest)
+            except Exception as exc:  # that chunk's result, not the read's
+                failed[chunk] = exc
+        return check
+
+    while True:
+        if not queue:
+            queue = list(take(max(conn.batch_bytes, 1)))
+            if not queue:
+                return
+        chunks = [c for c, _, _ in queue]
+        try:
+            results = await conn.read_chunks(key, chunks, [d for _, d, _ in queue],
+                                             [guarded(c, v) for c, _, v in queue])
+        except NotServing as ns:  # the first chunk, refused; the connection is in step
+            results = [ns]
+        for chunk, result in zip(chunks, results, strict=False):
+            if not landed(chunk, failed.pop(chunk, result)):
+                return
+        del queue[:len(results)]

@@ -16,7 +16,8 @@ import trio
 
 from ..errors import RemoteProtocolError, TransportError
 from ..model import VersionKey
-from .base import Provider, Verifier, read_each
+from ..protocol.sizing import StreamWindow
+from .base import Landed, Provider, Take, Verifier, read_each, stream_each
 
 PIECE = 1 << 20
 """Bytes copied between checkpoints."""
@@ -97,6 +98,10 @@ class MemoryConnection:
                           dests: Sequence[Sequence[memoryview]],
                           verifies: Sequence[Verifier | None]) -> list[int | Exception]:
         return await read_each(self, key, chunks, dests, verifies)
+
+    async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
+                            window: StreamWindow) -> None:
+        await stream_each(self, key, take, landed)
 
     async def _copy(self, src: list[memoryview], dest: list[memoryview]) -> None:
         """Copy ``src`` into ``dest`` (two cuts of the same bytes), a piece at a time."""

@@ -2,9 +2,12 @@
 same-host readers over a Unix socket (:mod:`.local`), the only one where same-host
 requests are answered.
 
-One task per connection answers one request at a time (see
-:mod:`tensorhub.protocol.dataplane` for the framing); chunk payload leaves from the
-holder's own array memory in one vectored write from a worker thread.  Every reader is
+One task per connection answers its requests one at a time, in order (see
+:mod:`tensorhub.protocol.dataplane` for the framing; a reader may queue several); chunk
+payload leaves from the holder's own array memory in vectored writes from a worker
+thread.  A streamed run (``ChunkRunRequest``) is answered chunk after chunk: every chunk
+verified here already goes out in one write with its neighbours, and a chunk still
+arriving is waited for (``Provider.wait_chunk``) and sent as soon as it lands.  Every reader is
 bounded by :class:`~.admission.ServerLimits`: connections in total and per address, the
 time a frame may take and a connection may idle, the request rate; accept() under
 descriptor pressure backs off instead of failing the peer.
@@ -14,8 +17,8 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
 from functools import partial
 from typing import Any
 
@@ -29,8 +32,11 @@ from ..protocol.dataplane import (
     BAD_REQUEST,
     FRAME_HEADER,
     MAX_FRAME,
+    NOT_YET,
     OK,
+    ChunkReply,
     ChunkRequest,
+    ChunkRunRequest,
     ManifestRequest,
     Reply,
     ShmChunkRequest,
@@ -51,9 +57,14 @@ from .frames import _body_size, _frame, _recv_body, _recv_exact, _send_all, _sen
 from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
 from .shm_serve import LeaseTerms, serve_shm
-from .tcp import _send_segments_blocking, _tune
+from .sockio import send_segments, tune
 
 _BACKLOG = 128
+
+RUN_WRITE_BYTES = 64 << 20
+"""Bytes of a streamed run sent in one worker-thread write at most (leased together)."""
+
+_LAST_CHUNK = 2**32 - 1  # the largest chunk index a ChunkReply can name
 
 
 class TcpServer:
@@ -237,14 +248,15 @@ class _ServerConn:
         rate = RequestRate(self.limits.requests_per_second, trio.current_time())
         try:
             if not self.local:
-                _tune(self.sock)
+                tune(self.sock)
             if self.server.auth is not None and not await self.authenticate(self.server.auth):
                 return
             while True:
                 req = await self.next_request()
                 if req is None:
                     return
-                wait = rate.delay(trio.current_time())
+                cost = req.count if isinstance(req, ChunkRunRequest) else 1
+                wait = rate.delay(trio.current_time(), cost)
                 if wait:
                     self.counts["throttled"] += 1
                     await trio.sleep(wait)
@@ -313,6 +325,8 @@ class _ServerConn:
             await _send_all(sock, memoryview(data))
         elif isinstance(req, ChunkRequest):
             await self.send_chunk(req)
+        elif isinstance(req, ChunkRunRequest):
+            await self.send_run(req)
         elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
             if not self.local:  # a remote client never gets a lease on our memory
                 self.counts["shm_over_tcp"] += 1
@@ -335,28 +349,91 @@ class _ServerConn:
             await _send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
             return
         try:
-            total = sum(map(len, segments))
-            if provider.corrupt_hook(self.peer) and total:
-                first = next(s for s in segments if len(s))
-                flipped = bytes([first[0] ^ 0xFF])
-                segments = [memoryview(flipped), first[1:],
-                            *segments[segments.index(first) + 1:]]
-            views = [memoryview(_frame(Reply(req.req_id, OK, total))), *segments]
-            twin = self.plain()
-            try:
-                if twin is None:  # out of descriptors: slower, from the event loop
-                    with trio.fail_after(self.limits.lease_timeout):
-                        for view in views:
-                            await _send_all(self.sock, view)
-                else:  # header and payload in one vectored write from a worker thread
-                    await _send_from_thread(twin, views)
-            except (TimeoutError, trio.TooSlowError):
-                self.counts["leases_revoked"] += 1
-                raise TransportError(f"{self.peer} took no chunk for "
-                                     f"{self.limits.lease_timeout}s") from None
+            segments, total = self.outgoing(segments)
+            await self.send_views([memoryview(_frame(Reply(req.req_id, OK, total))),
+                                   *segments])
             self.server.on_sent(self.peer, total)
         finally:
             lease.__exit__(None, None, None)
+
+    async def send_run(self, req: ChunkRunRequest) -> None:
+        """Stream the run's chunks, each with its own :class:`ChunkReply`: those held
+        verified now are leased together and sent in one write (up to
+        :data:`RUN_WRITE_BYTES`); before a chunk still arriving, what is ready goes out
+        and the chunk is waited for.  A wait that ends without the chunk answers it
+        ``NOT_YET``, and the rest of the run is answered as it stands, without waiting."""
+        last = req.first + req.count - 1
+        if last > _LAST_CHUNK:
+            raise RemoteProtocolError(f"run of chunks {req.first}..{last} passes the last "
+                                      f"chunk index {_LAST_CHUNK}")
+        provider = self.server.provider
+        key = VersionKey(req.model, req.version, req.shard, req.layout)
+        waited_out = False
+        with ExitStack() as leases:
+            views: list[memoryview] = []
+            served: list[int] = []  # payload bytes of the chunks in ``views``
+
+            async def flush() -> None:
+                if views:
+                    await self.send_views(views)
+                    for n in served:
+                        self.server.on_sent(self.peer, n)
+                    views.clear()
+                    served.clear()
+                leases.close()  # ends every lease of what was just sent
+
+            for chunk in range(req.first, last + 1):
+                try:
+                    try:
+                        segments = leases.enter_context(provider.lease(key, chunk))
+                    except NotServing as ns:
+                        if ns.status != NOT_YET or waited_out:
+                            raise
+                        await flush()
+                        await provider.wait_chunk(key, chunk)
+                        try:
+                            segments = leases.enter_context(provider.lease(key, chunk))
+                        except NotServing as again:
+                            waited_out = again.status == NOT_YET
+                            raise
+                except NotServing as ns:
+                    views.append(memoryview(_frame(
+                        ChunkReply(req.req_id, chunk, ns.status, 0, ns.detail))))
+                    continue
+                segments, total = self.outgoing(segments)
+                views += [memoryview(_frame(ChunkReply(req.req_id, chunk, OK, total))),
+                          *segments]
+                served.append(total)
+                if sum(served) >= RUN_WRITE_BYTES:
+                    await flush()
+            await flush()
+
+    def outgoing(self, segments: Sequence[memoryview]) -> tuple[list[memoryview], int]:
+        """What goes out for a leased chunk, and its size (the corrupt hook flips the
+        first byte)."""
+        out = list(segments)
+        total = sum(map(len, out))
+        if self.server.provider.corrupt_hook(self.peer) and total:
+            first = next(s for s in out if len(s))
+            at = out.index(first)
+            out[at:at + 1] = [memoryview(bytes([first[0] ^ 0xFF])), first[1:]]
+        return out, total
+
+    async def send_views(self, views: list[memoryview]) -> None:
+        """Send ``views`` (headers and leased payload) in one vectored write from a worker
+        thread; a reader that takes none of it for ``lease_timeout`` loses the connection."""
+        twin = self.plain()
+        try:
+            if twin is None:  # out of descriptors: slower, from the event loop
+                with trio.fail_after(self.limits.lease_timeout):
+                    for view in views:
+                        await _send_all(self.sock, view)
+            else:
+                await _send_from_thread(twin, views)
+        except (TimeoutError, trio.TooSlowError):
+            self.counts["leases_revoked"] += 1
+            raise TransportError(f"{self.peer} took no chunk for "
+                                 f"{self.limits.lease_timeout}s") from None
 
 
 async def _send_from_thread(twin: socket.socket, views: list[memoryview]) -> None:
@@ -372,7 +449,7 @@ async def _send_from_thread(twin: socket.socket, views: list[memoryview]) -> Non
         with suppress(trio.RunFinishedError):
             token.run_sync_soon(done.set)
 
-    trio.lowlevel.start_thread_soon(partial(_send_segments_blocking, twin, views), deliver,
+    trio.lowlevel.start_thread_soon(partial(send_segments, twin, views), deliver,
                                     name="tensorhub chunk send")
     try:
         await done.wait()

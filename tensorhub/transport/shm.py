@@ -77,8 +77,9 @@ from ..protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
+from ..protocol.sizing import StreamWindow
 from . import copypool
-from .base import NotServing, Verifier, read_each
+from .base import Landed, NotServing, Take, Verifier, read_each, stream_each
 from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
 from .frames import _recv_frame, _send_frame
 from .handshake import DataAuth
@@ -372,6 +373,13 @@ class ShmConnection(TcpConnection):
             raise
         return [sum(d.nbytes for d in dest) if b is None else b
                 for dest, b in zip(dests, bad, strict=True)]
+
+    async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
+                            window: StreamWindow) -> None:
+        """Reads one after another (``batch_bytes`` at a time under a version lease):
+        the bytes move in shared memory, not through the socket, so there is nothing to
+        keep in flight."""
+        await stream_each(self, key, take, landed)
 
     async def _read_leased_one(self, lease: _VersionLease, chunk: int,
                                dest: Sequence[memoryview], verify: Verifier | None) -> int:

@@ -1,6 +1,6 @@
 """Data plane over TCP (trio sockets), payload landed with ``recv_into``.
 
-The holder's server (:mod:`.server`) answers one request at a time per connection (see
+The holder's server (:mod:`.server`) answers a connection's requests in order (see
 :mod:`tensorhub.protocol.dataplane` for the framing).  Chunk payload is sent from the
 holder's own array memory and received straight into the reader's destination arrays:
 no ``bytes`` object is ever made of payload.
@@ -8,19 +8,24 @@ no ``bytes`` object is ever made of payload.
 A reader sends each request from the event loop; one thread per connection, already
 waiting in ``recv``, takes the reply, lands and verifies the payload and wakes the task.
 A chunk thus costs the reader one wake-up of the event loop and no hand-off to a thread.
+A fetch streams (:meth:`TcpConnection.stream_chunks`): it keeps a window of runs of
+chunks requested ahead, sized from the measured bandwidth-delay product
+(:class:`~tensorhub.protocol.sizing.StreamWindow`), so no chunk waits for a round trip,
+and the reader thread lands chunk k+1 while a pool thread checks chunk k.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import itertools
 import os
 import socket
+import struct
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter
 from typing import Any
 
 import trio
@@ -28,34 +33,28 @@ import trio
 from ..errors import RemoteProtocolError, TransportError
 from ..limits import MAX_MANIFEST_BYTES
 from ..model import VersionKey
-from ..protocol import codec
 from ..protocol.dataplane import (
-    FRAME_HEADER,
-    MAX_FRAME,
+    MAX_RUN_CHUNKS,
     OK,
+    ChunkReply,
     ChunkRequest,
+    ChunkRunRequest,
     ManifestRequest,
     Reply,
 )
-from .base import NotServing, Verifier, read_each
-from .frames import _body_size, _recv_exact, _recv_frame, _send_frame
+from ..protocol.sizing import StreamWindow
+from . import copypool
+from .base import Landed, NotServing, Take, Verifier, read_each
+from .frames import _recv_exact, _recv_frame, _send_frame
 from .handshake import DataAuth, prove_to_holder
+from .sockio import NBYTES, bytes_of, recv_exact, recv_frame, recv_scattered, tune
 
-_SOCKBUF = 4 << 20
-
-
-
-# -- the payload path: plain sockets in threads ------------------------------------------
+# -- the payload path: plain sockets in threads (:mod:`.sockio`) --------------------------
 #
-# Payload moves in threads on a duplicate of the connection's descriptor: the syscalls
-# run without the GIL and without an event-loop round trip per ``recv``, and several
-# connections copy in parallel.  The holder sends each reply in one worker-thread call;
-# the reader keeps one thread per connection (see TcpConnection).  The descriptor stays
-# non-blocking (trio sends on it too); Python's socket timeout makes the threads' calls
-# wait with poll() instead.  Measured here: 4 streams ~3.9 GB/s vs ~2.9 GB/s with trio's
-# ``recv_into``; the reader's standing thread, over a worker-thread call per chunk,
-# ~8% on ``tensorhub bench transfer --only tcp``.
+# The reader's standing thread, over a worker-thread call per chunk: ~8% on
+# ``tensorhub bench transfer --only tcp``.
 
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 _THREAD_TIMEOUT = 120.0  # a safety net; stalls are detected by the caller's deadline
 _MAX_MANIFEST = MAX_MANIFEST_BYTES  # the limits table's bound
 
@@ -64,89 +63,6 @@ def _dup(sock: trio.socket.SocketType) -> socket.socket:
     plain = socket.socket(fileno=os.dup(sock.fileno()))
     plain.settimeout(_THREAD_TIMEOUT)
     return plain
-
-
-def _recv_exact_blocking(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise TransportError("connection closed mid-payload")
-        got += k
-
-
-def _send_segments_blocking(sock: socket.socket, segments: Sequence[memoryview]) -> None:
-    if len(segments) == 1:
-        sock.sendall(segments[0])
-        return
-    pending = [s for s in segments if len(s)]
-    while pending:
-        batch = pending[:_IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        i = 0
-        while i < len(batch) and sent >= len(batch[i]):
-            sent -= len(batch[i])
-            i += 1
-        if i < len(batch):
-            pending[i] = pending[i][sent:]
-        del pending[:i]
-
-
-_IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux)
-
-
-_NBYTES = attrgetter("nbytes")
-
-
-def _recv_scattered_blocking(sock: socket.socket, dest: Sequence[Any]) -> None:
-    """Fill the buffers of ``dest`` in order with vectored reads: the kernel scatters
-    the payload, however many tensors a chunk spans (measured: 4 MiB in 1,024 pieces in
-    0.55 ms, vs 1.0-1.5 ms for a staging buffer and a copy per piece)."""
-    pieces = [d for d in dest if d.nbytes]
-    ends = list(itertools.accumulate(map(_NBYTES, pieces)))
-    total = ends[-1] if ends else 0
-    got = i = 0
-    while got < total:
-        batch = pieces[i:i + _IOV_BATCH]
-        into_first = got - (ends[i - 1] if i else 0)
-        if into_first:
-            batch[0] = _bytes_of(batch[0])[into_first:]
-        k = sock.recvmsg_into(batch)[0]
-        if k == 0:
-            raise TransportError("connection closed mid-payload")
-        got += k
-        i = bisect.bisect_right(ends, got, i)
-
-
-def _bytes_of(buf: Any) -> memoryview:
-    """A flat byte view of a C-contiguous buffer (itself when it is one already)."""
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _recv_frame_blocking(sock: socket.socket, on_idle: Callable[[], None]) -> Any:
-    """The next frame, however long until its first byte: each time the socket's timeout
-    passes with nothing, ``on_idle()`` decides whether to wait on (or raises)."""
-    head = bytearray(FRAME_HEADER)
-    view = memoryview(head)
-    while True:
-        try:
-            got = sock.recv_into(view)
-            break
-        except TimeoutError:
-            on_idle()
-    if got == 0:
-        raise TransportError("connection closed")
-    _recv_exact_blocking(sock, view[got:])
-    body = bytearray(_body_size(head))
-    _recv_exact_blocking(sock, memoryview(body))
-    return codec.decode(bytes(body), MAX_FRAME)
-
-
-def _tune(sock: trio.socket.SocketType) -> None:
-    sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-    for opt in (trio.socket.SO_SNDBUF, trio.socket.SO_RCVBUF):
-        sock.setsockopt(trio.socket.SOL_SOCKET, opt, _SOCKBUF)
 
 
 @dataclass(eq=False)
@@ -165,10 +81,12 @@ class _Exchange:
 class TcpConnection:
     """A reader's connection to one holder's data-plane server.
 
-    Requests go out from the event loop; replies are read by one thread per connection
-    that is already waiting in ``recv`` when the reply lands, so a chunk costs no thread
-    hand-off on the way in: the thread copies the payload, verifies it and wakes the
-    waiting task.  The thread ends when the connection is closed.
+    Requests go out from the event loop, several at a time when streaming; replies are
+    read by one thread per connection that is already waiting in ``recv`` when a reply
+    lands, so a chunk costs no thread hand-off on the way in: the thread copies the
+    payload and either verifies it and wakes the waiting task (:meth:`read_chunk`) or,
+    for a streamed run, hands the check to a pool thread and reads on
+    (:meth:`stream_chunks`).  The thread ends when the connection is closed.
     """
 
     transport = "tcp"
@@ -182,8 +100,13 @@ class TcpConnection:
         self.peer = peer
         self._ids = itertools.count(1)
         self._plain: socket.socket | None = None  # the reader thread's; made on first read
-        self._pending: _Exchange | None = None
+        self._queue: deque[_Exchange | _Run] = deque()
+        """Requests sent and not wholly answered, oldest first (the event loop appends,
+        the reader thread takes)."""
         self._ended: BaseException | None = None  # why the reader thread stopped
+        self._last_end: float | None = None  # when the reader thread last landed a chunk
+        self.min_rtt: float | None = None
+        """The least time from a request sent with none in flight to its reply."""
 
     @classmethod
     async def connect(cls, address: str, peer: str, timeout: float,
@@ -192,7 +115,7 @@ class TcpConnection:
         proves its identity to the other first (:mod:`.handshake`)."""
         host, _, port = address.rpartition(":")
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-        _tune(sock)
+        tune(sock)
         await _dial(sock, (host, int(port)), peer, timeout, auth,
                     f"cannot connect to {peer} at {address}")
         return cls(sock, peer)
@@ -203,8 +126,10 @@ class TcpConnection:
             data: bytes = await self._exchange(req, self._land_manifest)
             return data
         # Before any chunk (and always on a shared-memory connection): on the event loop.
+        sent = time.perf_counter()
         await _send_frame(self._sock, req)
         reply = await _recv_frame(self._sock)
+        self._rtt(time.perf_counter() - sent)
         if not isinstance(reply, Reply) or reply.req_id != req.req_id:
             raise RemoteProtocolError(f"{self.peer} answered out of turn")
         if reply.status != OK:
@@ -227,20 +152,27 @@ class TcpConnection:
                           verifies: Sequence[Verifier | None]) -> list[int | Exception]:
         return await read_each(self, key, chunks, dests, verifies)
 
-    async def _exchange(self, req: ManifestRequest | ChunkRequest,
-                        land: Callable[[socket.socket, Reply], Any]) -> Any:
-        """Send ``req`` and wait for the reader thread to land its reply with ``land``."""
+    def _start_reader(self) -> None:
         if self._plain is None:
             self._plain = _dup(self._sock)
             trio.lowlevel.start_thread_soon(
                 partial(self._read_replies, self._plain, trio.lowlevel.current_trio_token()),
                 lambda _: None, name=f"tensorhub tcp reader ({self.peer})")
-        ex = self._pending = _Exchange(req.req_id, land)
+
+    def _enqueue(self, item: _Exchange | _Run) -> None:
+        self._queue.append(item)
+        # Published before this check, while the reader thread records why it stopped
+        # before it fails what is queued: one of the two sees the other.
+        if self._ended is not None:
+            raise TransportError(f"connection to {self.peer} is closed: {self._ended}")
+
+    async def _exchange(self, req: ManifestRequest | ChunkRequest,
+                        land: Callable[[socket.socket, Reply], Any]) -> Any:
+        """Send ``req`` and wait for the reader thread to land its reply with ``land``."""
+        self._start_reader()
+        ex = _Exchange(req.req_id, land)
         try:
-            # Published before this check, while the reader thread records why it stopped
-            # before it looks for a request to fail: one of the two sees the other.
-            if self._ended is not None:
-                raise TransportError(f"connection to {self.peer} is closed: {self._ended}")
+            self._enqueue(ex)
             await _send_frame(self._sock, req)
             await ex.done.wait()
         except BaseException:
@@ -256,17 +188,90 @@ class TcpConnection:
             raise NotServing(ex.reply.status, ex.reply.detail or f"status {ex.reply.status}")
         return ex.value
 
+    # -- streamed runs -------------------------------------------------------------------
+
+    async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
+                            window: StreamWindow) -> None:
+        """See :meth:`Connection.stream_chunks`: runs of chunks asked for with
+        ``ChunkRunRequest``, a new run whenever at least half the window (or a chunk)
+        is free, so the holder never waits for a request."""
+        self._start_reader()
+        stream = _Stream(trio.lowlevel.current_trio_token())
+        if self.min_rtt is not None:
+            window.rtt(self.min_rtt)
+        sizes: dict[int, int] = {}  # chunk -> bytes, asked for and not reported
+        ahead = 0
+        try:
+            while True:
+                want = window.bytes()
+                if not sizes or want - ahead >= max(window.chunk_bytes, want // 2):
+                    run = take(want - ahead)
+                    if not run and not sizes:
+                        return
+                    for chunk, dest, _ in run:
+                        sizes[chunk] = n = sum(map(NBYTES, dest))
+                        ahead += n
+                    await self._send_runs(key, run, stream)
+                await stream.wait()
+                while stream.items:
+                    item = stream.items.popleft()
+                    if isinstance(item, BaseException):  # the connection failed
+                        raise _failure(self.peer, item) from None
+                    chunk, result, rtt, sample = item
+                    ahead -= sizes.pop(chunk)
+                    if rtt is not None:
+                        self._rtt(rtt)
+                        window.rtt(rtt)
+                    if sample is not None:
+                        window.delivered(*sample)
+                    if not landed(chunk, result):
+                        if sizes:
+                            self._shutdown()  # chunks in flight: out of step
+                        return
+        except BaseException:
+            self._shutdown()
+            raise
+
+    async def _send_runs(self, key: VersionKey, run: Sequence[tuple[int, Sequence[Any],
+                                                                     Verifier | None]],
+                         stream: _Stream) -> None:
+        """Ask for ``run`` in requests of consecutive chunks."""
+        at = 0
+        while at < len(run):
+            stop = at + 1
+            while stop < len(run) and stop - at < MAX_RUN_CHUNKS \
+                    and run[stop][0] == run[stop - 1][0] + 1:
+                stop += 1
+            part = run[at:stop]
+            req = ChunkRunRequest(next(self._ids), key.model, key.version, part[0][0],
+                                  len(part), key.shard, key.layout)
+            self._enqueue(_Run(req.req_id, part[0][0], [d for _, d, _ in part],
+                               [v for _, _, v in part], stream, time.perf_counter(),
+                               not self._queue))
+            await _send_frame(self._sock, req)
+            at = stop
+
+    def _rtt(self, seconds: float) -> None:
+        if self.min_rtt is None or seconds < self.min_rtt:
+            self.min_rtt = seconds
+
     # -- the reader thread ---------------------------------------------------------------
 
     def _read_replies(self, sock: socket.socket, token: trio.lowlevel.TrioToken) -> None:
-        """Wait, idle, for each reply and land it as the request in flight says; stop on
-        the first error (the connection is then out of step) or when it is closed."""
+        """Wait, idle, for each reply and land it as the request it answers says; stop
+        on the first error (the connection is then out of step) or when it is closed."""
         try:
             while True:
-                reply = _recv_frame_blocking(sock, partial(self._on_idle, token))
-                ex, self._pending = self._pending, None
-                if ex is None:
+                reply = recv_frame(sock, partial(self._on_idle, token))
+                now = time.perf_counter()
+                if not self._queue:
                     raise RemoteProtocolError(f"{self.peer} sent a frame nobody asked for")
+                head = self._queue[0]
+                if isinstance(head, _Run):
+                    self._land_run(sock, head, reply, now)
+                    continue
+                ex = head
+                self._queue.popleft()
                 try:
                     if not isinstance(reply, Reply) or reply.req_id != ex.req_id:
                         raise RemoteProtocolError(f"{self.peer} answered out of turn")
@@ -279,50 +284,98 @@ class TcpConnection:
                 finally:
                     _wake(token, ex)
         except BaseException as exc:
-            self._ended = exc
-            ex, self._pending = self._pending, None
-            if ex is not None:  # it was sent after this thread's last look
-                ex.error = exc
-                _wake(token, ex)
+            # Kept without its traceback: the frames it would keep (this thread's, with
+            # the run being landed) hold a fetch's buffers until the cyclic collector.
+            self._ended = exc.with_traceback(None)
+            while self._queue:  # some may have been sent after this thread's last look
+                item = self._queue.popleft()
+                if isinstance(item, _Run):
+                    item.stream.post(exc)
+                elif item.error is None:
+                    item.error = exc
+                    _wake(token, item)
             # This frame lives on in the traceback of self._ended: not the last
             # request's buffers (a cancelled fetch's memory would wait for the collector).
-            ex = None
+            item = head = ex = None  # type: ignore[assignment]
         finally:
             sock.close()
+
+    def _land_run(self, sock: socket.socket, run: _Run, reply: Any, now: float) -> None:
+        """Land the next chunk of ``run``; its check runs in a pool thread meanwhile
+        (:data:`VERIFY_ASIDE`), and the result goes to the run's stream."""
+        i, chunk = run.at, run.first + run.at
+        if not isinstance(reply, ChunkReply) or reply.req_id != run.req_id \
+                or reply.chunk != chunk:
+            raise RemoteProtocolError(f"{self.peer} answered out of turn")
+        rtt = now - run.sent_at if i == 0 and run.alone else None
+        sample: tuple[int, float] | None = None
+        result: int | Exception
+        dest, verify = run.dests[i], run.verifies[i]
+        if reply.status != OK:
+            self._last_end = None  # the holder may have waited: no rate sample next
+            result = NotServing(reply.status, reply.detail or f"status {reply.status}")
+            verify = None
+        else:
+            result = self._land_payload(sock, reply.length, chunk, dest)
+            end = time.perf_counter()
+            if self._last_end is not None and run.sent_at <= self._last_end:
+                sample = (result, end - self._last_end)
+            self._last_end = end
+        run.at += 1
+        if run.at == len(run.dests):
+            self._queue.popleft()
+        if verify is not None and VERIFY_ASIDE:
+            copypool.pool.submit(partial(_check_then_post, run.stream, chunk, dest, verify,
+                                         result, rtt, sample))
+            return
+        if verify is not None:
+            result = _checked(dest, verify, result)
+        run.stream.post((chunk, result, rtt, sample))
 
     def _on_idle(self, token: trio.lowlevel.TrioToken) -> None:
         """No reply for ``_THREAD_TIMEOUT``: a stall if one was asked for (a safety net:
         the caller's deadline comes first); else wait on, unless the run that owns this
         connection has ended (``run_sync_soon`` then raises)."""
-        if self._pending is not None:
+        if self._queue:
             raise TransportError(f"{self.peer} sent no reply for {_THREAD_TIMEOUT:.0f}s")
         token.run_sync_soon(_nothing)
 
     def _land_manifest(self, sock: socket.socket, reply: Reply) -> bytes:
         _check_manifest_length(self.peer, reply)
         buf = bytearray(reply.length)
-        _recv_exact_blocking(sock, memoryview(buf))
+        recv_exact(sock, memoryview(buf))
         return bytes(buf)
+
+    def _land_payload(self, sock: socket.socket, length: int, chunk: int,
+                      dest: Sequence[Any]) -> int:
+        want: int = sum(map(NBYTES, dest))
+        if length != want:
+            raise RemoteProtocolError(
+                f"{self.peer} sent {length} bytes for chunk {chunk}, expected {want}")
+        if len(dest) > 2:
+            recv_scattered(sock, dest)
+        else:
+            for d in dest:
+                recv_exact(sock, bytes_of(d))
+        return want
 
     def _land_chunk(self, sock: socket.socket, reply: Reply, chunk: int,
                     dest: Sequence[memoryview], verify: Verifier | None) -> int:
-        want: int = sum(map(_NBYTES, dest))
-        if reply.length != want:
-            raise RemoteProtocolError(
-                f"{self.peer} sent {reply.length} bytes for chunk {chunk}, expected {want}")
-        if len(dest) > 2:
-            _recv_scattered_blocking(sock, dest)
-        else:
-            for d in dest:
-                _recv_exact_blocking(sock, _bytes_of(d))
+        want = self._land_payload(sock, reply.length, chunk, dest)
         if verify is not None:
             verify(dest)  # while the bytes are still in cache
         return want
 
     # -- closing -------------------------------------------------------------------------
 
-    def _shutdown(self) -> None:
-        """End the connection now; the reader thread wakes, stops and closes its socket."""
+    def _shutdown(self, abort: bool = True) -> None:
+        """End the connection now; the reader thread wakes, stops and closes its socket.
+        ``abort``: with a reset, so a holder still sending to us stops at once and ends
+        its lease (after a plain close, a holder facing our closed receive window would
+        wait out its lease timeout)."""
+        if abort and self._sock.fileno() >= 0:
+            with contextlib.suppress(OSError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
         if self._plain is not None:
             with contextlib.suppress(OSError):
                 self._plain.shutdown(socket.SHUT_RDWR)
@@ -330,17 +383,17 @@ class TcpConnection:
 
     def close(self) -> None:
         """:meth:`aclose` without a checkpoint (for a pool of idle connections)."""
-        self._shutdown()
+        self._shutdown(abort=bool(self._queue) or self._ended is not None)
 
     async def aclose(self) -> None:
-        self._shutdown()
+        self._shutdown(abort=bool(self._queue) or self._ended is not None)
 
     def reusable(self) -> bool:
         """True iff this connection is in step and open: nothing in flight, no reply
         pending or stray byte waiting, not closed by either side.  A kept idle
         connection is checked with this before each reuse (see
         :mod:`tensorhub.peer.connections`)."""
-        if self._ended is not None or self._pending is not None or self._sock.fileno() < 0:
+        if self._ended is not None or self._queue or self._sock.fileno() < 0:
             return False
         probe = socket.socket(fileno=self._sock.fileno())
         try:
@@ -382,3 +435,76 @@ def _nothing() -> None:
 def _wake(token: trio.lowlevel.TrioToken, ex: _Exchange) -> None:
     with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wait
         token.run_sync_soon(ex.done.set)
+
+
+VERIFY_ASIDE = True
+"""Check a streamed chunk in a pool thread while the reader thread lands the next one
+(else in the reader thread, which then reads nothing meanwhile)."""
+
+
+_Item = tuple[int, "int | Exception", "float | None", "tuple[int, float] | None"]
+
+
+@dataclass(eq=False)
+class _Run:
+    """A ``ChunkRunRequest`` in flight: where each chunk lands, how it is checked, and
+    the stream its results go to."""
+
+    req_id: int
+    first: int
+    dests: list[Sequence[Any]]
+    verifies: list[Verifier | None]
+    stream: _Stream
+    sent_at: float
+    alone: bool
+    """Nothing else was in flight when it was sent: its first reply times a round trip."""
+    at: int = 0
+
+
+class _Stream:
+    """Where the reader thread (and the pool threads checking chunks) put a stream's
+    results -- ``(chunk, bytes or error, rtt sample, rate sample)``, or the exception
+    that ended the connection -- for the task in :meth:`TcpConnection.stream_chunks`."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self.items: deque[_Item | BaseException] = deque()
+        self._arrived = trio.Event()
+
+    def post(self, item: _Item | BaseException) -> None:
+        """Any thread: queue ``item`` and wake the stream's task."""
+        self.items.append(item)
+        with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wait
+            self._token.run_sync_soon(self._wake)
+
+    def _wake(self) -> None:
+        self._arrived.set()
+
+    async def wait(self) -> None:
+        """Until at least one item is queued."""
+        while not self.items:
+            await self._arrived.wait()
+            self._arrived = trio.Event()
+
+
+def _failure(peer: str, exc: BaseException) -> Exception:
+    """A new error saying why the connection to ``peer`` failed, of the kind the fetcher
+    acts on (the reader thread's own is kept by the connection: raising it here would
+    tie this task's frames, and the fetch's buffers, to it)."""
+    if isinstance(exc, RemoteProtocolError):
+        return RemoteProtocolError(str(exc))
+    return TransportError(f"connection to {peer} failed: {exc or type(exc).__name__}")
+
+
+def _checked(dest: Sequence[Any], verify: Verifier, n: int | Exception) -> int | Exception:
+    try:
+        verify(dest)
+    except Exception as exc:
+        return exc
+    return n
+
+
+def _check_then_post(stream: _Stream, chunk: int, dest: Sequence[Any], verify: Verifier,
+                     n: int | Exception, rtt: float | None,
+                     sample: tuple[int, float] | None) -> None:
+    stream.post((chunk, _checked(dest, verify, n), rtt, sample))

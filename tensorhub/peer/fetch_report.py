@@ -1,0 +1,101 @@
+"""What a fetch reports (:class:`FetchReport`) and returns (:class:`Fetched`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class FetchReport:
+    """What one fetch did: where its bytes came from and how long it took."""
+
+    model: str
+    version: int
+    seconds: float = 0.0
+    bytes: int = 0
+    chunks: int = 0
+    chunks_received: int = 0
+    """Chunk payloads received in full (verified or not): equals ``chunks`` when no
+    chunk had to be received twice."""
+    reads: int = 0
+    """Requests for chunks: a streamed run (TCP) or a batch under a same-host version
+    lease asks for several neighbouring chunks at once."""
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    transport_by_source: dict[str, str] = field(default_factory=dict)
+    integrity_failures: dict[str, int] = field(default_factory=dict)
+    dropped_sources: dict[str, str] = field(default_factory=dict)
+    banned_sources: dict[str, str] = field(default_factory=dict)
+    """Holders this fetch did not read from because the peer bans them (a chunk of
+    theirs failed its digest, in this fetch or an earlier one), and why."""
+    resourced_chunks: int = 0
+    stall_retries: dict[str, int] = field(default_factory=dict)
+    """Reads that stalled at a source no other holder could replace, and were asked of it
+    again (with more time) rather than failing the fetch."""
+    planned_bytes: int = 0
+    """Bytes that came from the source the coordinator's plan named."""
+    plan: str = ""
+    """The plan followed: coordinator and epoch, or why there was none."""
+    chunk_size: str = ""
+    """The version's chunk size, as its publisher chose it, and whether that is the
+    automatic choice for its size (:func:`~tensorhub.protocol.sizing.choose_chunk_size`)."""
+    windows: dict[str, str] = field(default_factory=dict)
+    """Per source: the window kept in flight on each stream from it, and why (rate x
+    round trip measured on that source, the floor or the cap)."""
+    verified: bool = False
+    served_arrays: bool = False
+    """True when the fetch found the version already held here complete and returned
+    the very arrays this peer serves it from (the caller's published arrays, or those of
+    an earlier fetch), not a copy: writing to them changes what readers get.  Unpublish
+    first, or fetch with ``into=``, to get arrays of one's own."""
+
+    def add(self, other: FetchReport) -> None:
+        """Count ``other`` (a part of the same fetch) in this report."""
+        self.bytes += other.bytes
+        self.chunks += other.chunks
+        self.chunks_received += other.chunks_received
+        self.reads += other.reads
+        self.resourced_chunks += other.resourced_chunks
+        for name, n in other.bytes_by_source.items():
+            self.bytes_by_source[name] = self.bytes_by_source.get(name, 0) + n
+        for name, n in other.integrity_failures.items():
+            self.integrity_failures[name] = self.integrity_failures.get(name, 0) + n
+        for name, n in other.stall_retries.items():
+            self.stall_retries[name] = self.stall_retries.get(name, 0) + n
+        self.transport_by_source.update(other.transport_by_source)
+        self.windows.update(other.windows)
+        self.dropped_sources.update(other.dropped_sources)
+        self.banned_sources.update(other.banned_sources)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "version": self.version, "seconds": self.seconds,
+            "bytes": self.bytes, "chunks": self.chunks, "mb_per_s": self.mb_per_s,
+            "chunks_received": self.chunks_received, "reads": self.reads,
+            "bytes_by_source": dict(self.bytes_by_source),
+            "transport_by_source": dict(self.transport_by_source),
+            "integrity_failures": dict(self.integrity_failures),
+            "dropped_sources": dict(self.dropped_sources),
+            "banned_sources": dict(self.banned_sources),
+            "resourced_chunks": self.resourced_chunks, "verified": self.verified,
+            "stall_retries": dict(self.stall_retries),
+            "served_arrays": self.served_arrays,
+            "planned_bytes": self.planned_bytes, "plan": self.plan,
+            "chunk_size": self.chunk_size, "windows": dict(self.windows),
+        }
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The result of :meth:`Peer.fetch`: the version, its tensors and what it took."""
+
+    version: int
+    tensors: dict[str, np.ndarray[Any, Any]]
+    report: FetchReport

@@ -1,0 +1,90 @@
+"""Chunk sizes and stream windows (:mod:`tensorhub.protocol.sizing`): pure rules, checked
+against what they promise for any input."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tensorhub.errors import LocalProtocolError
+from tensorhub.protocol.sizing import (
+    GAIN,
+    MAX_AUTO_CHUNK,
+    MIN_AUTO_CHUNK,
+    MIN_CHUNKS,
+    TARGET_CHUNKS,
+    StreamWindow,
+    choose_chunk_size,
+)
+
+MIB = 1 << 20
+
+
+@given(st.integers(0, 1 << 45))
+def test_automatic_chunks_are_powers_of_two_within_bounds_near_the_target(total: int) -> None:
+    size, why = choose_chunk_size(total)
+    assert MIN_AUTO_CHUNK <= size <= MAX_AUTO_CHUNK
+    assert size & (size - 1) == 0
+    chunks = -(-total // size)
+    if MIN_AUTO_CHUNK < size < MAX_AUTO_CHUNK:
+        assert TARGET_CHUNKS // 2 < chunks <= TARGET_CHUNKS, (total, size)
+    if size == MIN_AUTO_CHUNK:
+        assert chunks <= TARGET_CHUNKS
+    assert "automatic" in why
+
+
+@given(st.integers(0, 1 << 40), st.integers(0, 1 << 40))
+def test_bigger_versions_never_get_smaller_chunks(a: int, b: int) -> None:
+    lo, hi = sorted((a, b))
+    assert choose_chunk_size(lo)[0] <= choose_chunk_size(hi)[0]
+
+
+def test_known_sizes_and_the_override() -> None:
+    assert choose_chunk_size(256 * MIB)[0] == 4 * MIB  # the cluster's best (1.16x bound)
+    assert choose_chunk_size(1 << 30)[0] == 16 * MIB
+    assert choose_chunk_size(1 << 40)[0] == MAX_AUTO_CHUNK
+    assert choose_chunk_size(1 << 30, 4 * MIB) == (4 * MIB,
+                                                   "4 MiB: set by PeerConfig.chunk_size")
+    with pytest.raises(LocalProtocolError):
+        choose_chunk_size(-1)
+
+
+def test_a_window_starts_at_the_floor_and_follows_the_bandwidth_delay_product() -> None:
+    w = StreamWindow(4 * MIB, 1 << 30)
+    assert w.bytes() == MIN_CHUNKS * 4 * MIB and "nothing measured" in w.why()
+    w.rtt(0.040)
+    assert w.bytes() == w.floor  # a round trip alone says nothing of the rate
+    w.delivered(4 * MIB, 4 * MIB / 500e6)  # 500 MB/s: 4 Gbit
+    assert w.rate == pytest.approx(500e6)
+    assert w.bytes() == pytest.approx(GAIN * 500e6 * 0.040, abs=1) and "BDP" in w.why()
+    w.rtt(0.100)  # a longer sample (a holder that waited) does not count
+    assert w.min_rtt == 0.040
+    w.rtt(0.0001)  # loopback: the floor
+    assert w.bytes() == w.floor and "floor" in w.why()
+
+
+def test_a_window_is_capped_and_never_below_two_chunks() -> None:
+    w = StreamWindow(16 * MIB, 64 * MIB)
+    w.rtt(0.080)
+    w.delivered(16 * MIB, 16 * MIB / 12.5e9)  # 100 Gbit at 80 ms: a 1 GB product
+    assert w.bytes() == 64 * MIB and "cap" in w.why()
+    small = StreamWindow(16 * MIB, 1)  # a cap under the floor: the floor wins
+    assert small.bytes() == MIN_CHUNKS * 16 * MIB
+    with pytest.raises(LocalProtocolError):
+        StreamWindow(0, 1)
+
+
+@given(st.lists(st.tuples(st.integers(1, 1 << 30), st.floats(1e-6, 10)), max_size=30),
+       st.lists(st.floats(0, 10), max_size=10), st.integers(4096, 1 << 28),
+       st.integers(1, 1 << 34))
+def test_the_window_stays_between_floor_and_cap(samples: list[tuple[int, float]],
+                                                rtts: list[float], chunk: int,
+                                                cap: int) -> None:
+    w = StreamWindow(chunk, cap)
+    for rtt in rtts:
+        w.rtt(rtt)
+    for n, secs in samples:
+        w.delivered(n, secs)
+        assert MIN_CHUNKS * chunk <= w.bytes() <= max(cap, MIN_CHUNKS * chunk)
+    assert w.min_rtt == (min(rtts) if rtts else None)
