@@ -30,6 +30,7 @@ from typing import Any
 import trio
 import zmq
 
+from ..cast import CastSpec, fetch_cast
 from ..config import PeerConfig, parse_hostport
 from ..errors import (
     ConsistencyError,
@@ -424,8 +425,11 @@ class Peer:
     async def fetch(self, model: str, version: int | str = "latest",
                     into: Mapping[str, Any] | None = None, *,
                     sources: Sequence[str] | None = None,
-                    layout: Sharding | None = None) -> Fetched:
+                    layout: Sharding | None = None, cast: CastSpec | None = None
+                    ) -> Fetched:
         """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it.
+        ``into`` may be a mapping of arrays or torch tensors, or an ``nn.Module``;
+        ``cast`` asks for other dtypes, cast after verification (:mod:`tensorhub.cast`).
 
         Only sealed versions can be fetched (see :meth:`publish`).  ``layout`` asks for
         the slices rank ``layout.rank`` of that sharding holds (default: every tensor
@@ -437,6 +441,9 @@ class Peer:
         plan; a named source that is itself still receiving is asked for every chunk and
         serves each as soon as it has verified it (pipelining).  The fetch waits up to
         ``stall_timeout`` for a named source to appear as a holder."""
+        if cast is not None:
+            return await fetch_cast(self, model, version, into, cast, sources=sources,
+                                    layout=layout)
         check_model_name(model)
         spec = layout or WHOLE
         if not isinstance(spec, Sharding):
