@@ -106,7 +106,7 @@ async def test_a_mismatched_into_is_refused_before_any_byte_moves() -> None:
             await reader.fetch("m", 1, into=wrong_dtype)
         bits = {k: v.view(torch.int16) if v.dtype == torch.bfloat16 else v
                 for k, v in Tiny().state_dict().items()}
-        with pytest.raises(LocalProtocolError, match="is int16.*has bfloat16"):
+        with pytest.raises(LocalProtocolError, match=r"is int16.*has bfloat16"):
             await reader.fetch("m", 1, into=bits)
         shape = {k: torch.empty_like(v) for k, v in Tiny().state_dict().items()}
         shape["proj.bias"] = torch.empty(47, dtype=torch.bfloat16)
@@ -118,7 +118,7 @@ async def test_a_mismatched_into_is_refused_before_any_byte_moves() -> None:
 
 async def test_device_and_strided_tensors_are_refused_with_the_reason() -> None:
     async with tensorhub.open_peer(tensorhub.PeerConfig.local("solo")) as peer:
-        with pytest.raises(LocalProtocolError, match="on meta.*host memory only"):
+        with pytest.raises(LocalProtocolError, match=r"on meta.*host memory only"):
             await peer.publish("m", 1, {"x": torch.empty(4, device="meta")})
         with pytest.raises(LocalProtocolError, match="not contiguous"):
             await peer.publish("m", 1, {"x": torch.zeros(4, 4, dtype=torch.bfloat16).t()})
