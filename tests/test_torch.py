@@ -4,6 +4,7 @@ torch tensors; mismatches refused before a byte moves; torch stays optional."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def test_tensorhub_works_without_torch(tmp_path: Path) -> None:
     script.write_text(
         "import sys\n"
         "sys.modules['torch'] = None  # import torch now raises ImportError\n"
-        "import numpy as np, trio, tensorhub, tensorhub.cast\n"
+        "import numpy as np, trio, tensorhub, tensorhub.cast, tensorhub.engine\n"
         "async def main():\n"
         "    async with tensorhub.open_peer(tensorhub.PeerConfig.local('a')) as a:\n"
         "        await a.publish('m', 1, {'x': np.arange(5.0)})\n"
@@ -155,3 +156,15 @@ def test_numpy_arrays_tagged_as_bfloat16_publish_as_bfloat16() -> None:
     assert check_dtype("x", raw.dtype) == "<u2"
     assert storage_dtype("bfloat16") == np.dtype("<u2")
     assert as_torch({"x": tagged(raw, "bfloat16")})["x"].dtype == torch.bfloat16
+
+
+def test_the_torch_bench_lands_equal_bytes_and_reports_its_figure(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorhub.bench import torchbench
+    assert torchbench.main(["--size", "4MiB", "--tensors", "8", "--runs", "2",
+                            "--chunk", "1MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    [fig] = out["figures"]
+    assert fig["name"] == "torch_bf16_vs_numpy" and fig["bound"] == 1.10 and fig["value"] > 0
+    assert out["measured"]["landed_equal"] is True
+    assert [len(v) for v in out["measured"]["times_s"].values()] == [2, 2]
