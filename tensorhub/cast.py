@@ -32,7 +32,7 @@ import trio
 from .dtypes import display
 from .errors import LocalProtocolError
 from .peer.fetcher import Fetched
-from .torch import as_torch, destination, dtype_of, host_view, torch_dtype
+from .torch import as_torch, destination, dtype_of, host_view, require_torch, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +175,7 @@ async def fetch_cast(peer: Peer, model: str, version: int | str, into: Any,
     """:meth:`Peer.fetch` with ``cast=spec``: fetch and verify as published, then cast
     (see the module text).  ``into`` (torch tensors, or an ``nn.Module``) is checked in
     full against the cast result before any of its bytes is written."""
+    require_torch()
     import torch
     fetched = await peer.fetch(model, version, sources=sources, layout=layout)
     src = as_torch(fetched)

@@ -41,8 +41,17 @@ def is_module(obj: Any) -> bool:
     return mod is not None and isinstance(obj, mod.nn.Module)
 
 
+def require_torch() -> None:
+    """Raise a :class:`LocalProtocolError` saying how to get torch if it is missing."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise LocalProtocolError("this needs torch: pip install 'tensorhub[torch]'") from None
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a manifest dtype name (``"bfloat16"``, ``"<f4"``, ...)."""
+    require_torch()
     import torch
     if name in EXTENDED:
         found = getattr(torch, name, None)
@@ -117,6 +126,7 @@ def as_torch(tensors: Any) -> dict[str, torch.Tensor]:
 
 def to_torch(arr: np.ndarray[Any, Any], name: str = "tensor") -> torch.Tensor:
     """One array as a torch tensor sharing its memory (see :func:`as_torch`)."""
+    require_torch()
     import torch
     if is_tensor(arr):
         return arr  # type: ignore[return-value]

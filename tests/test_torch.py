@@ -140,12 +140,17 @@ def test_tensorhub_works_without_torch(tmp_path: Path) -> None:
         "        await a.publish('m', 1, {'x': np.arange(5.0)})\n"
         "        got = await a.fetch('m', 1)\n"
         "        print('ok', got.tensors['x'].tolist())\n"
+        "        try:\n"
+        "            await a.fetch('m', 1, cast='float16')\n"
+        "        except tensorhub.LocalProtocolError as exc:\n"
+        "            print('cast:', exc)\n"
         "trio.run(main)\n")
     root = str(Path(tensorhub.__file__).resolve().parent.parent)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ok [0.0, 1.0, 2.0, 3.0, 4.0]" in out.stdout
+    assert "cast: this needs torch: pip install 'tensorhub[torch]'" in out.stdout
 
 
 def test_numpy_arrays_tagged_as_bfloat16_publish_as_bfloat16() -> None:
