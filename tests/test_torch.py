@@ -173,3 +173,15 @@ def test_the_torch_bench_lands_equal_bytes_and_reports_its_figure(
     assert fig["name"] == "torch_bf16_vs_numpy" and fig["bound"] == 1.10 and fig["value"] > 0
     assert out["measured"]["landed_equal"] is True
     assert [len(v) for v in out["measured"]["times_s"].values()] == [2, 2]
+
+
+async def test_a_bf16_tensor_reshards_into_a_ranks_slice() -> None:
+    from tensorhub import Sharding
+    async with mesh(2) as (pub, reader):
+        w = torch.randn(64, 48).to(torch.bfloat16)
+        await pub.publish("m", 1, {"w": w, "b": torch.ones(3, dtype=torch.float8_e4m3fn)})
+        await wait_version(reader, "m", 1)
+        got = await reader.fetch("m", 1, layout=Sharding(1, 2, split={"w": 1}))
+        part = as_torch(got)
+        assert part["w"].dtype == torch.bfloat16 and torch.equal(part["w"], w[:, 24:])
+        assert part["b"].dtype == torch.float8_e4m3fn and part["b"].float().tolist() == [1.0] * 3
