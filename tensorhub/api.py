@@ -26,6 +26,7 @@ from .peer.fetcher import Fetched
 from .peer.node import Peer, open_peer
 from .peer.stats import PeerStats
 from .protocol.sharding import Sharding
+from .torch import Into
 
 T = TypeVar("T")
 
@@ -92,8 +93,7 @@ class BlockingPeer:
         return result
 
     def fetch(self, model: str, version: int | str = "latest",
-              into: Mapping[str, Any] | None = None, *,
-              sources: Sequence[str] | None = None,
+              into: Into | None = None, *, sources: Sequence[str] | None = None,
               layout: Sharding | None = None, cast: CastSpec | None = None) -> Fetched:
         result: Fetched = self._call(self.peer.fetch, model, version, into=into,
                                      sources=sources, layout=layout, cast=cast)

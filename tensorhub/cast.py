@@ -22,7 +22,7 @@ The fetch report's ``cast`` names every cast tensor with ``from->to``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
@@ -32,7 +32,16 @@ import trio
 from .dtypes import display
 from .errors import LocalProtocolError
 from .peer.fetcher import Fetched
-from .torch import as_torch, destination, dtype_of, host_view, require_torch, torch_dtype
+from .torch import (
+    as_torch,
+    check_into,
+    destination,
+    dtype_of,
+    host_view,
+    is_tensor,
+    require_torch,
+    torch_dtype,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -154,7 +163,6 @@ def cast_all(src: Mapping[str, torch.Tensor], targets: Mapping[str, Target],
 def _check_into(into: Any, wanted: Mapping[str, tuple[str, tuple[int, ...]]]
                 ) -> dict[str, torch.Tensor]:
     """``into`` as name -> torch tensor, each of the dtype and shape the cast gives."""
-    from .torch import check_into, is_tensor
     given = destination(into)
     if not hasattr(given, "keys") or set(given.keys()) != set(wanted):
         keys = set(given.keys()) if hasattr(given, "keys") else set()
@@ -171,7 +179,8 @@ def _check_into(into: Any, wanted: Mapping[str, tuple[str, tuple[int, ...]]]
 
 
 async def fetch_cast(peer: Peer, model: str, version: int | str, into: Any,
-                     spec: CastSpec, *, sources: Any, layout: Sharding | None) -> Fetched:
+                     spec: CastSpec, *, sources: Sequence[str] | None,
+                     layout: Sharding | None) -> Fetched:
     """:meth:`Peer.fetch` with ``cast=spec``: fetch and verify as published, then cast
     (see the module text).  ``into`` (torch tensors, or an ``nn.Module``) is checked in
     full against the cast result before any of its bytes is written."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     import torch
 
 _RAW_BITS = {1: "uint8", 2: "int16"}
+
+Into: TypeAlias = "Mapping[str, Any] | torch.nn.Module"
+"""What ``fetch(into=...)`` takes: a mapping of name -> array or tensor, or a module."""
 
 
 def is_tensor(obj: Any) -> bool:

@@ -14,7 +14,6 @@ from ..errors import LocalProtocolError
 from ..manifest import Manifest
 from ..model import as_host_array
 from ..torch import check_into, is_tensor
-from ..torch import destination as torch_destination
 from ..transport.shmem import shared_empty
 
 
@@ -46,7 +45,6 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
     over all of them (10,000 tensors: about 2.5 ms here, against 5-9 ms one by one);
     anything else, or any mismatch, goes through the per-tensor check, which names what
     is wrong."""
-    into = torch_destination(into)
     if not hasattr(into, "keys"):
         raise LocalProtocolError("into= must be a mapping of tensor name -> array, or an "
                                  "nn.Module")

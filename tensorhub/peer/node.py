@@ -60,6 +60,7 @@ from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.versions import Seal
 from ..security import Identity
+from ..torch import Into, destination
 from ..transport.admission import ServerLimits
 from ..transport.base import Connection
 from ..transport.handshake import DataAuth
@@ -423,8 +424,7 @@ class Peer:
 
     @operation
     async def fetch(self, model: str, version: int | str = "latest",
-                    into: Mapping[str, Any] | None = None, *,
-                    sources: Sequence[str] | None = None,
+                    into: Into | None = None, *, sources: Sequence[str] | None = None,
                     layout: Sharding | None = None, cast: CastSpec | None = None
                     ) -> Fetched:
         """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it.
@@ -444,6 +444,7 @@ class Peer:
         if cast is not None:
             return await fetch_cast(self, model, version, into, cast, sources=sources,
                                     layout=layout)
+        into = None if into is None else destination(into)  # a module: its state_dict
         check_model_name(model)
         spec = layout or WHOLE
         if not isinstance(spec, Sharding):
