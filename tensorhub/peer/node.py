@@ -428,8 +428,8 @@ class Peer:
                     layout: Sharding | None = None, cast: CastSpec | None = None
                     ) -> Fetched:
         """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it.
-        ``into`` may be a mapping of arrays or torch tensors, or an ``nn.Module``;
-        ``cast`` asks for other dtypes, cast after verification (:mod:`tensorhub.cast`).
+        ``into``: arrays or torch tensors by name, or an ``nn.Module``; ``cast``: see
+        :mod:`tensorhub.cast`.
 
         Only sealed versions can be fetched (see :meth:`publish`).  ``layout`` asks for
         the slices rank ``layout.rank`` of that sharding holds (default: every tensor
