@@ -4,8 +4,8 @@ same bytes as numpy arrays.
 Two peers in this process (one trio loop, TCP over loopback, integrity on) move
 ``--size`` bytes as ``--tensors`` tensors, ``--runs`` times per kind, the kinds
 alternating (which goes first alternates too, so both see the same machine): a
-``state_dict`` of ``bfloat16`` torch tensors, and the same shapes as numpy ``uint16``
-arrays.  A run is ``publish`` (the manifest: every chunk's digest) plus a ``fetch`` into
+``state_dict`` of ``bfloat16`` torch tensors, and the very same memory as plain numpy
+``uint16`` arrays.  A run is ``publish`` (the manifest: every chunk's digest) plus a ``fetch`` into
 pre-faulted destinations of the same kind (torch tensors; numpy arrays), timed from the
 call to publish until the fetch returned; then both sides unpublish.  The figure
 ``torch_bf16_vs_numpy`` is the torch median over the numpy median (bound 1.10).
@@ -60,7 +60,7 @@ async def measure(size: int, tensors: int, runs: int, chunk: int) -> dict[str, A
     gen = torch.Generator().manual_seed(0)
     state = {f"layer.{i}.weight": torch.randn(s, generator=gen).to(torch.bfloat16)
              for i, s in enumerate(shapes)}
-    arrays = {k: v.view(torch.int16).numpy().view(np.uint16).copy() for k, v in state.items()}
+    arrays = {k: v.view(torch.int16).numpy().view(np.uint16) for k, v in state.items()}
     into_t = {k: torch.ones_like(v) for k, v in state.items()}
     into_n = {k: np.ones_like(v) for k, v in arrays.items()}
     cfg = {"chunk_size": chunk, "transports": ("tcp",), "retain_latest": 0}
