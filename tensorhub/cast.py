@@ -31,6 +31,7 @@ import trio
 
 from .dtypes import display
 from .errors import LocalProtocolError
+from .peer.destination import disjoint
 from .peer.fetcher import Fetched
 from .torch import (
     as_torch,
@@ -58,7 +59,8 @@ class Fp8:
 
     The scale of a tensor (``block=None``), or of each ``block`` x ``block`` tile of a
     2-D tensor (the last tiles cut short; tensors of other ranks get one scale), is
-    ``amax / finfo(dtype).max`` over its values in float32 (1 where ``amax`` is 0), and
+    ``amax / finfo(dtype).max`` over its values in float32, at least float32's smallest
+    normal number (an all-zero or a tiny tile never divides by zero), and
     ``q = (x.float() / scale).clamp(-max, max).to(dtype)``.  The scale tensor has shape
     ``()`` per tensor, ``(ceil(rows / block), ceil(cols / block))`` per block.  Finite
     inputs only: an infinite value makes its scale infinite."""
@@ -103,18 +105,18 @@ def quantize(x: torch.Tensor, fp8: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` as ``fp8.dtype`` and its scales (see :class:`Fp8`)."""
     import torch
     dtype = torch_dtype(fp8.dtype)
-    top = torch.finfo(dtype).max
+    top, floor = torch.finfo(dtype).max, torch.finfo(torch.float32).tiny
     xf = x.float()
     b = fp8.block
     if b is None or xf.dim() != 2:
         amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32)
-        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        scale = (amax / top).clamp_min(floor)
         return (xf / scale).clamp(-top, top).to(dtype), scale
     rows, cols = xf.shape
     br, bc = -(-rows // b), -(-cols // b)
     tiles = torch.nn.functional.pad(xf, (0, bc * b - cols, 0, br * b - rows)).view(br, b, bc, b)
     amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    scale = (amax / top).clamp_min(floor)
     q = (tiles / scale[:, None, :, None]).clamp(-top, top).to(dtype)
     return q.view(br * b, bc * b)[:rows, :cols].contiguous(), scale
 
@@ -169,12 +171,13 @@ def _check_into(into: Any, wanted: Mapping[str, tuple[str, tuple[int, ...]]]
         raise LocalProtocolError(
             f"into= does not match the cast result: missing {sorted(set(wanted) - keys)[:5]}"
             f", unknown {sorted(keys - set(wanted))[:5]}")
+    names = list(wanted)
     for name, (dtype, shape) in wanted.items():
         t = given[name]
         if not is_tensor(t):
             raise LocalProtocolError(f"into[{name!r}]: a casting fetch fills torch tensors")
         check_into(name, t, dtype, shape)
-        host_view(t, name)  # on the host and contiguous
+    disjoint(names, [host_view(given[n], n) for n in names])  # on the host, contiguous
     return dict(given)
 
 

@@ -60,7 +60,7 @@ def naive_fp8(x: torch.Tensor, dtype: torch.dtype, block: int | None
     for at, where in tiles.items():
         part = xf[where]
         amax = part.abs().max()
-        s = amax / top if amax > 0 else torch.tensor(1.0)
+        s = max(amax / top, torch.tensor(torch.finfo(torch.float32).tiny))
         scale[at] = s
         q[where] = (part / s).clamp(-top, top).to(dtype)
     return q, scale
@@ -150,6 +150,10 @@ async def test_a_casting_fetch_into_a_module_casts_in_place_and_checks_first() -
             await reader.fetch("m", 1, into=wrong, cast={"embed.*": "bfloat16",
                                                           "proj.*": "float16"})
         assert all(torch.equal(v, before[k]) for k, v in wrong.state_dict().items())
+        shared = {k: torch.empty_like(v) for k, v in Tiny().state_dict().items()}
+        shared["proj.bias"] = shared["norm.bias"].view(torch.bfloat16)[:48]  # no memory of its own
+        with pytest.raises(LocalProtocolError, match="share memory"):
+            await reader.fetch("m", 1, into=shared, cast={"norm.*": "float32", "*": "bfloat16"})
         dst = Tiny(dtype=torch.bfloat16)  # an engine in bf16; its norm stays float32
         ptrs = {k: v.data_ptr() for k, v in dst.state_dict().items()}
         got = await reader.fetch("m", 1, into=dst, cast={"norm.*": "float32",

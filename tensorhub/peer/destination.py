@@ -4,6 +4,7 @@ caller's ``into=`` arrays, checked before any byte moves."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from operator import attrgetter, eq
 from typing import Any
 
@@ -64,7 +65,7 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
             and all(map(eq, map(_DTYPE, given), dtypes)) and all(map(_C_CONTIGUOUS, given))
             and all(map(_WRITEABLE, given))
             and not any(d.hasobject or d.metadata for d in set(dtypes))):
-        return _disjoint(manifest, given)
+        return disjoint(names, given)
     out = []
     for t, obj, dt in zip(manifest.tensors, given, dtypes, strict=True):
         if is_tensor(obj):
@@ -77,7 +78,7 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
         if not arr.flags.writeable:
             raise LocalProtocolError(f"into[{t.name!r}] is read-only")
         out.append(arr)
-    return _disjoint(manifest, out)
+    return disjoint(names, out)
 
 
 def _address(arr: np.ndarray[Any, Any]) -> int:
@@ -87,8 +88,8 @@ def _address(arr: np.ndarray[Any, Any]) -> int:
         return int(arr.__array_interface__["data"][0])
 
 
-def _disjoint(manifest: Manifest, arrays: list[np.ndarray[Any, Any]]
-              ) -> list[np.ndarray[Any, Any]]:
+def disjoint(names: Sequence[str], arrays: list[np.ndarray[Any, Any]]
+             ) -> list[np.ndarray[Any, Any]]:
     """``arrays``, if no two share a byte (each is C-contiguous); else the fetch would
     land two tensors in the same memory, and its digests fail, blaming the holder."""
     sizes = np.fromiter(map(_NBYTES, arrays), np.int64, len(arrays))
@@ -102,7 +103,7 @@ def _disjoint(manifest: Manifest, arrays: list[np.ndarray[Any, Any]]
     if len(clash):
         a, b = keep[order[clash[0]]], keep[order[clash[0] + 1]]
         raise LocalProtocolError(
-            f"into[{manifest.tensors[a].name!r}] and into[{manifest.tensors[b].name!r}] "
+            f"into[{names[a]!r}] and into[{names[b]!r}] "
             "share memory (the same array twice, or overlapping views of one buffer); "
             "every tensor needs memory of its own")
     return arrays
