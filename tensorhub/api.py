@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from .cast import CastSpec
 from .config import PeerConfig
 from .errors import PeerClosed
 from .manifest import Manifest
@@ -25,6 +26,7 @@ from .peer.fetcher import Fetched
 from .peer.node import Peer, open_peer
 from .peer.stats import PeerStats
 from .protocol.sharding import Sharding
+from .torch import Into
 
 T = TypeVar("T")
 
@@ -91,11 +93,10 @@ class BlockingPeer:
         return result
 
     def fetch(self, model: str, version: int | str = "latest",
-              into: Mapping[str, Any] | None = None, *,
-              sources: Sequence[str] | None = None,
-              layout: Sharding | None = None) -> Fetched:
+              into: Into | None = None, *, sources: Sequence[str] | None = None,
+              layout: Sharding | None = None, cast: CastSpec | None = None) -> Fetched:
         result: Fetched = self._call(self.peer.fetch, model, version, into=into,
-                                     sources=sources, layout=layout)
+                                     sources=sources, layout=layout, cast=cast)
         return result
 
     def unsealed(self, model: str) -> list[str]:

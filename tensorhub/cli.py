@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, transfer
+    from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, torchbench, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     flip.add_options(bsub.add_parser("flip", help="the staged flip's pause with readers "
@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "mesh of processes; invariants checked per seed"))
     rounds.add_options(bsub.add_parser("rounds", help="model-parallel groups switching "
                                        "under a fast trainer on a busy host; aborts counted"))
+    torchbench.add_options(bsub.add_parser("torch", help="a bf16 torch state_dict vs numpy"))
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
@@ -214,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "bench":
-            from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, transfer
+            from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, torchbench, transfer
 
+            if args.bench == "torch":
+                return torchbench.run_cli(args)
             if args.bench == "flip":
                 return flip.run_cli(args)
             if args.bench == "cluster":

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import EXTENDED, dtype_name
 from .errors import ConfigError, LocalProtocolError
 
 MAX_MODEL_NAME = 200
@@ -103,6 +104,9 @@ def check_dtype(name: str, dtype: np.dtype[Any]) -> str:
     same dtype back, byte order included); else :class:`LocalProtocolError`."""
     code = dtype.str
     why = ""
+    extended = dtype_name(dtype)
+    if extended is not None and np.dtype(code) == np.dtype(EXTENDED[extended]):
+        return extended
     if dtype.hasobject:
         why = "holds Python objects"
     elif dtype.fields is not None or dtype.subdtype is not None:

@@ -21,6 +21,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from .dtypes import EXTENDED, storage_dtype
 from .errors import LocalProtocolError, RemoteProtocolError
 from .limits import (
     BAD_NAME_CHARS,
@@ -372,10 +373,11 @@ def _build_tensors(cols: Any, limits: ManifestLimits) -> tuple[list[TensorSpec],
         if type(d) is not str or len(d) > MAX_DTYPE_STR:
             raise bad("dtype")
         try:
-            dt = np.dtype(d)
+            dt = storage_dtype(d)
         except TypeError:
             raise bad(f"dtype {d!r}") from None
-        if dt.hasobject or dt.itemsize == 0 or dt.str != d or dt.fields is not None:
+        if dt.hasobject or dt.itemsize == 0 or dt.fields is not None \
+                or (dt.str != d and d not in EXTENDED):
             raise bad(f"dtype {d!r}")
         itemsizes.append(dt.itemsize)
     for key in ("dtype", "ndim", "dims", "sliced", "global", "start"):
@@ -459,8 +461,10 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
     for i, (name, arr) in enumerate(arrays):
         check_tensor_name(name)
         code = codes.get(arr.dtype)
-        if code is None:
-            code = codes[arr.dtype] = check_dtype(name, arr.dtype)
+        if code is None or arr.dtype.metadata:  # equal dtypes may differ in their tags
+            code = check_dtype(name, arr.dtype)
+            if not arr.dtype.metadata:
+                codes[arr.dtype] = code
         check_shape(name, arr.shape, arr.dtype.itemsize)
         gshape, start = placed[i] if placed is not None else ((), ())
         if gshape:

@@ -18,8 +18,10 @@ import msgpack
 import numpy as np
 
 from .bounds import ControlEndpoint, DataEndpoint, Labels, MaxLen, PeerName
+from .dtypes import storage_dtype
 from .errors import LocalProtocolError
 from .limits import MAX_LAYOUT_ID, MAX_MODEL_NAME
+from .torch import host_view, is_tensor
 
 ModelName = Annotated[str, MaxLen(MAX_MODEL_NAME)]
 LayoutId = Annotated[bytes, MaxLen(MAX_LAYOUT_ID)]
@@ -30,7 +32,7 @@ _TAG_SCHEMA = b"tensorhub/schema/1\0"
 
 @functools.lru_cache(maxsize=256)
 def _itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
+    return storage_dtype(dtype).itemsize
 
 
 
@@ -93,7 +95,8 @@ class VersionKey:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a version: its name, dtype (numpy ``dtype.str``), shape, place.
+    """One tensor of a version: its name, dtype (numpy ``dtype.str``, or an extended
+    name such as ``"bfloat16"``: see :mod:`tensorhub.dtypes`), shape, place.
 
     In a shard, ``shape`` is the local slice's shape; ``global_shape`` and ``start``
     (both empty for a whole tensor) give the full tensor's shape and where the slice
@@ -154,12 +157,15 @@ def byte_views(arrays: Sequence[np.ndarray[Any, Any]]) -> list[memoryview]:
 
 
 def as_host_array(obj: Any, name: str) -> np.ndarray[Any, Any]:
-    """View anything exposing ``__dlpack__`` or the buffer protocol as a numpy array.
+    """View anything exposing ``__dlpack__`` or the buffer protocol as a numpy array;
+    a CPU torch tensor as its bytes, whatever its dtype (:mod:`tensorhub.torch`).
 
     No copy is made: publishing keeps a *reference* to the caller's memory.
     """
     if isinstance(obj, np.ndarray):
         arr = obj
+    elif is_tensor(obj):
+        arr = host_view(obj, name)
     elif hasattr(obj, "__dlpack__"):
         try:
             arr = np.from_dlpack(obj)

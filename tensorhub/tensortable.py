@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import storage_dtype
 from .model import TensorSpec, schema_id
 
 CACHE_LOCK = threading.Lock()
@@ -79,7 +80,7 @@ class TensorTable:
         """Whether arrays of every dtype here export their memory as a buffer (numbers
         and bools do; datetimes, for one, do not)."""
         if self._exports is None:
-            self._exports = all(np.dtype(d).kind in "biufc" for d in {t.dtype for t in
+            self._exports = all(storage_dtype(d).kind in "biufc" for d in {t.dtype for t in
                                                                       self.tensors})
         return self._exports
 
@@ -91,7 +92,7 @@ class TensorTable:
             for t in self.tensors:
                 dt = dtypes.get(t.dtype)
                 if dt is None:
-                    dt = dtypes[t.dtype] = np.dtype(t.dtype)
+                    dt = dtypes[t.dtype] = storage_dtype(t.dtype)
                 out.append(dt)
             self._expected = ([t.shape for t in self.tensors], out)
         return self._expected

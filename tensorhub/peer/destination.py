@@ -4,14 +4,17 @@ caller's ``into=`` arrays, checked before any byte moves."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from operator import attrgetter, eq
 from typing import Any
 
 import numpy as np
 
+from ..dtypes import display, dtype_name, storage_dtype
 from ..errors import LocalProtocolError
 from ..manifest import Manifest
 from ..model import as_host_array
+from ..torch import check_into, is_tensor
 from ..transport.shmem import shared_empty
 
 
@@ -21,10 +24,10 @@ def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memor
     The buffer is shared memory (``shared_empty``), so same-host peers that fetch from us
     later map it instead of copying through the kernel.  Falls back to separate plain
     arrays if some tensor's offset does not suit its dtype."""
-    if any(t.offset % np.dtype(t.dtype).alignment for t in manifest.tensors):
-        return [np.empty(t.shape, dtype=np.dtype(t.dtype)) for t in manifest.tensors], None
+    if any(t.offset % storage_dtype(t.dtype).alignment for t in manifest.tensors):
+        return [np.empty(t.shape, dtype=storage_dtype(t.dtype)) for t in manifest.tensors], None
     flat = shared_empty(manifest.total_bytes, np.uint8)
-    arrays = [flat[t.offset:t.end].view(np.dtype(t.dtype)).reshape(t.shape)
+    arrays = [flat[t.offset:t.end].view(storage_dtype(t.dtype)).reshape(t.shape)
               for t in manifest.tensors]
     return arrays, memoryview(flat)  # type: ignore[arg-type]
 
@@ -44,7 +47,8 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
     anything else, or any mismatch, goes through the per-tensor check, which names what
     is wrong."""
     if not hasattr(into, "keys"):
-        raise LocalProtocolError("into= must be a mapping of tensor name -> array")
+        raise LocalProtocolError("into= must be a mapping of tensor name -> array, or an "
+                                 "nn.Module")
     table = manifest.table
     names = table.names
     if len(into.keys()) != len(names) or not into.keys() >= table.index().keys():
@@ -59,19 +63,22 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
     # makes die one by one instead of piling up for the garbage collector.
     if (set(map(type, given)) <= {np.ndarray} and all(map(eq, map(_SHAPE, given), shapes))
             and all(map(eq, map(_DTYPE, given), dtypes)) and all(map(_C_CONTIGUOUS, given))
-            and all(map(_WRITEABLE, given)) and not any(d.hasobject for d in set(dtypes))):
-        return _disjoint(manifest, given)
+            and all(map(_WRITEABLE, given))
+            and not any(d.hasobject or d.metadata for d in set(dtypes))):
+        return disjoint(names, given)
     out = []
     for t, obj, dt in zip(manifest.tensors, given, dtypes, strict=True):
+        if is_tensor(obj):
+            check_into(t.name, obj, t.dtype, t.shape)
         arr = as_host_array(obj, t.name)
-        if arr.shape != t.shape or arr.dtype != dt:
+        if arr.shape != t.shape or arr.dtype != dt or dtype_name(arr.dtype) != dtype_name(dt):
             raise LocalProtocolError(
-                f"into[{t.name!r}] is {arr.dtype}{list(arr.shape)}, "
-                f"{manifest.key} has {dt}{list(t.shape)}")
+                f"into[{t.name!r}] is {display(dtype_name(arr.dtype) or arr.dtype.str)}"
+                f"{list(arr.shape)}, {manifest.key} has {display(t.dtype)}{list(t.shape)}")
         if not arr.flags.writeable:
             raise LocalProtocolError(f"into[{t.name!r}] is read-only")
         out.append(arr)
-    return _disjoint(manifest, out)
+    return disjoint(names, out)
 
 
 def _address(arr: np.ndarray[Any, Any]) -> int:
@@ -81,8 +88,8 @@ def _address(arr: np.ndarray[Any, Any]) -> int:
         return int(arr.__array_interface__["data"][0])
 
 
-def _disjoint(manifest: Manifest, arrays: list[np.ndarray[Any, Any]]
-              ) -> list[np.ndarray[Any, Any]]:
+def disjoint(names: Sequence[str], arrays: list[np.ndarray[Any, Any]]
+             ) -> list[np.ndarray[Any, Any]]:
     """``arrays``, if no two share a byte (each is C-contiguous); else the fetch would
     land two tensors in the same memory, and its digests fail, blaming the holder."""
     sizes = np.fromiter(map(_NBYTES, arrays), np.int64, len(arrays))
@@ -96,7 +103,7 @@ def _disjoint(manifest: Manifest, arrays: list[np.ndarray[Any, Any]]
     if len(clash):
         a, b = keep[order[clash[0]]], keep[order[clash[0] + 1]]
         raise LocalProtocolError(
-            f"into[{manifest.tensors[a].name!r}] and into[{manifest.tensors[b].name!r}] "
+            f"into[{names[a]!r}] and into[{names[b]!r}] "
             "share memory (the same array twice, or overlapping views of one buffer); "
             "every tensor needs memory of its own")
     return arrays

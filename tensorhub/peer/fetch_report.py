@@ -46,6 +46,9 @@ class FetchReport:
     """Per source: the window kept in flight on each stream from it, and why (rate x
     round trip measured on that source, the floor or the cap)."""
     verified: bool = False
+    cast: dict[str, str] = field(default_factory=dict)
+    """Tensors cast after verification (``fetch(cast=...)``): name -> ``from->to``."""
+    cast_seconds: float = 0.0
     served_arrays: bool = False
     """True when the fetch found the version already held here complete and returned
     the very arrays this peer serves it from (the caller's published arrays, or those of
@@ -87,6 +90,7 @@ class FetchReport:
             "resourced_chunks": self.resourced_chunks, "verified": self.verified,
             "stall_retries": dict(self.stall_retries),
             "served_arrays": self.served_arrays,
+            "cast": dict(self.cast), "cast_seconds": self.cast_seconds,
             "planned_bytes": self.planned_bytes, "plan": self.plan,
             "chunk_size": self.chunk_size, "windows": dict(self.windows),
         }

@@ -30,6 +30,7 @@ from typing import Any
 import trio
 import zmq
 
+from ..cast import CastSpec, fetch_cast
 from ..config import PeerConfig, parse_hostport
 from ..errors import (
     ConsistencyError,
@@ -61,6 +62,7 @@ from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.sizing import choose_chunk_size
 from ..protocol.versions import Seal
 from ..security import Identity
+from ..torch import Into, destination
 from ..transport.admission import ServerLimits
 from ..transport.base import Connection
 from ..transport.handshake import DataAuth
@@ -432,10 +434,12 @@ class Peer:
 
     @operation
     async def fetch(self, model: str, version: int | str = "latest",
-                    into: Mapping[str, Any] | None = None, *,
-                    sources: Sequence[str] | None = None,
-                    layout: Sharding | None = None) -> Fetched:
+                    into: Into | None = None, *, sources: Sequence[str] | None = None,
+                    layout: Sharding | None = None, cast: CastSpec | None = None
+                    ) -> Fetched:
         """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it.
+        ``into``: arrays or torch tensors by name, or an ``nn.Module``; ``cast``: see
+        :mod:`tensorhub.cast`.
 
         Only sealed versions can be fetched (see :meth:`publish`).  ``layout`` asks for
         the slices rank ``layout.rank`` of that sharding holds (default: every tensor
@@ -447,6 +451,10 @@ class Peer:
         plan; a named source that is itself still receiving is asked for every chunk and
         serves each as soon as it has verified it (pipelining).  The fetch waits up to
         ``stall_timeout`` for a named source to appear as a holder."""
+        if cast is not None:
+            return await fetch_cast(self, model, version, into, cast, sources=sources,
+                                    layout=layout)
+        into = None if into is None else destination(into)  # a module: its state_dict
         check_model_name(model)
         spec = layout or WHOLE
         if not isinstance(spec, Sharding):

@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
+from ..dtypes import display, storage_dtype
 from ..errors import ConsistencyError, LocalProtocolError
 from ..manifest import Manifest
 from ..model import TensorSpec
@@ -64,7 +63,7 @@ def plan_reshard(spec: Sharding, shards: Mapping[int, Manifest]) -> ReshardPlan:
             elif seen != (t.dtype, t.full_shape):
                 raise ConsistencyError(
                     f"publish shards disagree on tensor {t.name!r}: "
-                    f"{np.dtype(seen[0])}{list(seen[1])} vs {np.dtype(t.dtype)}"
+                    f"{display(seen[0])}{list(seen[1])} vs {display(t.dtype)}"
                     f"{list(t.full_shape)} (shard {s})")
             sources.setdefault(t.name, {})[s] = Shard(t.name, t.box)
             where[(s, t.name)] = t
@@ -75,7 +74,7 @@ def plan_reshard(spec: Sharding, shards: Mapping[int, Manifest]) -> ReshardPlan:
     for name in order:
         dtype, gshape = info[name]
         want = spec.shard(name, gshape)
-        itemsize = np.dtype(dtype).itemsize
+        itemsize = storage_dtype(dtype).itemsize
         plan = plan_shard(want, itemsize, sources[name])
         plans[name] = plan
         gs: tuple[int, ...] = ()

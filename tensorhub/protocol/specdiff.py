@@ -28,8 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from ..dtypes import display
 from ..model import TensorSpec
 
 Box = tuple[tuple[int, int], ...]
@@ -94,7 +93,7 @@ def _disagreement(name: str, groups: dict[tuple[str, tuple[int, ...], bool] | No
         dtype, shape, sliced = key
         kind = (" as a slice" if sliced else " whole") if show_kind else ""
         parts.append(f"{_who(who)} {'has' if single else 'have'} "
-                     f"{np.dtype(dtype).name} {list(shape)}{kind}")
+                     f"{display(dtype)} {list(shape)}{kind}")
     return f"tensor {name!r}: {', '.join(parts)}"
 
 
