@@ -21,7 +21,9 @@ from ..protocol.dataplane import (
     MAX_FRAME,
     NOT_HELD,
     OK,
+    ChunkReply,
     ChunkRequest,
+    ChunkRunRequest,
     ManifestRequest,
     Reply,
 )
@@ -72,6 +74,16 @@ class DataServer:
                         payload = offer[1](req.chunk)
                         self.chunks_served += 1
                         conn.sendall(frame(Reply(req.req_id, OK, len(payload))) + payload)
+                    elif isinstance(req, ChunkRunRequest) and offer is not None:
+                        for chunk in range(req.first, req.first + req.count):  # streamed
+                            payload = offer[1](chunk)
+                            self.chunks_served += 1
+                            conn.sendall(frame(ChunkReply(req.req_id, chunk, OK, len(payload)))
+                                         + payload)
+                    elif isinstance(req, ChunkRunRequest):
+                        for chunk in range(req.first, req.first + req.count):
+                            conn.sendall(frame(ChunkReply(req.req_id, chunk, NOT_HELD, 0,
+                                                          "not here")))
                     elif isinstance(req, ManifestRequest | ChunkRequest):
                         conn.sendall(frame(Reply(req.req_id, NOT_HELD, 0, "not here")))
                     else:
