@@ -24,6 +24,7 @@ from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, HolderView
+from .stats import account, count_integrity
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
         report = await job.run()
     except BaseException:
         if job is not None:
-            peer._count_integrity(job.report)
+            count_integrity(peer, job.report)
         local.end_receiving()
         peer.store.hide(key)
         peer._send(peer.control.drop_holding(key))
@@ -111,7 +112,7 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
             peer._fetches.discard(job)
     local.end_receiving()
     peer._send(peer.control.put_holding(local.holding()))
-    peer._account(report)
+    account(peer, report)
     return Fetched(key.version, dict(zip(manifest.table.names, arrays, strict=True)),
                    report)
 

@@ -24,7 +24,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Any
 
 import trio
@@ -69,6 +68,7 @@ from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
 from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
+from . import keys
 from .conflicts import Explainer
 from .connections import ConnectionPool
 from .fetcher import Fetch, Fetched, FetchReport
@@ -499,21 +499,6 @@ class Peer:
             with trio.move_on_at(deadline):
                 await self._changed.wait()
 
-    def _count_integrity(self, report: FetchReport) -> None:
-        """A failed fetch still tells who sent bad bytes."""
-        for src, n in report.integrity_failures.items():
-            self._integrity[src] = self._integrity.get(src, 0) + n
-
-    def _account(self, report: FetchReport) -> None:
-        self._nfetches += 1
-        self._fetched += report.bytes
-        for src, n in report.bytes_by_source.items():
-            self._by_source[src] = self._by_source.get(src, 0) + n
-            tr = report.transport_by_source.get(src, "?")
-            self._by_transport[tr] = self._by_transport.get(tr, 0) + n
-        self._count_integrity(report)
-        self._reports = [*self._reports[-63:], report.to_dict()]
-
     async def _connect(self, peer: PeerInfo) -> Connection:
         """Same host (same ``host`` label) and shm allowed: cross-memory copies, checked
         by a handshake that proves we can read the holder's memory; otherwise, or when
@@ -563,36 +548,15 @@ class Peer:
         """Swap in a new member list (and publishers; None keeps them): key rotation
         without a restart.  Handshakes and signatures by removed keys stop counting at
         once; connections already made stay up."""
-        trust = self.control.trust
-        if trust is None:
-            raise LocalProtocolError("this peer runs without keys (PeerConfig.security)")
-        trust.keyring.replace(members, publishers)
-        self.control.keyring_changed()
-        self._after_change()
+        keys.update_keyring(self, members, publishers)
 
     def rotate_identity(self, identity: Identity) -> None:
         """Sign and connect with ``identity`` from now on.  Its key must already be in
         the keyring for this peer's name (add it everywhere first, then switch, then
         remove the old one).  Our membership claim, our reference entry and the
         announcements we published are re-signed at once."""
-        trust = self.control.trust
-        if trust is None:
-            raise LocalProtocolError("this peer runs without keys (PeerConfig.security)")
-        if identity.public not in trust.keyring.keys_of(self.info.name):
-            raise LocalProtocolError(f"the new key of {self.info.name} is not in the keyring "
-                                     "yet: add it (update_keyring) before switching to it")
-        trust.rotate(identity)
+        keys.rotate_identity(self, identity)
         self._identity = identity
-        if self._data_auth is not None:  # new data connections prove the new key
-            self._data_auth = replace(self._data_auth, identity=identity)
-            self._server.auth = self._data_auth
-            self._pool.flush()  # and so do reads from now on
-        self._router.set_client_keys(*identity.curve_keys())
-        for local in self.store.versions.values():
-            if local.publisher == self.info.name and not local.derived:
-                signed = self.control.sign_announcement(local.holding())
-                local.announced = (signed.publisher_gen, signed.publisher_sig)
-        self._send(self.control.renew(trio.current_time()))
 
     @property
     def identity(self) -> Identity | None:

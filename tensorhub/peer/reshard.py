@@ -21,6 +21,7 @@ from ..protocol.versions import Seal
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, first_error
 from .fetching import check_schema, fetch_manifest, holder_view, window, window_cap
+from .stats import account, count_integrity
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         try:
             reports.append(await job.run())
         except BaseException:
-            peer._count_integrity(job.report)
+            count_integrity(peer, job.report)
             raise
         finally:
             peer._fetches.discard(job)
@@ -165,6 +166,6 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
     report.plan = (f"resharded from {len(src)} shards of layout "
                    f"{src[0].layout.hex()[:8] or 'whole'}"
                    + (f", {len(mine)} of them held here" if mine else ""))
-    peer._account(report)
+    account(peer, report)
     return Fetched(key.version, {t.name: a for t, a in zip(plan.tensors, arrays,
                                                              strict=True)}, report)

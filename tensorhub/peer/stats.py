@@ -11,6 +11,7 @@ from ..manifest import TRUSTED_ONLY
 from ..transport.admission import ServerStats
 
 if TYPE_CHECKING:
+    from .fetch_report import FetchReport
     from .node import Peer
 
 INSECURE = "insecure: no keys; any local process can join, read and publish"
@@ -117,3 +118,21 @@ def peer_statistics(peer: Peer) -> PeerStats:
                   f"{peer.config.chunk_size} bytes (PeerConfig.chunk_size)")
         + f"; last publish: {peer.chunking}",
     )
+
+
+def count_integrity(peer: Peer, report: FetchReport) -> None:
+    """Count who sent bad bytes in ``report`` (a failed fetch still tells)."""
+    for src, n in report.integrity_failures.items():
+        peer._integrity[src] = peer._integrity.get(src, 0) + n
+
+
+def account(peer: Peer, report: FetchReport) -> None:
+    """Count a finished fetch in the peer's statistics."""
+    peer._nfetches += 1
+    peer._fetched += report.bytes
+    for src, n in report.bytes_by_source.items():
+        peer._by_source[src] = peer._by_source.get(src, 0) + n
+        tr = report.transport_by_source.get(src, "?")
+        peer._by_transport[tr] = peer._by_transport.get(tr, 0) + n
+    count_integrity(peer, report)
+    peer._reports = [*peer._reports[-63:], report.to_dict()]
