@@ -92,9 +92,7 @@ def tag_of(peer: Peer, model: str, version: int, *, layout: Sharding | None = No
 
 
 def _key(model: str, version: int, layout: Sharding | None) -> VersionKey:
-    spec = layout or WHOLE
-    return VersionKey(check_model_name(model), version, spec.rank if spec.size > 1 else 0,
-                      spec.layout_id)
+    return (layout or WHOLE).key(check_model_name(model), version)
 
 
 class EngineSync:

@@ -336,8 +336,7 @@ class Peer:
         spec = layout or WHOLE
         if not isinstance(spec, Sharding):
             raise LocalProtocolError(f"layout must be a Sharding, got {type(spec).__name__}")
-        key = VersionKey(check_model_name(model), check_version(version),
-                         spec.rank if spec.size > 1 else 0, spec.layout_id)
+        key = spec.key(check_model_name(model), check_version(version))
         trust = self.control.trust
         if trust is not None and not trust.keyring.may_publish(key.model, self.info.name):
             raise LocalProtocolError(f"{self.info.name} is not a publisher of model "
@@ -401,8 +400,7 @@ class Peer:
         keeps serving from, until it is no longer retained; with ``retention_offload``
         off that raises :class:`RetentionError` instead and nothing changes."""
         spec = layout or WHOLE
-        key = VersionKey(check_model_name(model), check_version(version),
-                         spec.rank if spec.size > 1 else 0, spec.layout_id)
+        key = spec.key(check_model_name(model), check_version(version))
         local = self.store.get(key)
         if local is None or local.hidden:
             raise LocalProtocolError(f"{key} is not held here")
@@ -467,7 +465,7 @@ class Peer:
             resolved = check_version(version)
         else:
             raise LocalProtocolError(f"version must be an int or 'latest', got {version!r}")
-        key = VersionKey(model, resolved, spec.rank if spec.size > 1 else 0, spec.layout_id)
+        key = spec.key(model, resolved)
         held = self.store.get(key)
         if held is not None and held.complete and not held.hidden and into is None:
             names = held.manifest.table.names

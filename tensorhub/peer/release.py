@@ -29,7 +29,6 @@ import numpy as np
 import trio
 
 from ..errors import LocalProtocolError, PeerClosed, TensorHubError
-from ..model import VersionKey
 from ..protocol.sharding import WHOLE, Sharding
 
 if TYPE_CHECKING:
@@ -43,10 +42,8 @@ class Release:
 
     def __init__(self, peer: Peer, model: str, version: int, layout: Sharding | None,
                  tensors: Tensors) -> None:
-        spec = layout or WHOLE
         self.peer = peer
-        self.key = VersionKey(model, version, spec.rank if spec.size > 1 else 0,
-                              spec.layout_id)
+        self.key = (layout or WHOLE).key(model, version)
         self.layout = layout
         self.tensors = tensors
         self.withdrawn = False

@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 
 from ..errors import LocalProtocolError
+from ..model import VersionKey
 from .layout import Box, Shard
 
 LAYOUT_ID_BYTES = 12
@@ -89,6 +90,11 @@ class Sharding:
         data = msgpack.packb([self.size, [list(s) for s in self._split],
                               [[p, list(n)] for p, n in self._parts]], use_bin_type=True)
         return hashlib.sha256(b"tensorhub-layout\0" + data).digest()[:LAYOUT_ID_BYTES]
+
+    def key(self, model: str, version: int) -> VersionKey:
+        """The key ``model@version`` is held under with this sharding: this rank's shard
+        of the group's layout (shard 0 and the empty layout id when whole)."""
+        return VersionKey(model, version, self.rank if self.size > 1 else 0, self.layout_id)
 
     def at(self, rank: int) -> Sharding:
         """The same sharding seen by another rank of the group."""
