@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 from collections.abc import Mapping
@@ -89,8 +90,8 @@ def parse_header(path: Path, head: bytes | mmap.mmap, size: int
         raise _bad(path, f"header length {n} does not fit the file ({size} bytes)")
     try:
         header = json.loads(bytes(head[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(path, f"header is not JSON ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _bad(path, f"header is not JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
@@ -105,13 +106,13 @@ def parse_header(path: Path, head: bytes | mmap.mmap, size: int
         dtype = _dtype(path, name, info.get("dtype"))
         shape, offsets = info.get("shape"), info.get("data_offsets")
         if not isinstance(shape, list) or not all(
-                isinstance(d, int) and d >= 0 for d in shape):
+                type(d) is int and d >= 0 for d in shape):
             raise _bad(path, f"tensor {name!r} has shape {shape!r}")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(
-                isinstance(o, int) for o in offsets):
+                type(o) is int for o in offsets):
             raise _bad(path, f"tensor {name!r} has data_offsets {offsets!r}")
         begin, end = offsets
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)  # exact: no int64 wrap-around to match a small span
         if not 0 <= begin <= end or start + end > size or end - begin != count * dtype.itemsize:
             raise _bad(path, f"tensor {name!r}: data_offsets {offsets} do not hold "
                              f"{shape} x {dtype.itemsize} bytes within the file")

@@ -4,12 +4,15 @@ real safetensors library reading back), and the header parser byte by byte."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -170,3 +173,34 @@ def test_follow_never_releases_the_version_its_own_peer_serves(
     assert both.expect("released", 30)["version"] == 2  # 1 is served, not followed
     summary = _fetch(ports[0], tmp_path / "v1-again.safetensors", "--version", "1")
     assert summary["sources"] == {"both": sum(a.nbytes for a in _tensors(1).values())}
+
+
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=12)
+_ENTRY = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "F16", "I64", "U8", "BOOL", "BF16", "X9", 3]),
+    "shape": st.lists(st.integers(-1, 2**40) | st.booleans(), max_size=3) | _JSONISH,
+    "data_offsets": st.lists(st.integers(-1, 2**40) | st.booleans(), max_size=3) | _JSONISH,
+})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64) | st.dictionaries(st.text(max_size=6), _ENTRY | _JSONISH,
+                                                max_size=3).map(
+    lambda h: json.dumps(h).encode()), st.integers(0, 64), st.booleans())
+def test_any_header_is_parsed_or_refused_with_one_clear_error(
+        body: bytes, tail: int, deep: bool) -> None:
+    """Raw bytes, wrong types, huge or negative counts, offsets that overflow int64 and
+    JSON nested past the parser's recursion limit: a LocalProtocolError, never another."""
+    if deep:
+        body = b"[" * 100_000 + body
+    data = len(body).to_bytes(8, "little") + body + bytes(tail)
+    try:
+        start, tensors, _ = parse_header(Path("fuzz.safetensors"), data, len(data))
+    except LocalProtocolError:
+        return
+    for dtype, shape, at in tensors.values():  # what it accepts lies within the file
+        assert start <= at and at + math.prod(shape) * dtype.itemsize <= len(data)
