@@ -481,6 +481,12 @@ class Peer:
         return await fetch_key(self, key, into, allowed, key.layout != seal.layout_id,
                                seal.schema)
 
+    async def wait_sealed(self, model: str, version: int) -> None:
+        """Wait up to ``stall_timeout`` until ``model@version`` is sealed in this peer's
+        view (another peer's may have named it first); VersionUnavailable after that,
+        ConsistencyError naming ranks and tensors when its ranks disagree."""
+        await self._sealed(check_model_name(model), check_version(version), wait=True)
+
     async def _sealed(self, model: str, version: int, wait: bool) -> Seal:
         """The seal of ``model@version``; with ``wait``, wait up to ``stall_timeout`` for
         it (the view may lag behind a publish we were told about)."""

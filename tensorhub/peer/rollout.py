@@ -36,7 +36,7 @@ from typing import Any
 
 import trio
 
-from ..errors import ConsistencyError, LocalProtocolError, PeerClosed, VersionUnavailable
+from ..errors import LocalProtocolError, PeerClosed, VersionUnavailable
 from ..model import as_host_array, check_model_name
 from ..protocol.sharding import Sharding
 from .fetcher import Fetched
@@ -163,23 +163,9 @@ class Rollout:
             return Staged(self, self.live, trivial=True)
         if into is not None:
             await self._wait_free(into)
-        await self._wait_sealed(resolved)
+        await self.peer.wait_sealed(self.model, resolved)
         return Staged(self, await self.peer.fetch(self.model, resolved, into,
                                                   layout=self.layout))
-
-    async def _wait_sealed(self, version: int) -> None:
-        """Another peer's view may have named ``version`` before ours has sealed it.
-        Ranks that disagree return at once: the fetch raises the
-        :class:`~tensorhub.errors.ConsistencyError` that names ranks and tensors."""
-        with trio.move_on_after(self.peer.config.stall_timeout):
-            while True:
-                try:
-                    self.peer.control.seal(self.model, version)
-                    return
-                except ConsistencyError:
-                    return
-                except VersionUnavailable:
-                    await self.peer.wait_changed()
 
     async def _wait_free(self, into: Mapping[str, Any]) -> None:
         """Memory readers may still be copying is not staged into: wait for a release
