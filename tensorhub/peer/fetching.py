@@ -23,7 +23,7 @@ from ..protocol.refs import Holding
 from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
-from .fetcher import Fetch, Fetched, HolderView
+from .fetcher import Fetch, Fetched, HolderView, first_error
 from .stats import account, count_integrity
 from .store import LocalVersion
 
@@ -60,9 +60,49 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
                     allowed: frozenset[str] | None, derived: bool, schema: bytes | None
                     ) -> Fetched:
     """Fetch one manifest's chunks (a whole version, or a shard) as they are held;
-    ``schema`` is the sealed schema id its tensor specs must have."""
-    manifest, publisher = await fetch_manifest(peer, key, allowed)
-    check_schema(manifest, schema)
+    ``schema`` is the sealed schema id its tensor specs must have.
+
+    When the holders' references say the version's size, the coordinator is asked for
+    the plan while the manifest is read (one round trip instead of two before the first
+    chunk); a plan asked with numbers the manifest then contradicts is asked again."""
+    planning = allowed is None and peer.config.planning and key.whole
+    hint = size_hint(peer, key) if planning else None
+    early: list[tuple[list[tuple[PeerInfo, int, int]], str]] = []
+    with peer.store.expecting(key):
+        try:
+            async with trio.open_nursery() as nursery:
+                if hint is not None:
+                    nursery.start_soon(_plan_into, early, peer, key, *hint)
+                manifest, publisher = await fetch_manifest(peer, key, allowed)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        check_schema(manifest, schema)
+        return await _fetch_chunks(peer, key, manifest, publisher, into, allowed, derived,
+                                   early[0] if early and hint == (
+                                       manifest.total_bytes, manifest.num_chunks) else None)
+
+
+def size_hint(peer: Peer, key: VersionKey) -> tuple[int, int] | None:
+    """(bytes, chunks) of ``key`` as its publisher's reference says (or, without one,
+    as every holder that says a size agrees); None when unknown or disputed."""
+    said = {(h.size, h.num_chunks) for p, h in peer.control.holders(key)
+            if h.size > 0 and h.num_chunks > 0 and p.name == h.publisher}
+    if not said:
+        said = {(h.size, h.num_chunks) for _, h in peer.control.holders(key)
+                if h.size > 0 and h.num_chunks > 0}
+    return said.pop() if len(said) == 1 else None
+
+
+async def _plan_into(out: list[tuple[list[tuple[PeerInfo, int, int]], str]], peer: Peer,
+                     key: VersionKey, size: int, chunks: int) -> None:
+    out.append(await ask_plan(peer, key, size, chunks))
+
+
+async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publisher: str,
+                        into: Mapping[str, Any] | None, allowed: frozenset[str] | None,
+                        derived: bool,
+                        early: tuple[list[tuple[PeerInfo, int, int]], str] | None
+                        ) -> Fetched:
     flat = None
     if into is None:
         arrays, flat = allocate_flat(manifest)
@@ -85,8 +125,11 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
         peer._send(peer.control.put_holding(local.holding()))  # downstream can find us
         plan: list[tuple[PeerInfo, int, int]] = []
         plan_note = "planning off"
-        if allowed is None and peer.config.planning and key.whole:
-            plan, plan_note = await ask_plan(peer, key, manifest)
+        if early is not None:
+            plan, plan_note = early[0], f"{early[1]} (asked while the manifest was read)"
+        elif allowed is None and peer.config.planning and key.whole:
+            plan, plan_note = await ask_plan(peer, key, manifest.total_bytes,
+                                             manifest.num_chunks)
         elif not key.whole:
             plan_note = "no plan: shards are fetched from their holders directly"
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
@@ -187,14 +230,14 @@ async def decode_manifest(peer: Peer, data: bytes, manifest_id: bytes) -> Manife
     return await trio.to_thread.run_sync(Manifest.decode, data, manifest_id, limits)
 
 
-async def ask_plan(peer: Peer, key: VersionKey, manifest: Manifest
-                    ) -> tuple[list[tuple[PeerInfo, int, int]], str]:
-    """Our part of the coordinator's plan as (source, first chunk, stop); on any
-    failure no plan (the fetch then picks holders itself) and the reason."""
+async def ask_plan(peer: Peer, key: VersionKey, size: int, chunks: int
+                   ) -> tuple[list[tuple[PeerInfo, int, int]], str]:
+    """Our part of the coordinator's plan for a version of ``size`` bytes in ``chunks``
+    chunks, as (source, first chunk, stop); on any failure no plan (the fetch then
+    picks holders itself) and the reason."""
     try:
-        answer = await peer.ask_coordinator(key.model, key.version,
-                                            size=manifest.total_bytes,
-                                            chunks=manifest.num_chunks)
+        answer = await peer.ask_coordinator(key.model, key.version, size=size,
+                                            chunks=chunks)
     except TransportError as exc:
         return [], f"no plan: {exc}"
     members = peer.control.membership.members()

@@ -120,7 +120,7 @@ class LocalVersion:
             bitmap = bytes((m.num_chunks + 7) // 8)
         return Holding(m.model, m.version, m.manifest_id(), self.publisher, m.num_chunks, bitmap,
                        m.shard, m.world, m.layout, self.derived, *self.announced,
-                       m.schema_id())
+                       m.schema_id(), m.total_bytes)
 
 
 class Store:
@@ -130,11 +130,29 @@ class Store:
         self.versions: dict[VersionKey, LocalVersion] = {}
         self.chunk_wait = chunk_wait
         """Longest a reader's request waits for a chunk we are still receiving."""
+        self.expected: dict[VersionKey, trio.Event] = {}
+        """Versions a fetch here is about to add (see :meth:`expecting`)."""
         self.corrupt_next: int = 0
         """Test hook: the next N chunk sends get one flipped byte."""
 
     def add(self, local: LocalVersion) -> None:
         self.versions[local.manifest.key] = local
+        arrived = self.expected.pop(local.manifest.key, None)
+        if arrived is not None:
+            arrived.set()
+
+    @contextmanager
+    def expecting(self, key: VersionKey) -> Iterator[None]:
+        """A fetch of ``key`` has asked for its plan before its manifest is in: until
+        it adds the version (or gives up), a reader the plan sent here is told "not
+        yet" and waits as for a chunk still on its way, instead of "not held"."""
+        event = self.expected.setdefault(key, trio.Event())
+        try:
+            yield
+        finally:
+            if self.expected.get(key) is event:
+                del self.expected[key]
+            event.set()
 
     def get(self, key: VersionKey) -> LocalVersion | None:
         return self.versions.get(key)
@@ -148,16 +166,21 @@ class Store:
         return local.encoded_manifest
 
     async def wait_chunk(self, key: VersionKey, chunk: int) -> None:
-        local = self.versions.get(key)
-        if local is None or not 0 <= chunk < local.manifest.num_chunks:
-            return
         with trio.move_on_after(self.chunk_wait):
+            arriving = self.expected.get(key)
+            if arriving is not None and key not in self.versions:
+                await arriving.wait()
+            local = self.versions.get(key)
+            if local is None or not 0 <= chunk < local.manifest.num_chunks:
+                return
             while local.receiving and not local.hidden and not local.verified[chunk]:
                 await local.progress.wait()
 
     @contextmanager
     def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:
         local = self.versions.get(key)
+        if local is None and key in self.expected:
+            raise NotServing(NOT_YET, f"{key} is being fetched here: manifest not in yet")
         if local is None or local.hidden:
             raise NotServing(NOT_HELD, f"{key} is not held here")
         if not 0 <= chunk < local.manifest.num_chunks:

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Annotated
 
-from ..bounds import U32, U63, MaxLen, PeerName, Rank, Signature, World
+from ..bounds import U32, U63, U64, MaxLen, PeerName, Rank, Signature, World
 from ..model import LayoutId, ModelName, SchemaId, VersionKey
 from .codec import fields_bytes
 from .trust import Trust
@@ -76,6 +76,10 @@ class Holding:
     schema: SchemaId = b""
     """The schema id of the shard's tensors (:meth:`~tensorhub.manifest.Manifest.schema_id`):
     the same at every rank of a consistent publish (see versions.py)."""
+    size: U64 = 0
+    """Bytes of the shard's tensors (0: not said).  Advisory, under the origin's entry
+    signature only: a fetcher asks the coordinator for a plan with it while it reads the
+    manifest, and checks it against the manifest when that arrives."""
 
     @property
     def key(self) -> VersionKey:
