@@ -4,16 +4,20 @@ first one's address, and move versions between them."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import blake3
 import numpy as np
 import pytest
 
-from tensorhub.errors import LocalProtocolError
-from tensorhub.integrations.ray import TensorHubActor, placement_labels
+from tensorhub import security
+from tensorhub.config import is_loopback
+from tensorhub.errors import ConfigError, LocalProtocolError
+from tensorhub.integrations.ray import TensorHubActor, peer_config, placement_labels
 
 MODEL = "policy"
 
@@ -93,6 +97,13 @@ def test_placement_rule() -> None:
     assert dict(placement_labels(**labelled))["gpu"] == "2,3"
 
 
+def test_importing_the_integration_does_not_import_ray() -> None:
+    code = "import sys, tensorhub.integrations.ray; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_starting_a_peer_needs_ray_running() -> None:
     ray = pytest.importorskip("ray")
     from tensorhub.integrations.ray import start_peer
@@ -168,3 +179,37 @@ def test_a_torch_state_dict_lands_in_each_rollouts_module(actors: dict[str, Any]
     expected = ray.get(actors["trainer"].publish_torch.remote(7))
     rollouts = [h for name, h in actors.items() if name != "trainer"]
     assert ray.get([h.fetch_torch.remote(7) for h in rollouts]) == [expected] * len(rollouts)
+
+
+def test_a_keyed_mesh_listens_on_the_node_address(actors: dict[str, Any],
+                                                  tmp_path: Path) -> None:
+    """Ray's placement as on a cluster: each peer listens on its node's IP and joins with
+    its key from a directory every node reads (the actor's name is the peer's)."""
+    import ray
+    names = ("keyed-trainer", "keyed-rollout")
+    security.write_keys(tmp_path, names, publishers={MODEL: [names[0]]})
+    remote = ray.remote(Worker)
+    trainer, rollout = (remote.options(name=n, num_cpus=0).remote() for n in names)
+    try:
+        seed = ray.get(trainer.start_peer.remote(keys=str(tmp_path), preset="local"))
+        ray.get(rollout.start_peer.remote(seeds=[seed], keys=str(tmp_path), preset="local"))
+        assert seed.rpartition(":")[0] == ray.nodes()[0]["NodeManagerAddress"]
+        published = ray.get(trainer.publish.remote(1))
+        version, got, sources = ray.get(rollout.fetch_newer.remote(None))
+        assert (version, got, sources) == (1, published, ["keyed-trainer"])
+    finally:
+        ray.get([trainer.stop_peer.remote(), rollout.stop_peer.remote()])
+
+
+def test_without_keys_only_loopback_is_allowed(actors: dict[str, Any]) -> None:
+    import ray
+    node_ip = ray.nodes()[0]["NodeManagerAddress"]
+    if is_loopback(node_ip):
+        pytest.skip(f"Ray's node address here is loopback ({node_ip})")
+    with pytest.raises(ConfigError, match="without keys"):
+        peer_config(name="driver")
+    config = peer_config(name="driver", listen_host="127.0.0.1")
+    assert config.listen == "127.0.0.1:0"
+    # The driver holds no Ray resources: its node's labels, no rack (two offered), no GPU.
+    assert dict(config.labels) == {"host": node_ip, "ray-node": ray.nodes()[0]["NodeID"],
+                                   "dc": "eu"}

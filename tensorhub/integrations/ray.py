@@ -22,8 +22,10 @@ Ray is imported only by the functions that need it; ``import tensorhub`` never d
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import security
 from ..api import BlockingPeer
 from ..config import PeerConfig
 from ..errors import LocalProtocolError
@@ -86,11 +88,12 @@ def labels_from_placement() -> tuple[tuple[str, str], ...]:
     ctx = ray.get_runtime_context()
     node_id: str = ctx.get_node_id()
     node: dict[str, Any] = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+    worker = ctx.worker.mode == ray.WORKER_MODE  # the driver is assigned no resources
     return placement_labels(
         node_ip=ray.util.get_node_ip_address(), node_id=node_id,
         node_labels=ctx.get_node_labels(), node_resources=node.get("Resources", {}),
-        assigned=ctx.get_assigned_resources(),
-        gpus=[str(g) for g in ctx.get_accelerator_ids().get("GPU", [])])
+        assigned=ctx.get_assigned_resources() if worker else {},
+        gpus=[str(g) for g in ctx.get_accelerator_ids().get("GPU", [])] if worker else [])
 
 
 def default_name() -> str:
@@ -102,14 +105,16 @@ def default_name() -> str:
 
 
 def peer_config(seeds: Sequence[str] = (), *, name: str | None = None,
-                listen_host: str | None = None, labels: Mapping[str, str] | None = None,
-                preset: str = "datacenter", **options: Any) -> PeerConfig:
+                listen_host: str | None = None, keys: str | Path | None = None,
+                labels: Mapping[str, str] | None = None, preset: str = "datacenter",
+                **options: Any) -> PeerConfig:
     """A :class:`PeerConfig` for a peer started here, labelled from the placement.
 
     ``seeds``: control addresses (``host:port``) of peers already in the mesh; none for
     the first.  ``name``: default :func:`default_name`.  ``listen_host``: default the
-    Ray node's IP, which other nodes reach -- without keys (``security=``) only a
-    loopback address is allowed, so on one machine pass ``"127.0.0.1"``.  ``labels``
+    Ray node's IP, which other nodes reach -- without keys only a loopback address is
+    allowed, so on one machine pass ``"127.0.0.1"``.  ``keys``: a ``tensorhub keygen``
+    directory every node can read, holding a key for this peer's name.  ``labels``
     are added to (and override) the placement's.  ``preset`` is one of ``local``,
     ``datacenter`` (the default) and ``cross_dc``; ``options`` are any other
     :class:`PeerConfig` fields.
@@ -119,7 +124,10 @@ def peer_config(seeds: Sequence[str] = (), *, name: str | None = None,
     merged = dict(labels_from_placement())
     merged.update(labels or {})
     host = listen_host or _ray().util.get_node_ip_address()
-    return PRESETS[preset](name or default_name(), listen=f"{host}:0", join=tuple(seeds),
+    name = name or default_name()
+    if keys is not None:
+        options["security"] = security.load(keys, name)
+    return PRESETS[preset](name, listen=f"{host}:0", join=tuple(seeds),
                            labels=tuple(merged.items()), **options)
 
 
