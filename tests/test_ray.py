@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,15 @@ class Worker(TensorHubActor):
         self.hub.wait_for_version("torch-policy", version - 1)
         self.hub.fetch("torch-policy", version, into=model)
         return torch_outputs(model)
+
+    def member_state_once_not(self, name: str, state: str | None) -> str | None:
+        """``name``'s state in this peer's view once it is not ``state`` (20 s at most:
+        a BlockingPeer has no event for membership changes, so this polls)."""
+        deadline = time.monotonic() + 20
+        while (now := self.hub.statistics().members.get(name)) == state \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return now
 
 
 def test_placement_rule() -> None:
@@ -213,3 +223,17 @@ def test_without_keys_only_loopback_is_allowed(actors: dict[str, Any]) -> None:
     # The driver holds no Ray resources: its node's labels, no rack (two offered), no GPU.
     assert dict(config.labels) == {"host": node_ip, "ray-node": ray.nodes()[0]["NodeID"],
                                    "dc": "eu"}
+
+
+def test_a_peer_leaves_when_its_actor_exits(actors: dict[str, Any]) -> None:
+    """Ray calls ``__ray_shutdown__`` when an actor's last handle goes: the peer leaves
+    (the others see it ``left``, not dead after missed probes)."""
+    import ray
+    trainer = actors["trainer"]
+    seed = ray.get(trainer.peer_address.remote())
+    leaver = ray.remote(Worker).options(num_cpus=0).remote()
+    ray.get(leaver.start_peer.remote(seeds=[seed], name="leaver", listen_host="127.0.0.1",
+                                     preset="local"))
+    assert ray.get(trainer.member_state_once_not.remote("leaver", None)) == "alive"
+    del leaver
+    assert ray.get(trainer.member_state_once_not.remote("leaver", "alive")) == "left"
