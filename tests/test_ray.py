@@ -78,6 +78,9 @@ class Worker(TensorHubActor):
         self.hub.fetch("torch-policy", version, into=model)
         return torch_outputs(model)
 
+    def peer_name(self) -> str:
+        return self.hub.peer.info.name
+
     def member_state_once_not(self, name: str, state: str | None) -> str | None:
         """``name``'s state in this peer's view once it is not ``state`` (20 s at most:
         a BlockingPeer has no event for membership changes, so this polls)."""
@@ -163,6 +166,12 @@ def test_labels_come_from_the_placement(actors: dict[str, Any]) -> None:
         assert got["dc"] == "eu" and got["rack"] == rack, got
         assert ("gpu" in got) == bool(gpus), got
     assert {labels["trainer"]["gpu"], labels["rollout-r2-gpu"]["gpu"]} == {"0", "1"}
+    # Unnamed actors' peers are named after their actor ids; all joined the first.
+    names = ray.get([h.peer_name.remote() for h in actors.values()])
+    assert names[0] == "trainer" and all(n.startswith("ray-") for n in names[1:])
+    assert len(set(names)) == len(names)
+    seen = [actors["trainer"].member_state_once_not.remote(n, None) for n in names[1:]]
+    assert ray.get(seen) == ["alive"] * (len(names) - 1)
     addresses = ray.get([h.peer_address.remote() for h in actors.values()])
     assert len(set(addresses)) == len(actors)
     assert all(a.startswith("127.0.0.1:") for a in addresses)
