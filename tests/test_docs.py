@@ -1,6 +1,6 @@
 """The examples in docs/ run as pasted: the Python programs marked
-``<!-- example: NAME -->`` (docs/api.md, docs/torch.md) and the shell sessions so marked
-in the integration pages."""
+``<!-- example: NAME -->`` (docs/api.md, docs/torch.md, docs/ray.md) and the shell
+sessions so marked in the integration pages."""
 
 from __future__ import annotations
 
@@ -86,3 +86,16 @@ def test_engine_hook_example_runs_as_pasted(tmp_path: Path) -> None:
     lines = [line for line in stdout.splitlines() if line.startswith("version ")]
     assert [line.split(":")[0] for line in lines] == ["version 1", "version 2", "version 3"]
     assert all("== trainer outputs: True (tag policy@" in line for line in lines), stdout
+
+
+def test_ray_example_runs_as_pasted(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    stdout = run_example(tmp_path, "ray.md", "ray-actors")
+    racks = [line.split("rack=")[1].split()[0] for line in stdout.splitlines()
+             if line.startswith("peer at ")]
+    assert racks == ["r1", "r1", "r2"], stdout
+    lines = [line for line in stdout.splitlines() if line.startswith("version ")]
+    assert [line.split(":")[0] for line in lines] == [
+        f"version {v}" for v in (1, 1, 2, 2, 3, 3)], stdout
+    assert all(f"has version {line.split()[1].rstrip(':')}, outputs == trainer's: True"
+               in line for line in lines), stdout
