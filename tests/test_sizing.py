@@ -88,3 +88,32 @@ def test_the_window_stays_between_floor_and_cap(samples: list[tuple[int, float]]
         w.delivered(n, secs)
         assert MIN_CHUNKS * chunk <= w.bytes() <= max(cap, MIN_CHUNKS * chunk)
     assert w.min_rtt == (min(rtts) if rtts else None)
+
+
+def test_one_stream_per_source_unless_one_fills_its_socket_window() -> None:
+    w = StreamWindow(4 << 20, 1 << 30)
+    assert w.streams(16 << 20, 4) == 1  # nothing measured yet
+    w.rtt(0.010)
+    w.delivered(4 << 20, (4 << 20) / 50e6)  # 50 MB/s x 10 ms = 0.5 MB in flight
+    assert w.streams(16 << 20, 4) == 1
+    assert w.streams(0, 4) == 1  # the kernel did not say: one
+    far = StreamWindow(4 << 20, 1 << 30)
+    far.rtt(0.100)
+    far.delivered(4 << 20, (4 << 20) / 160e6)  # one stream carried 16 MB in flight
+    assert far.streams(16 << 20, 4) == 2  # near what one socket keeps: a second
+    assert far.streams(16 << 20, 1) == 1
+    assert far.streams(8 << 20, 4) == 2  # the product is twice what a socket keeps
+    assert far.streams(2 << 20, 4) == 4  # never over ``most``
+
+
+@given(st.floats(1e3, 1e11), st.floats(1e-5, 1.0), st.integers(0, 1 << 30),
+       st.integers(1, 64))
+def test_streams_per_source_stay_between_one_and_most(rate: float, rtt: float, sock: int,
+                                                       most: int) -> None:
+    w = StreamWindow(1 << 20, 1 << 30)
+    w.rtt(rtt)
+    w.delivered(1 << 20, (1 << 20) / rate)
+    n = w.streams(sock, most)
+    assert 1 <= n <= max(1, most)
+    if sock and rate * rtt < 0.8 * sock:
+        assert n == 1

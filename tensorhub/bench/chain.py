@@ -84,8 +84,9 @@ def chain(mesh: Mesh, version: int, size: int, depth: int) -> dict[str, Any]:
     """Every relay fetches a fresh version from its predecessor only, all at once."""
     _publish(mesh, version, size)
     names = [f"h{k}" for k in range(1, depth + 1)]
-    mesh.workers["h1"].call("holders", cmd="wait_holders", model=MODEL, version=version,
-                            count=1, timeout=_TIMEOUT_S)
+    for name in names:  # as for the single hop: every relay knows the version first
+        mesh.workers[name].call("holders", cmd="wait_holders", model=MODEL,
+                                version=version, count=1, timeout=_TIMEOUT_S)
     for name, source in zip(names, [TRAINER, *names], strict=False):
         mesh.workers[name].send(cmd="fetch", model=MODEL, version=version, into=True,
                                 sources=[source])

@@ -99,11 +99,13 @@ class Fetch:
                  on_progress: Callable[[], None], banned: BanCheck, on_bad_bytes: BadBytes,
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
                  only: Sequence[int] | None = None, release: Releaser | None = None,
-                 window_cap: int = 256 << 20) -> None:
+                 window_cap: int = 256 << 20, socket_window: int = 0) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
         needs just the chunks that overlap its slices); ``release`` takes each
         connection a worker is done with (default: close it); ``window_cap`` bounds
-        the bytes one stream keeps requested ahead."""
+        the bytes one stream keeps requested ahead; ``socket_window`` what one TCP
+        connection can keep in flight (0: unknown, one stream per source)."""
+        self.socket_window = socket_window
         self.me = me
         self.local = local
         self.manifest = local.manifest
@@ -189,14 +191,21 @@ class Fetch:
             if chunk in self.lacks.get(peer.name, ()) or not (
                     holding.has(chunk) or peer.name in self.upstream):
                 continue
-            if peer.name in self.upstream and not holding.complete \
-                    and load(peer.name) >= RELAY_DEPTH:
-                continue  # a named parent still receiving: chunks in order, as planned
+            if load(peer.name) >= self._streams(peer.name, holding):
+                continue  # chunks in order from each source (sizing: streams per source)
             rank = (int(holding.publisher == peer.name), load(peer.name),
                     peer.name != streaming, peer.name)
             if best is None or rank < best[0]:
                 best = (rank, peer)
         return None if best is None else best[1]
+
+    def _streams(self, name: str, holding: Holding) -> int:
+        """Streams to keep to ``name``: one, so its chunks land in order (a source
+        still receiving: always one); more only on a link one cannot fill."""
+        window = self.windows.get(name)
+        if window is None or not holding.complete:
+            return 1
+        return window.streams(self.socket_window, self.window)
 
     def _holders(self) -> list[tuple[PeerInfo, Holding]]:
         return [(p, h) for p, h in self.view(self.key) if self._usable(p.name)]

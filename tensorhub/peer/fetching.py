@@ -11,7 +11,9 @@ it to drain before the caller sees the error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -38,8 +40,18 @@ under a millisecond, less than handing the work to a thread and back."""
 def holder_view(peer: Peer, allowed: frozenset[str] | None) -> HolderView:
     """Who holds a key in the peer's current view, limited to ``allowed`` names."""
     def view(k: VersionKey) -> list[tuple[PeerInfo, Holding]]:
-        found = peer.control.holders(k)
-        return found if allowed is None else [(p, h) for p, h in found if p.name in allowed]
+        every = peer.control.holders(k)
+        if allowed is None:
+            return every
+        found = [(p, h) for p, h in every if p.name in allowed]
+        missing = allowed - {p.name for p, _ in found} - {peer.info.name}
+        ref = next((h for p, h in every if p.name == h.publisher), None) \
+            if missing else None
+        if ref is not None:  # a named source not advertising yet: asked all the same
+            nothing = replace(ref, bitmap=bytes((ref.num_chunks + 7) // 8))
+            found += [(info, nothing) for info in peer.control.membership.live_members()
+                      if info.name in missing]
+        return found
     return view
 
 
@@ -50,10 +62,29 @@ def window(peer: Peer, manifest: Manifest) -> int:
                       peer.config.max_inflight_bytes // (MIN_CHUNKS * manifest.chunk_size)))
 
 
+@functools.cache
+def socket_window() -> int:
+    """Bytes one TCP connection can keep in flight here: the largest receive buffer
+    autotuning grows to (``net.ipv4.tcp_rmem``), less the kernel's overhead share
+    (``tcp_adv_win_scale``); 0 when the kernel does not say (one stream per source)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_rmem") as f:
+            largest = int(f.read().split()[2])
+        with open("/proc/sys/net/ipv4/tcp_adv_win_scale") as f:
+            scale = int(f.read())
+    except (OSError, ValueError, IndexError):
+        return 0
+    return largest - (largest >> scale) if scale > 0 else largest >> min(-scale, 30)
+
+
 def window_cap(peer: Peer, manifest: Manifest) -> int:
     """Bytes one stream of a fetch may keep requested ahead: its share of
     ``max_inflight_bytes``."""
     return peer.config.max_inflight_bytes // window(peer, manifest)
+
+
+EARLY_RETRY = 0.02
+"""Seconds between asks of a named source for a manifest it does not hold yet."""
 
 
 async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
@@ -136,6 +167,7 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
                     upstream=allowed or frozenset(), plan=plan,
                     connect=peer._pool.connect, release=peer._pool.release,
                     window=window(peer, manifest), window_cap=window_cap(peer, manifest),
+                    socket_window=socket_window(),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
         job.report.plan = plan_note
@@ -172,6 +204,15 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
                 found.append((p, h))
             else:
                 banned[p.name] = f"banned here ({ban.reason})"
+        if allowed is not None:  # named sources are asked before they advertise it
+            ref = next((h for p, h in peer.control.holders(key) if p.name == h.publisher),
+                       None)
+            known = {p.name for p, _ in found} | banned.keys() | {peer.info.name}
+            for info in peer.control.membership.live_members():
+                if ref is not None and info.name in allowed and info.name not in known \
+                        and peer.banned(info.name) is None:
+                    found.append((info, ref))
+                    early.add(info.name)
         return found
 
     # The view may lag: a holder that just unpublished, a named source that has not
@@ -180,7 +221,11 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
     tried: dict[str, Holding] = {}
     errors: dict[str, str] = {}
     banned: dict[str, str] = {}
+    early: set[str] = set()
+    """Named sources asked before their reference says they hold the version (one still
+    starting its own fetch answers "not held"; asked again every EARLY_RETRY)."""
     while True:
+        early.clear()
         holders = candidates()
         if not holders and allowed is None and not errors:
             raise VersionUnavailable(key.model, key.version, "no live holder is known"
@@ -207,7 +252,12 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
             detail = "; ".join(f"{k}: {v}" for k, v in sorted({**banned, **errors}.items()))
             raise VersionUnavailable(key.model, key.version, f"no holder{which} served "
                                      f"the manifest ({detail or 'none known'})")
-        with trio.move_on_at(deadline):
+        wake = deadline
+        if early:  # poll them: their reference may reach us only at the next gossip round
+            wake = min(deadline, trio.current_time() + EARLY_RETRY)
+            for name in early:
+                tried.pop(name, None)
+        with trio.move_on_at(wake):
             await peer._changed.wait()
 
 
