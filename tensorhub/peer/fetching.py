@@ -84,9 +84,11 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
     try:  # from here on, a failure or a cancellation (planning too) drops it
         peer._send(peer.control.put_holding(local.holding()))  # downstream can find us
         plan: list[tuple[PeerInfo, int, int]] = []
-        plan_note = "planning off"
+        plan_note, plan_seconds = "planning off", None
         if allowed is None and peer.config.planning and key.whole:
+            asked = trio.current_time()
             plan, plan_note = await ask_plan(peer, key, manifest)
+            plan_seconds = trio.current_time() - asked
         elif not key.whole:
             plan_note = "no plan: shards are fetched from their holders directly"
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
@@ -95,7 +97,7 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
                     window=window(peer, manifest), window_cap=window_cap(peer, manifest),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
-        job.report.plan = plan_note
+        job.report.plan, job.report.plan_seconds = plan_note, plan_seconds
         peer._fetches.add(job)
         report = await job.run()
     except BaseException:
