@@ -394,8 +394,8 @@ class Peer:
         of them have drained, after which the caller may overwrite them.  ``layout`` is
         the sharding it was published or fetched with.
 
-        Retention: if the version must stay readable (one of the newest
-        ``retain_latest`` sealed versions, or pinned here) and this peer is the last
+        Retention: if the version must stay readable (one of the newest sealed
+        versions its model keeps, ``retain_for``, or pinned here) and this peer is the last
         complete holder of its shard, the shard is first copied to host memory this peer
         keeps serving from, until it is no longer retained; with ``retention_offload``
         off that raises :class:`RetentionError` instead and nothing changes."""
