@@ -135,7 +135,9 @@ async def test_flipping_one_adapter_never_waits_for_another_adapters_readers() -
         x1 = roll.store.get(VersionKey(x, 1))
         assert x1 is not None
         lease = await ShmConnection.connect(roll.info.data, roll.info.name, 5)
-        await lease.read_chunk(VersionKey(x, 1), 0, [memoryview(np.empty(1 << 20, np.uint8))])
+        chunk = np.empty(x1.manifest.total_bytes, np.uint8)  # one chunk: 64 KiB
+        assert x1.manifest.num_chunks == 1
+        await lease.read_chunk(VersionKey(x, 1), 0, [memoryview(chunk)])
         assert x1.inflight == 1
         await trainer.publish(x, 2, adapter(x, 2))
         with trio.fail_after(10):
