@@ -19,7 +19,7 @@ import trio
 import trio.testing
 from test_mesh import mesh
 
-from tensorhub import Committed, Rollout, VersionKey
+from tensorhub import Committed, Rollout, Staged, VersionKey
 from tensorhub.transport.shm import ShmConnection, shm_available
 
 RANK, HIDDEN = 8, 256
@@ -74,14 +74,14 @@ async def test_fifty_adapters_stay_current_and_each_keeps_its_own_versions() -> 
             with trio.fail_after(30):
                 while any(roll.control.latest(n) != version for n in ADAPTERS):
                     await roll.wait_changed()
-            staged = {}
+            staged: dict[str, Staged] = {}
 
-            async def stage(name: str, version: int = version) -> None:
-                staged[name] = await rollouts[name].stage(version)
+            async def stage(name: str, version: int, out: dict[str, Staged]) -> None:
+                out[name] = await rollouts[name].stage(version)
 
             async with trio.open_nursery() as nursery:  # every adapter at once
                 for name in ADAPTERS:
-                    nursery.start_soon(stage, name)
+                    nursery.start_soon(stage, name, version, staged)
             done: list[Committed] = [await staged[n].commit() for n in ADAPTERS]
             for name in ADAPTERS:
                 live = rollouts[name].live
