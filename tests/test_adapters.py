@@ -19,7 +19,7 @@ import trio
 import trio.testing
 from test_mesh import mesh
 
-from tensorhub import Committed, Rollout, Staged, VersionKey
+from tensorhub import Committed, ConfigError, PeerConfig, Rollout, Staged, VersionKey
 from tensorhub.transport.shm import ShmConnection, shm_available
 
 RANK, HIDDEN = 8, 256
@@ -173,3 +173,13 @@ async def test_flipping_one_adapter_never_waits_for_another_adapters_readers() -
         with trio.fail_after(10):
             assert await stuck.wait_released() is not None
         assert stuck.release_error is None and roll.store.get(VersionKey(x, 1)) is None
+
+
+def test_retention_rules_match_model_names_in_order() -> None:
+    config = PeerConfig.local("p", retain=(*RETAIN, ("base", 0)), retain_latest=4)
+    assert [config.retain_for(n) for n in ("lora/07", "lora/42", "base", "policy")] == \
+        [3, 2, 0, 4]
+    for bad in ((("lora/*", -1),), (("", 2),), (("lora/*", True),), (("lora/*",),),
+                (("x", 1),) * 1025):
+        with pytest.raises(ConfigError, match="retain must be"):
+            PeerConfig.local("p", retain=bad)
