@@ -164,8 +164,8 @@ class PeerConfig:
     retain_latest: int = 1
     """Retention: the newest ``retain_latest`` complete versions of every model (unless
     :attr:`retain` says otherwise for it; and the versions pinned at this peer) must
-    stay readable.  When this peer is the last
-    complete holder of such a version, ``unpublish`` first copies it to host memory."""
+    stay readable.  When this peer is the last complete holder of such a version,
+    ``unpublish`` first copies it to host memory."""
 
     retain: tuple[tuple[str, int], ...] = ()
     """Retention per model: ``(pattern, n)`` pairs; the first whose ``fnmatch`` pattern
