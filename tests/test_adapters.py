@@ -87,9 +87,10 @@ async def test_fifty_adapters_stay_current_and_each_keeps_its_own_versions() -> 
                 live = rollouts[name].live
                 assert live is not None and live.version == version
                 assert_equal(live.tensors, adapter(name, version))
-            for committed in done:
-                await committed.wait_released()
-                assert committed.release_error is None
+            with trio.fail_after(30):
+                for committed in done:
+                    await committed.wait_released()
+                    assert committed.release_error is None
         # Each adapter keeps exactly its own number of versions readable, in host copies
         # at the rollout (or at the trainer, when the rollout answered its keep query
         # too late): every older version is gone from every peer.
