@@ -11,13 +11,17 @@ import dataclasses
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from .bounds import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_PEER_NAME
 from .errors import ConfigError
-from .limits import MAX_MANIFEST_BYTES, ManifestLimits
+from .limits import MAX_MANIFEST_BYTES, MAX_MODEL_NAME, ManifestLimits
 from .manifest import DIGEST_ALGOS
 from .security import Security
+
+MAX_RETAIN_RULES = 1024
+"""``PeerConfig.retain`` rules (each model's lookup tries them in order)."""
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 """The smallest automatic chunk size (:mod:`tensorhub.protocol.sizing`), and what
@@ -158,9 +162,19 @@ class PeerConfig:
     fetcher picks holders itself (nearest, least loaded)."""
 
     retain_latest: int = 1
-    """Retention: the newest ``retain_latest`` complete versions of every model (and the
-    versions pinned at this peer) must stay readable.  When this peer is the last
-    complete holder of such a version, ``unpublish`` first copies it to host memory."""
+    """Retention: the newest ``retain_latest`` complete versions of every model (unless
+    :attr:`retain` says otherwise for it; and the versions pinned at this peer) must
+    stay readable.  When this peer is the last complete holder of such a version,
+    ``unpublish`` first copies it to host memory."""
+
+    retain: tuple[tuple[str, int], ...] = ()
+    """Retention per model: ``(pattern, n)`` pairs; the first whose ``fnmatch`` pattern
+    matches a model's name (``"lora/*"``, or the name itself) sets how many of its
+    newest versions stay readable, instead of ``retain_latest``.  Many small models
+    (adapters) each keep what they need: ``(("lora/*", 2),)``; a trainer that
+    unpublishes each version once it publishes the next then holds one version of each
+    and its peers' host copies hold the rest.  Keep it equal across the mesh, like
+    ``retain_latest``: each peer applies its own to what it unpublishes."""
 
     retention_offload: bool = True
     """Off: ``unpublish`` of the last copy of a retained version raises RetentionError
@@ -268,6 +282,13 @@ class PeerConfig:
             raise ConfigError("control_rate must be > 0")
         if not 0 <= self.retain_latest <= 1 << 20:
             raise ConfigError("retain_latest must be in [0, 2**20]")
+        if len(self.retain) > MAX_RETAIN_RULES or not all(
+                isinstance(rule, tuple) and len(rule) == 2
+                and isinstance(rule[0], str) and 0 < len(rule[0]) <= MAX_MODEL_NAME
+                and type(rule[1]) is int and 0 <= rule[1] <= 1 << 20
+                for rule in self.retain):
+            raise ConfigError(f"retain must be at most {MAX_RETAIN_RULES} (pattern, n) pairs: "
+                              f"a pattern of 1-{MAX_MODEL_NAME} chars, n in [0, 2**20]")
         if not self.nic_bps > 0:
             raise ConfigError("nic_bps must be > 0")
         if self.max_inflight_bytes < 4096:
@@ -302,6 +323,14 @@ class PeerConfig:
         if not 0 < self.ban_seconds <= 1e6:
             raise ConfigError("ban_seconds must be in (0, 1e6]")
         ManifestLimits(self.max_tensors, self.max_chunks, self.max_manifest_bytes)  # checks
+
+    def retain_for(self, model: str) -> int:
+        """How many of ``model``'s newest versions retention keeps readable
+        (:attr:`retain`, else :attr:`retain_latest`)."""
+        for pattern, n in self.retain:
+            if fnmatchcase(model, pattern):
+                return n
+        return self.retain_latest
 
     @property
     def manifest_limits(self) -> ManifestLimits:

@@ -6,8 +6,10 @@ consistent snapshot and the peer's state is only ever touched by its own thread.
 prometheus-client is imported here only: it is the ``ops`` extra.
 
 Fetch stage timings come from the reports of finished fetches: the whole fetch
-(``stage="fetch"``) and every ``*_seconds`` figure a report carries, summed per stage
-with a count, so a rate of sum over count gives the mean.
+(``stage="fetch"``) and every ``*_seconds`` figure a report carries (``plan`` only for
+fetches that asked for a plan), summed per stage with a count, so a rate of sum over
+count gives the mean.  ``stage="switch"`` is the rollouts' swaps, which happen after
+their fetch's report was taken: counted from ``statistics().switches``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ class StageTimes:
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
 
-    def update(self, fetches: int, reports: tuple[dict[str, Any], ...]) -> None:
+    def update(self, fetches: int, reports: tuple[dict[str, Any], ...],
+               switches: tuple[int, float] = (0, 0.0)) -> None:
+        """Add the reports not seen yet; ``switches``: the swaps so far and their
+        seconds (totals, not increments)."""
         new = min(fetches - self.seen, len(reports))
         self.seen = fetches
         for report in reports[len(reports) - new:] if new > 0 else ():
@@ -57,6 +62,8 @@ class StageTimes:
             for stage, seconds in stages.items():
                 self.sums[stage] = self.sums.get(stage, 0.0) + float(seconds)
                 self.counts[stage] = self.counts.get(stage, 0) + 1
+        if switches[0]:
+            self.counts["switch"], self.sums["switch"] = switches
 
 
 def families(peer: Peer, stages: StageTimes) -> list[Any]:
@@ -66,7 +73,7 @@ def families(peer: Peer, stages: StageTimes) -> list[Any]:
     st = peer.statistics()
     ms = peer.control.membership.statistics()
     rs = peer._router.statistics()
-    stages.update(st.fetches, st.reports)
+    stages.update(st.fetches, st.reports, (st.switches, st.switch_seconds))
 
     def labelled(kind: Any, name: str, doc: str, label: str,
                  values: dict[str, int] | dict[str, float]) -> Any:

@@ -8,9 +8,9 @@ read-only mmap of the file: publishing them copies nothing, and the page cache i
 only copy in memory.  :func:`write_safetensors` streams fetched arrays to a file that
 ``safetensors.safe_open`` reads back equal (written to a temporary name, then renamed).
 
-Dtypes numpy has no type for (``BF16``, ``F8_E4M3``, ``F8_E5M2``) are refused with a
-:class:`~tensorhub.errors.LocalProtocolError` naming the tensor: a manifest carries a
-numpy ``dtype.str`` and would hand readers the wrong type.
+Dtypes numpy has no type for (``BF16``, ``F8_E4M3``, ``F8_E5M2``) are viewed as their
+raw bits tagged with the real type (:mod:`tensorhub.dtypes`): the manifest names the
+real type, readers get it back, and a file written from them says it again.
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import dtype_name, storage_dtype
 from .errors import LocalProtocolError
 
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
           "I16": "<i2", "I8": "|i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",
-          "U8": "|u1", "BOOL": "|b1"}
-"""safetensors dtype names and the numpy dtypes they are (little-endian, as on disk)."""
-NUMPY_LACKS = ("BF16", "F8_E4M3", "F8_E5M2")
+          "U8": "|u1", "BOOL": "|b1", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+          "F8_E5M2": "float8_e5m2"}
+"""safetensors dtype names and the manifest dtypes they are: a little-endian numpy
+``dtype.str`` (as on disk), or an extended name of :mod:`tensorhub.dtypes`."""
+_CODES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20
 """The header size safetensors itself refuses beyond (100 MB)."""
 
@@ -68,14 +71,9 @@ def _bad(path: Path, why: str) -> LocalProtocolError:
 
 
 def _dtype(path: Path, name: str, code: object) -> np.dtype[Any]:
-    if code in NUMPY_LACKS:
-        raise LocalProtocolError(
-            f"{path}: tensor {name!r} has dtype {code}, which numpy has no type for; "
-            "a TensorHub manifest carries numpy dtypes, so this file cannot be "
-            "published as it is (convert those tensors, e.g. to F16 or F32)")
     if not isinstance(code, str) or code not in DTYPES:
         raise _bad(path, f"tensor {name!r} has unknown dtype {code!r}")
-    return np.dtype(DTYPES[code])
+    return storage_dtype(DTYPES[code])
 
 
 def parse_header(path: Path, head: bytes | mmap.mmap, size: int
@@ -145,14 +143,14 @@ def map_safetensors(path: str | os.PathLike[str]) -> MappedFile:
 def header_for(tensors: Mapping[str, np.ndarray[Any, Any]],
                metadata: Mapping[str, str] | None = None) -> bytes:
     """The length-prefixed header of a file holding ``tensors`` back to back in order."""
-    codes = {np.dtype(v): k for k, v in DTYPES.items()}
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, arr in tensors.items():
-        code = codes.get(arr.dtype)
+        code = _CODES.get(dtype_name(arr.dtype) or arr.dtype.str)
         if code is None:
             raise LocalProtocolError(f"tensor {name!r}: dtype {arr.dtype} has no "
-                                     "safetensors name (little-endian numeric types only)")
+                                     "safetensors name (little-endian numeric types, "
+                                     "bfloat16 and fp8 only)")
         header[name] = {"dtype": code, "shape": list(arr.shape),
                         "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes

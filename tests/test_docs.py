@@ -1,5 +1,6 @@
 """The examples in docs/ run as pasted: the Python programs marked
-``<!-- example: NAME -->`` (docs/api.md, docs/torch.md, docs/ray.md) and the shell
+``<!-- example: NAME -->`` (docs/api.md, docs/torch.md, docs/ray.md, docs/adapters.md)
+and the shell
 sessions so marked in the integration pages."""
 
 from __future__ import annotations
@@ -99,3 +100,13 @@ def test_ray_example_runs_as_pasted(tmp_path: Path) -> None:
         f"version {v}" for v in (1, 1, 2, 2, 3, 3)], stdout
     assert all(f"has version {line.split()[1].rstrip(':')}, outputs == trainer's: True"
                in line for line in lines), stdout
+
+
+def test_adapters_example_runs_as_pasted(tmp_path: Path) -> None:
+    stdout = run_example(tmp_path, "adapters.md", "adapters")
+    assert [line for line in stdout.splitlines() if line.startswith("version ")] == [
+        f"version {v}: rollout serves [{v}]" for v in range(1, 5)]
+    kept = [line for line in stdout.splitlines() if line.startswith("lora/")]
+    assert kept[0] == "lora/user-0: keeps 3, readable [2, 3, 4], equal: True", stdout
+    assert kept[1:] == [f"lora/user-{i}: keeps 2, readable [3, 4], equal: True"
+                        for i in range(1, 8)], stdout

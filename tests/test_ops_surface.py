@@ -13,8 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 from safetensors.numpy import save_file
+from test_mesh import mesh as mesh_of
 
+import tensorhub
+from tensorhub.metrics import serve_metrics
 from tensorhub.processes import LineProcess, free_ports
 from tensorhub.protocol import codec
 from tensorhub.protocol.messages import register_all
@@ -73,9 +77,40 @@ def test_metrics_scraped_over_http_move_after_a_fetch(
     assert after["tensorhub_fetched_bytes_by_source_total{source=\"pub\"}"] == NBYTES
     assert after["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 1
     assert after["tensorhub_fetch_stage_seconds_total{stage=\"fetch\"}"] > 0
+    assert after["tensorhub_fetch_stage_total{stage=\"plan\"}"] == 1  # asked the coordinator
+    assert 0 < after["tensorhub_fetch_stage_seconds_total{stage=\"plan\"}"] \
+        <= after["tensorhub_fetch_stage_seconds_total{stage=\"fetch\"}"]
     assert after["tensorhub_versions_held"] == 1 and after["tensorhub_held_bytes"] == NBYTES
     assert after["tensorhub_members{state=\"alive\"}"] == 2  # pub, and itself
     assert not [k for k in after if k.startswith("tensorhub_integrity_failures")]
+
+
+async def test_a_scrape_shows_the_plan_and_switch_stages_of_a_rollout() -> None:
+    """A rollout's fetches time the plan; its commits time the swap, counted after the
+    fetch's report was taken; a scrape over HTTP shows both stages."""
+    async with mesh_of(2) as (pub, roll), serve_metrics(roll, 0) as port:
+        rollout = tensorhub.Rollout(roll, "m")
+        done = []
+        for version in (1, 2):
+            await pub.publish("m", version, {"w": np.full(1000, version, np.float32)})
+            with trio.fail_after(10):
+                while (roll.control.latest("m") or 0) < version:
+                    await roll.wait_changed()
+            staged = await rollout.stage(version)
+            assert staged.fetched.report.plan_seconds is not None
+            assert " epoch " in staged.fetched.report.plan  # a coordinator answered
+            done.append(await staged.commit())
+            assert staged.fetched.report.switch_seconds == done[-1].switch_seconds
+        scraped = await trio.to_thread.run_sync(_scrape, port)  # the loop answers it
+        plans = [r["plan_seconds"] for r in roll.statistics().reports]
+    assert roll.statistics().switches == 2
+    assert scraped["tensorhub_fetch_stage_total{stage=\"plan\"}"] == 2
+    assert scraped["tensorhub_fetch_stage_seconds_total{stage=\"plan\"}"] == \
+        pytest.approx(sum(plans))
+    assert scraped["tensorhub_fetch_stage_total{stage=\"switch\"}"] == 2
+    assert scraped["tensorhub_fetch_stage_seconds_total{stage=\"switch\"}"] == \
+        pytest.approx(sum(d.switch_seconds for d in done))
+    assert scraped["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 2
 
 
 def test_status_json_and_watch_show_holders_bytes_and_staleness(

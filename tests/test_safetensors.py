@@ -46,13 +46,13 @@ def _assert_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> No
 
 
 def _publish(procs: list[LineProcess], path: Path, version: int, port: int,
-             *extra: str) -> LineProcess:
+             *extra: str, tensors: int = len(_tensors(0))) -> LineProcess:
     p = LineProcess(f"publish v{version}", [
         *CLI, "publish", str(path), "--model", "m", "--version", str(version), "--name",
         f"pub{version}", "--listen", f"127.0.0.1:{port}", "--preset", "local", *extra])
     procs.append(p)
     event = p.expect("serving", 60)
-    assert event["version"] == version and event["tensors"] == len(_tensors(0))
+    assert event["version"] == version and event["tensors"] == tensors
     return p
 
 
@@ -82,17 +82,50 @@ def test_publish_from_one_process_fetch_from_another_reads_back_equal(
     assert not list(tmp_path.glob(".*.part"))  # no temporary file left behind
 
 
-def test_a_bf16_file_is_refused_with_one_line_naming_the_tensor(tmp_path: Path) -> None:
-    header = json.dumps({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})
-    raw = header.encode() + b" " * (-len(header) % 8)
-    (tmp_path / "bf16.safetensors").write_bytes(
-        len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+def test_torch_bf16_and_fp8_files_are_served_and_written_back_equal(
+        tmp_path: Path, procs: list[LineProcess]) -> None:
+    """Dtypes numpy lacks travel as tagged raw bits: a file torch wrote with bf16 and
+    fp8 tensors is published, fetched to a file, and read back by safetensors as the
+    same dtypes and bits."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file as save_torch
+
+    g = torch.Generator().manual_seed(5)
+    want = {"lora_A": torch.randn(8, 256, generator=g).to(torch.bfloat16),
+            "lora_B": torch.randn(256, 8, generator=g).to(torch.float8_e4m3fn),
+            "scale": torch.randn(4, 3, generator=g).to(torch.float8_e5m2),
+            "bias": torch.randn(256, generator=g)}
+    save_torch(want, str(tmp_path / "model.safetensors"))
+    mapped = map_safetensors(tmp_path / "model.safetensors")
+    assert {k: v.dtype.metadata and v.dtype.metadata["tensorhub.dtype"]
+            for k, v in mapped.tensors.items()} == {
+        "lora_A": "bfloat16", "lora_B": "float8_e4m3fn", "scale": "float8_e5m2",
+        "bias": None}
+    mapped.close()
     (port,) = free_ports(1)
-    run = subprocess.run([*CLI, "publish", str(tmp_path / "bf16.safetensors"), "--model",
+    _publish(procs, tmp_path / "model.safetensors", 1, port, tensors=len(want))
+    out = tmp_path / "copy.safetensors"
+    summary = _fetch(port, out, "--version", "1")
+    assert summary["verified"] is True
+    with safe_open(str(out), framework="pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
+        assert torch.equal(got[k].view(torch.uint8), w.view(torch.uint8)), k
+
+
+def test_an_unknown_dtype_is_refused_with_one_line_naming_the_tensor(tmp_path: Path) -> None:
+    header = json.dumps({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    (tmp_path / "f4.safetensors").write_bytes(
+        len(raw).to_bytes(8, "little") + raw + b"\0")
+    (port,) = free_ports(1)
+    run = subprocess.run([*CLI, "publish", str(tmp_path / "f4.safetensors"), "--model",
                           "m", "--version", "1", "--listen", f"127.0.0.1:{port}",
                           "--preset", "local"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr
-    assert "tensor 'w' has dtype BF16" in run.stderr, run.stderr
+    assert "tensor 'w' has unknown dtype 'F4'" in run.stderr, run.stderr
 
 
 def test_every_truncation_of_a_file_is_refused_cleanly(tmp_path: Path) -> None:

@@ -39,6 +39,15 @@ class FetchReport:
     """Bytes that came from the source the coordinator's plan named."""
     plan: str = ""
     """The plan followed: coordinator and epoch, or why there was none."""
+    plan_seconds: float | None = None
+    """From asking the version's coordinator for a plan until its answer (or the
+    failure to get one); None when no plan was asked (planning off, a named source, a
+    shard, a resharding fetch)."""
+    switch_seconds: float | None = None
+    """Set when a rollout makes this fetch's version live: the swap
+    (:attr:`Committed.switch_seconds <tensorhub.peer.rollout.Committed.switch_seconds>`);
+    None until then, and in the peer's report history, which keeps each report as it
+    was when its fetch ended (switches are counted in ``statistics()`` instead)."""
     chunk_size: str = ""
     """The version's chunk size, as its publisher chose it, and whether that is the
     automatic choice for its size (:func:`~tensorhub.protocol.sizing.choose_chunk_size`)."""
@@ -92,6 +101,7 @@ class FetchReport:
             "served_arrays": self.served_arrays,
             "cast": dict(self.cast), "cast_seconds": self.cast_seconds,
             "planned_bytes": self.planned_bytes, "plan": self.plan,
+            "plan_seconds": self.plan_seconds, "switch_seconds": self.switch_seconds,
             "chunk_size": self.chunk_size, "windows": dict(self.windows),
         }
 

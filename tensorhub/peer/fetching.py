@@ -32,6 +32,9 @@ from .store import LocalVersion
 if TYPE_CHECKING:
     from .node import Peer
 
+EarlyPlan = tuple[list[tuple[PeerInfo, int, int]], str, float]
+"""A plan asked for while the manifest was read: sources, note, seconds it took."""
+
 INLINE_DECODE_BYTES = 64 << 10
 """Manifests up to this size are decoded on the event loop: about 2,000 tensors, well
 under a millisecond, less than handing the work to a thread and back."""
@@ -98,7 +101,7 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
     chunk); a plan asked with numbers the manifest then contradicts is asked again."""
     planning = allowed is None and peer.config.planning and key.whole
     hint = size_hint(peer, key) if planning else None
-    early: list[tuple[list[tuple[PeerInfo, int, int]], str]] = []
+    early: list[EarlyPlan] = []
     with peer.store.expecting(key):
         try:
             async with trio.open_nursery() as nursery:
@@ -124,16 +127,17 @@ def size_hint(peer: Peer, key: VersionKey) -> tuple[int, int] | None:
     return said.pop() if len(said) == 1 else None
 
 
-async def _plan_into(out: list[tuple[list[tuple[PeerInfo, int, int]], str]], peer: Peer,
-                     key: VersionKey, size: int, chunks: int) -> None:
-    out.append(await ask_plan(peer, key, size, chunks))
+async def _plan_into(out: list[EarlyPlan], peer: Peer, key: VersionKey, size: int,
+                     chunks: int) -> None:
+    asked = trio.current_time()
+    plan, note = await ask_plan(peer, key, size, chunks)
+    out.append((plan, note, trio.current_time() - asked))
 
 
 async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publisher: str,
                         into: Mapping[str, Any] | None, allowed: frozenset[str] | None,
                         derived: bool,
-                        early: tuple[list[tuple[PeerInfo, int, int]], str] | None
-                        ) -> Fetched:
+                        early: EarlyPlan | None) -> Fetched:
     flat = None
     if into is None:
         arrays, flat = allocate_flat(manifest)
@@ -155,12 +159,15 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
     try:  # from here on, a failure or a cancellation (planning too) drops it
         peer._send(peer.control.put_holding(local.holding()))  # downstream can find us
         plan: list[tuple[PeerInfo, int, int]] = []
-        plan_note = "planning off"
+        plan_note, plan_seconds = "planning off", None
         if early is not None:
-            plan, plan_note = early[0], f"{early[1]} (asked while the manifest was read)"
+            plan, plan_note, plan_seconds = early
+            plan_note += " (asked while the manifest was read)"
         elif allowed is None and peer.config.planning and key.whole:
+            asked = trio.current_time()
             plan, plan_note = await ask_plan(peer, key, manifest.total_bytes,
                                              manifest.num_chunks)
+            plan_seconds = trio.current_time() - asked
         elif not key.whole:
             plan_note = "no plan: shards are fetched from their holders directly"
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
@@ -170,7 +177,7 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
                     socket_window=socket_window(),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
-        job.report.plan = plan_note
+        job.report.plan, job.report.plan_seconds = plan_note, plan_seconds
         peer._fetches.add(job)
         report = await job.run()
     except BaseException:

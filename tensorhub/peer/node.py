@@ -151,8 +151,8 @@ class Peer:
         self._closed = False
         self.operations = Operations(config.name)
         """The API calls in flight: closing the peer ends them with PeerClosed."""
-        self._served = self._chunks_served = self._fetched = self._nfetches = 0
-        self._malformed = 0
+        self._served = self._chunks_served = self._fetched = self._nfetches = self._malformed = 0
+        self._switches, self._switch_seconds = 0, 0.0  # rollouts' swaps (stats.account_switch)
         self._internal_errors = 0
         self._internal_texts: list[str] = []
         self._by_source: dict[str, int] = {}
@@ -394,8 +394,8 @@ class Peer:
         of them have drained, after which the caller may overwrite them.  ``layout`` is
         the sharding it was published or fetched with.
 
-        Retention: if the version must stay readable (one of the newest
-        ``retain_latest`` sealed versions, or pinned here) and this peer is the last
+        Retention: if the version must stay readable (one of the newest sealed
+        versions its model keeps, ``retain_for``, or pinned here) and this peer is the last
         complete holder of its shard, the shard is first copied to host memory this peer
         keeps serving from, until it is no longer retained; with ``retention_offload``
         off that raises :class:`RetentionError` instead and nothing changes."""

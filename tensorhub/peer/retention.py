@@ -34,16 +34,17 @@ class Retention:
         self._nonces = itertools.count(1)
 
     def retained(self, key: VersionKey) -> bool:
-        """Pinned, one of the newest ``retain_latest`` sealed versions, or newer than
-        ``latest`` here: a version this peer does not see sealed yet may be sealed
-        already at others (the last rank's claim still on its way), so its last copy
-        is kept until a newer version seals."""
+        """Pinned, one of the newest sealed versions its model keeps
+        (``PeerConfig.retain_for``), or newer than ``latest`` here: a version this peer
+        does not see sealed yet may be sealed already at others (the last rank's claim
+        still on its way), so its last copy is kept until a newer version seals."""
         if (key.model, key.version) in self.pins:
             return True
-        config, control = self.peer.config, self.peer.control
-        if not config.retain_latest:
+        control = self.peer.control
+        keep = self.peer.config.retain_for(key.model)
+        if not keep:
             return False
-        newest = control.readable(key.model)[-config.retain_latest:]
+        newest = control.readable(key.model)[-keep:]
         latest = control.latest(key.model)
         return key.version in newest or latest is None or key.version > latest
 

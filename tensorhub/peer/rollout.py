@@ -42,6 +42,7 @@ from ..protocol.sharding import Sharding
 from .fetcher import Fetched
 from .node import Peer
 from .release import Release, Tensors
+from .stats import account_switch
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class Staged:
         self.fetched = fetched
         self._trivial = trivial  # the version was live already: nothing was fetched
         self._state = "staged"
+        self.switch_seconds = 0.0
+        """How long making it live took (set by the commit)."""
 
     @property
     def version(self) -> int:
@@ -112,11 +115,10 @@ class Staged:
         released in the background (see :class:`Committed`).  Cancelled, it has not
         switched; once it switched it returns without waiting for anything."""
         await trio.lowlevel.checkpoint()  # cancelled here, nothing has changed
-        started = trio.current_time()
         release = self.rollout._switch(self)  # from here on, no await: never lost
         return Committed(self.version, self.fetched.tensors,
                          None if release is None else release.version,
-                         trio.current_time() - started, release)
+                         self.switch_seconds, release)
 
     async def discard(self) -> bool:
         """Unpublish the staged version (returns once its in-flight reads have drained);
@@ -186,18 +188,24 @@ class Rollout:
 
     def _switch(self, staged: Staged) -> Release | None:
         """Make ``staged`` live and start releasing the version that was live, if any
-        (see :mod:`.release`); never blocks."""
+        (see :mod:`.release`); never blocks.  The time it takes is the switch: counted
+        in the peer's statistics and the staged fetch's report, unless the version
+        was live already."""
+        started = trio.current_time()
         if staged.rollout is not self:
             raise LocalProtocolError("that version was staged by another rollout")
         staged._settle("committed")
         previous, self.live = self.live, staged.fetched
-        if staged._trivial or previous is None or previous.version == staged.version:
-            return None
-        release = Release(self.peer, self.model, previous.version, self.layout,
-                          previous.tensors)
-        release.start()
-        self._releases = [r for r in self._releases if r.busy()]
-        self._releases.append(release)
+        release = None
+        if not (staged._trivial or previous is None or previous.version == staged.version):
+            release = Release(self.peer, self.model, previous.version, self.layout,
+                              previous.tensors)
+            release.start()
+            self._releases = [r for r in self._releases if r.busy()]
+            self._releases.append(release)
+        staged.switch_seconds = trio.current_time() - started
+        if not staged._trivial:
+            account_switch(self.peer, staged.fetched.report, staged.switch_seconds)
         return release
 
 

@@ -60,6 +60,10 @@ class PeerStats:
     reports: tuple[dict[str, Any], ...] = field(default=())
     data_server: ServerStats | None = None
     """What the data server admitted, refused and revoked (and whether it authenticates)."""
+    switches: int = 0
+    """Versions rollouts (and group ranks) made live here."""
+    switch_seconds: float = 0.0
+    """Seconds those swaps took, summed (each one: ``Committed.switch_seconds``)."""
     chunking: str = ""
     """How this peer cuts what it publishes into chunks (automatic, or
     ``PeerConfig.chunk_size``), and what its last publish chose and why.  Each fetch
@@ -113,6 +117,7 @@ def peer_statistics(peer: Peer) -> PeerStats:
               for n, (left, why) in peer.bans.active(trio.current_time()).items()},
         ban_notices=dict(peer.bans.notices),
         reports=tuple(peer._reports), data_server=peer._server.statistics(),
+        switches=peer._switches, switch_seconds=peer._switch_seconds,
         chunking=("automatic (about 64 chunks a version, 4 to 64 MiB)"
                   if peer.config.chunk_size is None else
                   f"{peer.config.chunk_size} bytes (PeerConfig.chunk_size)")
@@ -136,3 +141,10 @@ def account(peer: Peer, report: FetchReport) -> None:
         peer._by_transport[tr] = peer._by_transport.get(tr, 0) + n
     count_integrity(peer, report)
     peer._reports = [*peer._reports[-63:], report.to_dict()]
+
+
+def account_switch(peer: Peer, report: FetchReport, seconds: float) -> None:
+    """Count a rollout's swap to the version ``report`` fetched, which took ``seconds``."""
+    report.switch_seconds = seconds
+    peer._switches += 1
+    peer._switch_seconds += seconds
