@@ -78,8 +78,8 @@ def test_metrics_scraped_over_http_move_after_a_fetch(
     assert after["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 1
     assert after["tensorhub_fetch_stage_seconds_total{stage=\"fetch\"}"] > 0
     assert after["tensorhub_fetch_stage_total{stage=\"plan\"}"] == 1  # asked the coordinator
-    assert 0 < after["tensorhub_fetch_stage_seconds_total{stage=\"plan\"}"] \
-        <= after["tensorhub_fetch_stage_seconds_total{stage=\"fetch\"}"]
+    # asked while the manifest was read, before the chunks' phase ("fetch") began
+    assert after["tensorhub_fetch_stage_seconds_total{stage=\"plan\"}"] > 0
     assert after["tensorhub_versions_held"] == 1 and after["tensorhub_held_bytes"] == NBYTES
     assert after["tensorhub_members{state=\"alive\"}"] == 2  # pub, and itself
     assert not [k for k in after if k.startswith("tensorhub_integrity_failures")]

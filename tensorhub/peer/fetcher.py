@@ -187,16 +187,20 @@ class Fetch:
             # children (and theirs) by that many chunk-times.
             return planned if load(planned.name) < RELAY_DEPTH else None
         best: tuple[tuple[int, int, bool, str], PeerInfo] | None = None
+        copy_busy = False  # a holder other than the publisher has it, at its streams
         for peer, holding in holders:
             if chunk in self.lacks.get(peer.name, ()) or not (
                     holding.has(chunk) or peer.name in self.upstream):
                 continue
+            publisher = holding.publisher == peer.name
             if load(peer.name) >= self._streams(peer.name, holding):
+                copy_busy |= not publisher
                 continue  # chunks in order from each source (sizing: streams per source)
-            rank = (int(holding.publisher == peer.name), load(peer.name),
-                    peer.name != streaming, peer.name)
+            rank = (int(publisher), load(peer.name), peer.name != streaming, peer.name)
             if best is None or rank < best[0]:
                 best = (rank, peer)
+        if best is not None and best[0][0] and copy_busy:
+            return None  # the publisher only for what no copy can serve (ROS)
         return None if best is None else best[1]
 
     def _streams(self, name: str, holding: Holding) -> int:
