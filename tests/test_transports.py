@@ -62,7 +62,7 @@ from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.security import Identity, Keyring
 from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
 from tensorhub.transport.base import NotServing
-from tensorhub.transport.frames import _recv_frame, _send_frame
+from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.handshake import DataAuth
 from tensorhub.transport.local import local_name
 from tensorhub.transport.memory import MemoryServer
@@ -276,13 +276,13 @@ async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
         pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
         for follow_up in (None, ChunkRequest(2, "m", 1, 0)):
             async with local_connection(holder.address) as sock:
-                await _send_frame(sock, ShmChunkRequest(1, "m", 1, 0))
-                grant = await _recv_frame(sock)
+                await send_frame(sock, ShmChunkRequest(1, "m", 1, 0))
+                grant = await recv_frame(sock)
                 assert isinstance(grant, ShmGrant) and grant.length == 65_536
                 await trio.testing.wait_all_tasks_blocked()
                 assert pub.local.inflight == 1  # held until ShmDone...
                 if follow_up is not None:
-                    await _send_frame(sock, follow_up)
+                    await send_frame(sock, follow_up)
                     with trio.fail_after(5):
                         while await sock.recv(1 << 16):
                             pass
@@ -303,8 +303,8 @@ async def test_bad_input_under_a_version_lease_ends_only_that_connection(bad: by
         assert holder.address is not None
         pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
         async with local_connection(holder.address) as sock:
-            await _send_frame(sock, ShmVersionRequest(1, "m", 1, 0))
-            grant = await _recv_frame(sock)
+            await send_frame(sock, ShmVersionRequest(1, "m", 1, 0))
+            grant = await recv_frame(sock)
             assert isinstance(grant, ShmVersionGrant) and not grant.more
             await sock.send(bad)
             with trio.fail_after(5):  # the holder ends the connection
@@ -667,8 +667,8 @@ async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
         with sock:
             try:
                 while True:
-                    for frame in answer(await _recv_frame(sock)):
-                        await _send_frame(sock, frame)
+                    for frame in answer(await recv_frame(sock)):
+                        await send_frame(sock, frame)
             except (TransportError, OSError):
                 return
 

@@ -53,17 +53,10 @@ from ..protocol.dataplane import (
 from ..protocol.membership import Ack, Gossip, Ping, PushPull, Update
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding, OriginEntry, Stamp
+from ..transport.frames import FRAME_LENGTH, encode_frame, recv_exact_blocking
 from . import insider as insider_mod
 from .insider import INSIDER_ATTACKS, Insider
-from .rogue_wares import (
-    LEN,
-    DataServer,
-    forged_offer,
-    frame,
-    huge_manifest,
-    read_exact,
-    read_frame,
-)
+from .rogue_wares import DataServer, forged_offer, huge_manifest, read_message
 
 register_all()
 
@@ -350,11 +343,13 @@ class Rogue:
             with socket.create_connection((host, int(port)), timeout=2.0) as conn:
                 if self.insider is not None:
                     self.insider.prove_to_holder(conn, holder)
-                conn.sendall(frame(req))
-                reply = codec.decode(read_frame(conn), MAX_FRAME)
+                conn.sendall(encode_frame(req))
+                reply = read_message(conn)
                 if not isinstance(reply, Reply) or reply.status != OK or reply.length <= 0:
                     return None
-                return read_exact(conn, min(reply.length, 64 << 20))
+                payload = bytearray(min(reply.length, 64 << 20))
+                recv_exact_blocking(conn, memoryview(payload))
+                return bytes(payload)
         except Exception:  # refused, reset, garbage
             return None
 
@@ -363,8 +358,8 @@ class Rogue:
         host, _, port = address.rpartition(":")
         try:
             conn = socket.create_connection((host, int(port)), timeout=2.0)
-            conn.sendall(frame(ShmVersionRequest(1, model, version, 0)))
-            reply = codec.decode(read_frame(conn), MAX_FRAME)
+            conn.sendall(encode_frame(ShmVersionRequest(1, model, version, 0)))
+            reply = read_message(conn)
         except Exception:  # refused, reset, garbage
             return False
         self.held.append(conn)
@@ -376,7 +371,7 @@ class Rogue:
         for _ in range(count):
             try:
                 conn = socket.create_connection((host, int(port)), timeout=1.0)
-                conn.sendall(LEN.pack(MAX_FRAME) + b"\x93")
+                conn.sendall(FRAME_LENGTH.pack(MAX_FRAME) + b"\x93")
             except OSError:
                 break
             self.held.append(conn)
@@ -421,7 +416,7 @@ class Rogue:
         while not stop.is_set():
             try:
                 with socket.create_connection((host, int(port)), timeout=1.0) as conn:
-                    conn.sendall(LEN.pack(MAX_FRAME) + junk)
+                    conn.sendall(FRAME_LENGTH.pack(MAX_FRAME) + junk)
                     conn.sendall(junk * 16)
             except OSError:
                 time.sleep(0.01)

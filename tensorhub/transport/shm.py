@@ -81,11 +81,11 @@ from ..protocol.sizing import StreamWindow
 from . import copypool
 from .base import Landed, NotServing, Take, Verifier, read_each, stream_each
 from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
-from .frames import _recv_frame, _send_frame
+from .frames import recv_frame, send_frame
 from .handshake import DataAuth
 from .local import credentials, local_name, same_user
 from .shmem import MappedFiles, Pieces
-from .tcp import TcpConnection, _dial
+from .tcp import TcpConnection, dial
 
 __all__ = ["ShmConnection", "shm_available"]
 
@@ -161,7 +161,7 @@ class ShmConnection(TcpConnection):
         ``address`` (see :mod:`.local`), authenticate as over TCP, and check that we can
         read its memory."""
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        await _dial(sock, local_name(address), peer, timeout, auth,
+        await dial(sock, local_name(address), peer, timeout, auth,
                     f"no same-host connection to {peer} (on another host or in another "
                     "network namespace?)")
         conn = cls(sock, peer)
@@ -179,8 +179,8 @@ class ShmConnection(TcpConnection):
 
     async def _hello(self) -> None:
         req_id = next(self._ids)
-        await _send_frame(self._sock, ShmHello(req_id))
-        welcome = await _recv_frame(self._sock)
+        await send_frame(self._sock, ShmHello(req_id))
+        welcome = await recv_frame(self._sock)
         if isinstance(welcome, Reply):
             raise TransportError(f"{self.peer} does not serve shared memory: {welcome.detail}")
         if not isinstance(welcome, ShmWelcome) or welcome.req_id != req_id:
@@ -254,7 +254,7 @@ class ShmConnection(TcpConnection):
         kind: type | None = None
         while True:
             if msg is None:
-                msg = await _recv_frame(self._sock)
+                msg = await recv_frame(self._sock)
             if isinstance(msg, Reply) and msg.req_id == req_id and msg.status != OK:
                 raise NotServing(msg.status, msg.detail or f"status {msg.status}")
             if not isinstance(msg, ShmGrant | ShmFileGrant) or msg.req_id != req_id \
@@ -297,7 +297,7 @@ class ShmConnection(TcpConnection):
             parts.append(rows)
             if not msg.more:
                 break
-            msg = await _recv_frame(self._sock)
+            msg = await recv_frame(self._sock)
             if not isinstance(msg, ShmVersionGrant) or msg.req_id != req_id \
                     or (msg.length, msg.chunk_size) != (length, chunk_size):
                 raise RemoteProtocolError(f"{self.peer} answered out of turn")
@@ -319,14 +319,14 @@ class ShmConnection(TcpConnection):
                 return await self._read_leased_one(self._lease, chunk, dest, verify)
             req_id = next(self._ids)
             if key in self._unleased:
-                await _send_frame(self._sock, ShmChunkRequest(
+                await send_frame(self._sock, ShmChunkRequest(
                     req_id, key.model, key.version, chunk, key.shard, key.layout))
                 files, rows = await self._grant(req_id, want)
             else:
                 self._unleased.add(key)  # ask for a version lease once per connection
-                await _send_frame(self._sock, ShmVersionRequest(
+                await send_frame(self._sock, ShmVersionRequest(
                     req_id, key.model, key.version, chunk, key.shard, key.layout))
-                first = await _recv_frame(self._sock)
+                first = await recv_frame(self._sock)
                 if isinstance(first, ShmVersionGrant) and first.req_id == req_id:
                     self._lease = await self._version_grant(req_id, key, first)
                     self._unleased.discard(key)
@@ -343,7 +343,7 @@ class ShmConnection(TcpConnection):
                 bad = await copypool.pool.run(_land_iovecs, self._pid, iovecs_of(dest), rows, dest,
                                       verify)
             self._check_holder()
-            await _send_frame(self._sock, ShmDone(req_id))
+            await send_frame(self._sock, ShmDone(req_id))
             if bad is not None:
                 raise bad
         except NotServing:
@@ -429,7 +429,7 @@ class ShmConnection(TcpConnection):
 
     async def _heard(self, lease: _VersionLease) -> None:
         """The holder spoke while we hold its version lease: only a revoke is in turn."""
-        msg = await _recv_frame(self._sock)  # raises TransportError on a hang-up
+        msg = await recv_frame(self._sock)  # raises TransportError on a hang-up
         if msg != ShmRevoke(lease.req_id) or lease.revoked:
             raise RemoteProtocolError(f"{self.peer} spoke out of turn during a version lease")
         lease.revoked = True
@@ -440,7 +440,7 @@ class ShmConnection(TcpConnection):
         assert lease is not None
         await self._send_release(lease)
         while True:
-            msg = await _recv_frame(self._sock)
+            msg = await recv_frame(self._sock)
             if msg == Reply(lease.req_id, OK, 0):
                 return
             if msg != ShmRevoke(lease.req_id) or lease.revoked:
@@ -450,7 +450,7 @@ class ShmConnection(TcpConnection):
     async def _send_release(self, lease: _VersionLease) -> None:
         chunks = np.array(lease.copied, dtype="<u4")
         for at in range(0, max(len(chunks), 1), RELEASE_CHUNKS):
-            await _send_frame(self._sock, ShmRelease(
+            await send_frame(self._sock, ShmRelease(
                 lease.req_id, chunks[at:at + RELEASE_CHUNKS].tobytes(),
                 at + RELEASE_CHUNKS < len(chunks)))
 

@@ -52,7 +52,7 @@ from ..protocol.dataplane import (
 )
 from .base import NotServing, Provider
 from .crossmem import iovecs_of
-from .frames import _recv_frame, _send_frame
+from .frames import recv_frame, send_frame
 from .shmem import Pieces, address_of, pieces_of
 
 GRANT_IOVECS = 32768  # iovecs per ShmGrant frame: 512 KiB, well under MAX_FRAME
@@ -98,7 +98,7 @@ async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
     """Answer one same-host request; a chunk stays leased until the reader's ShmDone, a
     version until its ShmRelease (or the connection's end, or revocation)."""
     if isinstance(req, ShmHello):
-        await _send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
+        await send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
         return
     key = VersionKey(req.model, req.version, req.shard, req.layout)
     corrupt = False
@@ -132,7 +132,7 @@ async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provid
             await provider.wait_chunk(key, chunk)
             segments = stack.enter_context(provider.lease(key, chunk))
         except NotServing as ns:
-            await _send_frame(sock, Reply(req_id, ns.status, 0, ns.detail))
+            await send_frame(sock, Reply(req_id, ns.status, 0, ns.detail))
             return
         if corrupt or provider.corrupt_hook(peer):
             segments = [_flipped_copy(segments)]
@@ -144,14 +144,14 @@ async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provid
         with trio.move_on_after(terms.timeout) as waited:
             for start in range(0, max(len(rows), 1), per_frame):
                 part = rows[start:start + per_frame].astype("<u8").tobytes()
-                await _send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
+                await send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
             try:
-                done = await _recv_frame(sock)
+                done = await recv_frame(sock)
             except TransportError:
                 return  # the reader went away; its lease ends here
         if waited.cancelled_caught:
             with trio.move_on_after(0.1), suppress(TransportError, OSError):
-                await _send_frame(sock, ShmRevoke(req_id))
+                await send_frame(sock, ShmRevoke(req_id))
             _revoke(sock)
             terms.on_revoked(peer)
             raise TransportError(f"{peer} held chunk {chunk} of {key} for over "
@@ -195,7 +195,7 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
     total = manifest.total_bytes
     for start in range(0, len(pieces), GRANT_PIECES):
         part = pieces[start:start + GRANT_PIECES].astype("<u8").tobytes()
-        await _send_frame(sock, ShmVersionGrant(req_id, total, manifest.chunk_size, part,
+        await send_frame(sock, ShmVersionGrant(req_id, total, manifest.chunk_size, part,
                                                 start + GRANT_PIECES < len(pieces)))
 
     async def revoke_when_hidden() -> None:
@@ -205,7 +205,7 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
         # ends the lease by the connection's end.
         with trio.CancelScope(shield=True), suppress(TransportError, OSError):
             with trio.move_on_after(terms.timeout):
-                await _send_frame(sock, ShmRevoke(req_id))
+                await send_frame(sock, ShmRevoke(req_id))
         await trio.sleep(terms.timeout)
         _revoke(sock)  # the release waited on below fails: the hold ends
         terms.on_revoked(peer)
@@ -216,7 +216,7 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
         nursery.start_soon(revoke_when_hidden)
         try:
             while True:
-                got = await _recv_frame(sock)
+                got = await recv_frame(sock)
                 if not isinstance(got, ShmRelease) or got.req_id != req_id \
                         or len(got.chunks) % 4:
                     break
@@ -240,4 +240,4 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
     tail = total - last * manifest.chunk_size
     for c in chunks.tolist():
         terms.on_sent(peer, manifest.chunk_size if c != last else tail)
-    await _send_frame(sock, Reply(req_id, OK, 0))
+    await send_frame(sock, Reply(req_id, OK, 0))
