@@ -30,7 +30,7 @@ from . import security
 from .config import DEFAULT_CHUNK_SIZE, PeerConfig
 from .model import VersionKey
 from .processes import LineProcess, free_ports
-from .transport.shmem import shared_empty
+from .transport.samehost.memory_files import shared_empty
 
 MODEL = "demo-llm"
 

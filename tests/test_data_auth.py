@@ -29,8 +29,8 @@ from tensorhub.protocol.dataplane import (
 from tensorhub.security import Identity, Keyring
 from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.handshake import DataAuth, transcript
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection, shm_available
 from tensorhub.transport.tcp import TcpConnection
 
 SHM, WHY_NOT = shm_available()

@@ -40,8 +40,8 @@ from tensorhub.protocol.dataplane import (
 )
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.frames import encode_frame, recv_exact, recv_frame
+from tensorhub.transport.samehost.reader import ShmConnection
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection
 from tensorhub.transport.tcp import TcpConnection
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ from tensorhub.peer.node import open_peer
 from tensorhub.peer.store import Store
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection
+from tensorhub.transport.samehost.reader import ShmConnection
 seed, size, chunk, nofile, limits = sys.argv[1:6]
 store = Store()
 transport_conformance.publish(store, random.Random(seed), [int(size)], int(chunk))

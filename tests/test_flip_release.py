@@ -27,7 +27,7 @@ from tensorhub import LocalProtocolError, PeerClosed, PeerConfig, Rollout, Versi
 from tensorhub.protocol.dataplane import ChunkRequest
 from tensorhub.transport.base import NotServing
 from tensorhub.transport.frames import send_frame
-from tensorhub.transport.shm import ShmConnection, shm_available
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.tcp import TcpConnection
 
 SHM, WHY_NOT = shm_available()

@@ -3,7 +3,7 @@
 ``unpublish`` (``Store.hide`` + ``Store.wait_drained``) must return within about
 ``lease_timeout`` whatever a reader does, and a reader whose lease was revoked must
 never return bytes copied after it (see the revocation notes in
-:mod:`tensorhub.transport.shm`).
+:mod:`tensorhub.transport.samehost.reader`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from tensorhub.model import VersionKey
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant, ShmRevoke
 from tensorhub.transport import server as server_module
-from tensorhub.transport import shm
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing
 from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.local import local_name
+from tensorhub.transport.samehost import reader as shm_reader
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection, shm_available
 
 SHM, WHY_NOT = shm_available()
 needs_shm = pytest.mark.skipif(not SHM, reason=WHY_NOT)
@@ -101,13 +101,13 @@ def before_the_copy(monkeypatch: pytest.MonkeyPatch,
     """Run ``action`` on the event loop once the reader's next copy has been handed to
     its worker thread; the copy starts when it returns."""
     token = trio.lowlevel.current_trio_token()
-    land = shm._land_batch
+    land = shm_reader._land_batch
 
     def land_later(files: Any, jobs: Any) -> Any:
         trio.from_thread.run(action, trio_token=token)
         return land(files, jobs)
 
-    monkeypatch.setattr(shm, "_land_batch", land_later)
+    monkeypatch.setattr(shm_reader, "_land_batch", land_later)
 
 
 @needs_shm

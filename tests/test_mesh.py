@@ -256,7 +256,7 @@ async def test_planning_off_lets_fetchers_choose() -> None:
 
 
 async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
-    from tensorhub.transport.shm import shm_available
+    from tensorhub.transport.samehost.reader import shm_available
 
     ok, why = shm_available()
     if not ok:
@@ -277,7 +277,7 @@ async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
 async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() -> None:
     """A publisher's arrays in memory files: the reader gets a lease on the whole
     version and copies neighbouring chunks in one call each."""
-    from tensorhub.transport.shm import shm_available
+    from tensorhub.transport.samehost.reader import shm_available
 
     ok, why = shm_available()
     if not ok:

@@ -65,8 +65,8 @@ from ..torch import Into, destination
 from ..transport.admission import ServerLimits
 from ..transport.base import Connection
 from ..transport.handshake import DataAuth
+from ..transport.samehost.reader import ShmConnection, shm_available
 from ..transport.server import TcpServer
-from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
 from . import keys
 from .conflicts import Explainer

@@ -26,7 +26,7 @@ PIECE = 1 << 20
 class MemoryServer:
     """A holder's side: serves ``provider`` to :class:`MemoryConnection` objects.
 
-    ``on_sent(reader, nbytes)`` counts, as for :class:`~tensorhub.transport.tcp.TcpServer`.
+    ``on_sent(reader, nbytes)`` counts, as for :class:`~tensorhub.transport.server.TcpServer`.
     """
 
     def __init__(self, provider: Provider, on_sent: Callable[[str, int], None]) -> None:

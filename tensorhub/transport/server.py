@@ -54,7 +54,7 @@ from .base import NotServing, Provider
 from .frames import encode_frame, recv_rest_of_frame, send_all, send_frame
 from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
-from .shm_serve import LeaseTerms, serve_shm
+from .samehost.holder import LeaseTerms, serve_shm
 from .sockio import send_segments, tune
 
 _BACKLOG = 128

@@ -43,7 +43,7 @@ from ..protocol.dataplane import (
     Reply,
 )
 from ..protocol.sizing import StreamWindow
-from . import copypool
+from . import copy_threads
 from .base import Landed, NotServing, Take, Verifier, read_each
 from .frames import (
     recv_exact,
@@ -331,7 +331,7 @@ class TcpConnection:
         if run.at == len(run.dests):
             self._queue.popleft()
         if verify is not None and VERIFY_ASIDE:
-            copypool.pool.submit(partial(_check_then_post, run.stream, chunk, dest, verify,
+            copy_threads.pool.submit(partial(_check_then_post, run.stream, chunk, dest, verify,
                                          result, rtt, sample))
             return
         if verify is not None:

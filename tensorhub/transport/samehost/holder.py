@@ -1,7 +1,6 @@
 """Same-host transport, holder side: answering ``ShmHello``, ``ShmChunkRequest`` and
 ``ShmVersionRequest`` (handed over by :class:`~tensorhub.transport.server.TcpServer`
-from its same-host socket only); see :mod:`tensorhub.transport.shm` for the protocol and
-the reader side.
+from its same-host socket only); see :mod:`.reader` for the protocol and the reader side.
 
 Revocation.  A reader that does not end a chunk lease (``ShmDone``) within the holder's
 ``lease_timeout``, or a version lease within it of a ``ShmRevoke``, is cut off: the holder
@@ -34,9 +33,9 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from ..errors import RemoteProtocolError, TransportError
-from ..model import VersionKey
-from ..protocol.dataplane import (
+from ...errors import RemoteProtocolError, TransportError
+from ...model import VersionKey
+from ...protocol.dataplane import (
     OK,
     Reply,
     ShmChunkRequest,
@@ -50,10 +49,10 @@ from ..protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
-from .base import NotServing, Provider
-from .crossmem import iovecs_of
-from .frames import recv_frame, send_frame
-from .shmem import Pieces, address_of, pieces_of
+from ..base import NotServing, Provider
+from ..frames import recv_frame, send_frame
+from .memory_files import Pieces, address_of, pieces_of
+from .process_vm import iovecs_of
 
 GRANT_IOVECS = 32768  # iovecs per ShmGrant frame: 512 KiB, well under MAX_FRAME
 GRANT_PIECES = 16384  # pieces per ShmFileGrant frame: 512 KiB

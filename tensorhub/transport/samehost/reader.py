@@ -1,10 +1,10 @@
 """Same-host data plane: one copy, straight from the holder's arrays into the reader's.
 
-A reader on the holder's host talks to it over a Unix socket (:mod:`.local`: the
+A reader on the holder's host talks to it over a Unix socket (:mod:`..local`: the
 kernel tells the holder who connected), with the framing of the TCP data connection
 (:mod:`tensorhub.transport.tcp`), for control only.  For each chunk it sends a
 ``ShmChunkRequest``; the holder leases the chunk and says where its bytes lie.  If they
-lie in shared memory files (arrays from :func:`tensorhub.transport.shmem.shared_empty`,
+lie in shared memory files (arrays from :func:`.memory_files.shared_empty`,
 and every fetched version) the grant names the files (``ShmFileGrant``) and the reader
 maps their pages read-only and copies them with an ordinary memory copy (transport name
 ``shm-memfd``); otherwise it names addresses (``ShmGrant``) and the reader copies with
@@ -41,11 +41,12 @@ changed under it.  A memory file is used only if it is the very file granted (it
 matches: descriptor numbers get reused), sealed against shrinking (so a mapping cannot
 fault past its end) and long enough for the piece granted.
 
-A reader that stops answering loses its lease (revocation, in :mod:`.shm_serve`); the
+A reader that stops answering loses its lease (revocation, in :mod:`.holder`); the
 check after each copy makes sure it never uses a copy that outlived its lease.
 
-This module is the reader side.  The holder side is :mod:`.shm_serve`; the kernel copy
-:mod:`.crossmem`, the memory files :mod:`.shmem`, the copy threads :mod:`.copypool`.
+This module is the reader side.  The holder side is :mod:`.holder`; the kernel copy
+:mod:`.process_vm`, the memory files :mod:`.memory_files`, the copy threads
+:mod:`..copy_threads`.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from ..errors import LocalProtocolError, RemoteProtocolError, TransportError
-from ..model import VersionKey
-from ..protocol.dataplane import (
+from ...errors import LocalProtocolError, RemoteProtocolError, TransportError
+from ...model import VersionKey
+from ...protocol.dataplane import (
     BAD_REQUEST,
     NOT_HELD,
     OK,
@@ -77,15 +78,15 @@ from ..protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
-from ..protocol.sizing import StreamWindow
-from . import copypool
-from .base import Landed, NotServing, Take, Verifier, read_each, stream_each
-from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
-from .frames import recv_frame, send_frame
-from .handshake import DataAuth
-from .local import credentials, local_name, same_user
-from .shmem import MappedFiles, Pieces
-from .tcp import TcpConnection, dial
+from ...protocol.sizing import StreamWindow
+from .. import copy_threads
+from ..base import Landed, NotServing, Take, Verifier, read_each, stream_each
+from ..frames import recv_frame, send_frame
+from ..handshake import DataAuth
+from ..local import credentials, local_name, same_user
+from ..tcp import TcpConnection, dial
+from .memory_files import MappedFiles, Pieces
+from .process_vm import Iovecs, iovecs_of, readv_all, shm_available
 
 __all__ = ["ShmConnection", "shm_available"]
 
@@ -158,7 +159,7 @@ class ShmConnection(TcpConnection):
     async def connect(cls, address: str, peer: str, timeout: float,
                       auth: DataAuth | None = None) -> ShmConnection:
         """Connect to the same-host socket of the holder whose data address is
-        ``address`` (see :mod:`.local`), authenticate as over TCP, and check that we can
+        ``address`` (see :mod:`..local`), authenticate as over TCP, and check that we can
         read its memory."""
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
         await dial(sock, local_name(address), peer, timeout, auth,
@@ -336,12 +337,12 @@ class ShmConnection(TcpConnection):
             self.chunk_grants += 1
             if files:
                 self.transport = "shm-memfd"
-                (bad,) = await copypool.pool.run(_land_batch, self._files,
+                (bad,) = await copy_threads.pool.run(_land_batch, self._files,
                                                  [(rows, dest, verify)])
             else:
                 self.transport = "shm"
-                bad = await copypool.pool.run(_land_iovecs, self._pid, iovecs_of(dest), rows, dest,
-                                      verify)
+                bad = await copy_threads.pool.run(_land_iovecs, self._pid, iovecs_of(dest),
+                                                  rows, dest, verify)
             self._check_holder()
             await send_frame(self._sock, ShmDone(req_id))
             if bad is not None:
@@ -415,7 +416,7 @@ class ShmConnection(TcpConnection):
                                           f"has {stop - start} bytes, not {want}")
             jobs.append((lease.pieces_of(start, stop), dest, verify))
         self.transport = "shm-memfd"
-        bad = await copypool.pool.run(_land_batch, self._files, jobs)
+        bad = await copy_threads.pool.run(_land_batch, self._files, jobs)
         dead, spoke = self._holder_state()
         if dead:
             raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
@@ -470,7 +471,7 @@ class ShmConnection(TcpConnection):
         # Unmapping a mapping of a whole version costs milliseconds: not on the event
         # loop, which may be running the last copies of the fetch (FIFO: after them).
         if self._files.mapped:
-            copypool.pool.submit(self._files.close)
+            copy_threads.pool.submit(self._files.close)
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1
