@@ -132,10 +132,6 @@ async def _worker(args: argparse.Namespace) -> None:
                            str(h.key): sorted({*holders_of(peer, h.key)})
                            for e in peer.control.refs.origins() for h in e.holdings}})
                 continue
-            if cmd == "corrupt":  # test hook: flip a byte in the next N chunks we send
-                peer.store.corrupt_next = int(rest[0])
-                _emit({"event": "corrupting", "chunks": int(rest[0])})
-                continue
             version = int(rest[0])
             slot = buffers[version % 2]
             if held[version % 2] is not None:

@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import numpy as np
 import pytest
 import trio
+from corrupting import corrupt_served
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerConfig, VersionUnavailable
@@ -423,7 +424,7 @@ async def test_a_fetch_that_fails_part_way_raises_one_plain_error() -> None:
         await pub.publish("m", 3, w)
         with trio.fail_after(10):
             await reader.wait_for_version("m", None)
-        pub.store.corrupt_next = 10**6
+        corrupt_served(pub, 10**6)
         with pytest.raises(VersionUnavailable, match="no live holder") as info:
             await reader.fetch("m", 3)
         assert not isinstance(info.value, BaseExceptionGroup)

@@ -24,6 +24,7 @@ import pytest
 import transport_conformance
 import trio
 import trio.testing
+from corrupting import CorruptingProvider
 from transport_conformance import *  # noqa: F403
 from transport_conformance import (
     SEED,
@@ -107,12 +108,14 @@ def member(name: str) -> DataAuth:
 
 
 @asynccontextmanager
-async def tcp_holder(connection: type[TcpConnection], auth: bool = False
+async def tcp_holder(connection: type[TcpConnection], auth: bool = False, corrupt: int = 0
                      ) -> AsyncIterator[Holder]:
     """A TcpServer in this process; ``connection`` is TcpConnection or ShmConnection;
-    with ``auth`` every connection opens with the members' handshake."""
+    with ``auth`` every connection opens with the members' handshake; the first
+    ``corrupt`` chunks it serves have a flipped byte (:mod:`corrupting`)."""
     store, sent, bad = Store(), list[int](), list[str]()
-    server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append,
+    served = CorruptingProvider(store, corrupt) if corrupt else store
+    server = TcpServer(served, lambda _peer, n: sent.append(n), bad.append,
                        auth=member("holder") if auth else None)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
     scope, stopped = trio.CancelScope(), trio.Event()
@@ -372,12 +375,11 @@ async def test_cancelled_read_ends_the_lease_before_close(kind: str) -> None:
 
 
 @needs_shm
-async def test_corrupt_hook_flips_a_byte_of_what_the_reader_gets() -> None:
+async def test_a_corrupting_holder_flips_a_byte_of_what_the_reader_gets() -> None:
     rng = rng_for("shm-corrupt")
-    async with tcp_holder(ShmConnection) as holder:
+    async with tcp_holder(ShmConnection, corrupt=1) as holder:
         pub = publish(holder.store, rng, [10_000], chunk_size=10_000)
         conn = await holder.connect()
-        holder.store.corrupt_next = 1
         for flipped in (True, False):
             buf = np.zeros(10_000, dtype=np.uint8)
             await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
@@ -617,13 +619,12 @@ async def test_a_holder_still_receiving_grants_chunk_by_chunk() -> None:
 
 @needs_shm
 @pytest.mark.usefixtures("shared_arrays")
-async def test_corrupt_hook_on_a_memfd_holder_flips_the_first_chunk_read() -> None:
+async def test_a_corrupting_memfd_holder_flips_the_first_chunk_read() -> None:
     rng = rng_for("version-lease-corrupt")
-    async with tcp_holder(ShmConnection) as holder:
+    async with tcp_holder(ShmConnection, corrupt=1) as holder:
         pub = publish(holder.store, rng, [30_000], chunk_size=10_000)
         conn = await holder.connect()
         assert isinstance(conn, ShmConnection)
-        holder.store.corrupt_next = 1
         for c, flipped in ((1, True), (1, False), (2, False)):
             buf = np.zeros(10_000, dtype=np.uint8)
             await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]

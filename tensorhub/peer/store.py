@@ -130,8 +130,6 @@ class Store:
         self.versions: dict[VersionKey, LocalVersion] = {}
         self.chunk_wait = chunk_wait
         """Longest a reader's request waits for a chunk we are still receiving."""
-        self.corrupt_next: int = 0
-        """Test hook: the next N chunk sends get one flipped byte."""
 
     def add(self, local: LocalVersion) -> None:
         self.versions[local.manifest.key] = local
@@ -190,12 +188,6 @@ class Store:
             local.inflight -= 1
             if local.inflight == 0:
                 local.drained.set()
-
-    def corrupt_hook(self, peer: str) -> bool:
-        if self.corrupt_next > 0:
-            self.corrupt_next -= 1
-            return True
-        return False
 
     # -- unpublish ----------------------------------------------------------------
 

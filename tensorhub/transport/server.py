@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from functools import partial
 from typing import Any
@@ -345,7 +345,7 @@ class _ServerConn:
             await send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
             return
         try:
-            segments, total = self.outgoing(segments)
+            total = sum(map(len, segments))
             await self.send_views([memoryview(encode_frame(Reply(req.req_id, OK, total))),
                                    *segments])
             self.server.on_sent(self.peer, total)
@@ -396,24 +396,13 @@ class _ServerConn:
                     views.append(memoryview(encode_frame(
                         ChunkReply(req.req_id, chunk, ns.status, 0, ns.detail))))
                     continue
-                segments, total = self.outgoing(segments)
+                total = sum(map(len, segments))
                 views += [memoryview(encode_frame(ChunkReply(req.req_id, chunk, OK, total))),
                           *segments]
                 served.append(total)
                 if sum(served) >= RUN_WRITE_BYTES:
                     await flush()
             await flush()
-
-    def outgoing(self, segments: Sequence[memoryview]) -> tuple[list[memoryview], int]:
-        """What goes out for a leased chunk, and its size (the corrupt hook flips the
-        first byte)."""
-        out = list(segments)
-        total = sum(map(len, out))
-        if self.server.provider.corrupt_hook(self.peer) and total:
-            first = next(s for s in out if len(s))
-            at = out.index(first)
-            out[at:at + 1] = [memoryview(bytes([first[0] ^ 0xFF])), first[1:]]
-        return out, total
 
     async def send_views(self, views: list[memoryview]) -> None:
         """Send ``views`` (headers and leased payload) in one vectored write from a worker

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -71,14 +71,6 @@ _new_token()
 os.register_at_fork(after_in_child=_new_token)
 
 
-def _flipped_copy(segments: Sequence[memoryview]) -> memoryview:
-    """Test hook (``Provider.corrupt_hook``): a private copy with one byte flipped."""
-    buf = bytearray(b"".join(segments))
-    if buf:
-        buf[0] ^= 0xFF
-    return memoryview(buf)
-
-
 @dataclass(frozen=True)
 class LeaseTerms:
     """How a same-host reader's lease ends, from the holder's side."""
@@ -100,18 +92,15 @@ async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
         await send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
         return
     key = VersionKey(req.model, req.version, req.shard, req.layout)
-    corrupt = False
     if isinstance(req, ShmVersionRequest):
         hold = getattr(provider, "hold", None)  # Store.hold: a lease on a whole version
         if hold is not None:
             with hold(key) as local:
                 pieces = None if local is None else _whole_version(local)
                 if pieces is not None:
-                    corrupt = provider.corrupt_hook(peer)
-                    if not corrupt:
-                        await _lease_version(sock, peer, local, req.req_id, pieces, terms)
-                        return
-    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, terms, corrupt)
+                    await _lease_version(sock, peer, local, req.req_id, pieces, terms)
+                    return
+    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, terms)
 
 
 def _revoke(sock: trio.socket.SocketType) -> None:
@@ -124,8 +113,7 @@ def _revoke(sock: trio.socket.SocketType) -> None:
 
 
 async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provider,
-                       key: VersionKey, req_id: int, chunk: int, terms: LeaseTerms,
-                       corrupt: bool) -> None:
+                       key: VersionKey, req_id: int, chunk: int, terms: LeaseTerms) -> None:
     with ExitStack() as stack:
         try:
             await provider.wait_chunk(key, chunk)
@@ -133,8 +121,6 @@ async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provid
         except NotServing as ns:
             await send_frame(sock, Reply(req_id, ns.status, 0, ns.detail))
             return
-        if corrupt or provider.corrupt_hook(peer):
-            segments = [_flipped_copy(segments)]
         files = pieces_of(segments)
         rows, grant, per_frame = ((iovecs_of(segments), ShmGrant, GRANT_IOVECS) if files is None
                                   else (files, ShmFileGrant, GRANT_PIECES))

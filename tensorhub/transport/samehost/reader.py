@@ -23,9 +23,9 @@ pool thread per chunk, the holder checked alive and connected after each.  A rea
 releases when it reads another version or a manifest, when it closes (the fetcher closes
 its connections when the fetch ends), and when the holder unpublishes: the holder then
 says ``ShmRevoke`` (the copy in flight is still covered) and the reader's next read is
-refused (``NOT_HELD``).  Any other holder (still receiving, plain arrays, the corrupt
-hook armed) answers the request as a ``ShmChunkRequest``, and the connection asks chunk
-by chunk from then on.
+refused (``NOT_HELD``).  Any other holder (still receiving, plain arrays, a provider
+that leases no whole version) answers the request as a ``ShmChunkRequest``, and the
+connection asks chunk by chunk from then on.
 
 Four checks make this safe.  The holder answers only its own user (or root), as the
 kernel reports the socket's other end (``SO_PEERCRED``); the reader checks the same of
