@@ -40,6 +40,7 @@ import zmq
 
 from ..manifest import manifest_id_of
 from ..model import PeerInfo
+from ..processes import free_ports
 from ..protocol import codec
 from ..protocol.control import RefsDelta, RefsDigest
 from ..protocol.dataplane import (
@@ -96,7 +97,7 @@ class Rogue:
         self.chunk = chunk
         self.huge_tensors = huge_tensors
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.control = f"tcp://{ip}:{_free_port(ip)}"
+        self.control = f"tcp://{ip}:{free_ports(1, ip)[0]}"
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTING_ID, self.control.encode())
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -431,13 +432,6 @@ class Rogue:
         self.held.clear()
         self.server.offers.clear()
         self.names.clear()
-
-
-def _free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def main(argv: list[str] | None = None) -> None:
