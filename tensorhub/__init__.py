@@ -28,7 +28,7 @@ from .peer.rollout import Committed, Rollout, Staged
 from .peer.stats import PeerStats
 from .protocol.groups import GroupConfig
 from .protocol.sharding import Sharding
-from .transport.shmem import shared_empty
+from .transport.samehost.memory_files import shared_empty
 
 __version__ = "0.1.0"
 

@@ -30,7 +30,7 @@ from . import security
 from .config import DEFAULT_CHUNK_SIZE, PeerConfig
 from .model import VersionKey
 from .processes import LineProcess, free_ports
-from .transport.shmem import shared_empty
+from .transport.samehost.memory_files import shared_empty
 
 MODEL = "demo-llm"
 
@@ -131,10 +131,6 @@ async def _worker(args: argparse.Namespace) -> None:
                        "members": st.members, "holders": {
                            str(h.key): sorted({*holders_of(peer, h.key)})
                            for e in peer.control.refs.origins() for h in e.holdings}})
-                continue
-            if cmd == "corrupt":  # test hook: flip a byte in the next N chunks we send
-                peer.store.corrupt_next = int(rest[0])
-                _emit({"event": "corrupting", "chunks": int(rest[0])})
                 continue
             version = int(rest[0])
             slot = buffers[version % 2]

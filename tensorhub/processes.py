@@ -55,11 +55,12 @@ class LineProcess:
                 return obj
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on loopback right now (for peers about to start)."""
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` (loopback by default) right now (for
+    peers about to start)."""
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
     ports = [s.getsockname()[1] for s in socks]
     for s in socks:
         s.close()

@@ -18,7 +18,7 @@ from test_mesh import mesh, weights
 
 import tensorhub
 from tensorhub import BlockingPeer, LocalProtocolError, PeerClosed, PeerConfig
-from tensorhub.transport import shmem
+from tensorhub.transport.samehost import memory_files
 
 
 def open_fds() -> set[str]:
@@ -150,12 +150,12 @@ async def test_a_cancelled_fetch_leaks_nothing_and_the_next_fetch_succeeds(
         if own_arrays:  # the caller's shared memory, reused after the cancel
             into = {k: tensorhub.shared_empty(v.shape, v.dtype) for k, v in w.items()}
         gc.collect()
-        fds, regions = open_fds(), shmem.registered()
+        fds, regions = open_fds(), memory_files.registered()
         await _cancel_after_first_chunk(reader, into)
         # The cancelled fetch lets go of its partial version, memory file, connections
         # and their threads (a thread mid-recv ends once its socket is shut).
         with trio.fail_after(10):
-            while reader.store.versions or shmem.registered() != regions \
+            while reader.store.versions or memory_files.registered() != regions \
                     or not open_fds() <= fds:
                 gc.collect()
                 await trio.sleep(0.01)
@@ -169,7 +169,7 @@ async def test_a_cancelled_fetch_leaks_nothing_and_the_next_fetch_succeeds(
 
 def test_shared_empty_is_thread_safe() -> None:
     gc.collect()
-    before, fds = shmem.registered(), open_fds()
+    before, fds = memory_files.registered(), open_fds()
     errors: list[BaseException] = []
     kept: list[np.ndarray[Any, Any]] = []
 
@@ -190,8 +190,8 @@ def test_shared_empty_is_thread_safe() -> None:
     for t in threads:
         t.join()
     assert errors == []
-    assert shmem.registered() == before + len(kept)
-    assert all(shmem.pieces_of([memoryview(a)]) is not None for a in kept)
+    assert memory_files.registered() == before + len(kept)
+    assert all(memory_files.pieces_of([memoryview(a)]) is not None for a in kept)
     kept.clear()
     gc.collect()
-    assert shmem.registered() == before and open_fds() <= fds
+    assert memory_files.registered() == before and open_fds() <= fds

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+from corrupting import corrupt_served
 from test_mesh import mesh, weights
 
 import tensorhub
@@ -65,7 +66,7 @@ async def test_a_holder_that_served_bad_bytes_is_not_contacted_again() -> None:
         with trio.fail_after(10):  # the reader sees the liar as a complete holder
             while len([h for _, h in reader.control.holders(key) if h.complete]) < 2:
                 await trio.sleep(0.01)
-        liar.store.corrupt_next = 1 << 30
+        corrupt_served(liar, 1 << 30)
         # The reader prefers a holder that is not the publisher: the liar first.
         got = await reader.fetch("m", 1)
         assert got.report.verified and got.report.integrity_failures.get("p1", 0) >= 1

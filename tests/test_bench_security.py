@@ -11,7 +11,7 @@ from conftest import leftovers
 
 from tensorhub import cli
 from tensorhub.bench import transfer
-from tensorhub.bench.cluster import _KEYED_PORT, mesh_keys, open_mesh
+from tensorhub.bench.cluster import KEYED_PORT, mesh_keys, open_mesh
 from tensorhub.bench.netns import open_cluster
 
 MIB = 1 << 20
@@ -60,7 +60,7 @@ def test_a_keyed_mesh_beside_a_keyless_one_in_the_same_namespaces(
           tempfile.TemporaryDirectory() as key_dir):
         keys = mesh_keys(cluster, key_dir)
         with (open_mesh(cluster) as keyless,
-              open_mesh(cluster, port=_KEYED_PORT, keys=keys) as keyed):
+              open_mesh(cluster, port=KEYED_PORT, keys=keys) as keyed):
             fans = [keyless.fanout(1, 8 * MIB, checksum=True),
                     keyed.fanout(1, 8 * MIB, checksum=True)]
             stats = [{w.name: w.call("stats", cmd="stats") for w in m.workers.values()}

@@ -22,8 +22,8 @@ from tensorhub.security import Identity
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import Connection
 from tensorhub.transport.handshake import DataAuth
+from tensorhub.transport.samehost.reader import ShmConnection
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection
 from tensorhub.transport.tcp import TcpConnection
 
 

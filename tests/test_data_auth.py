@@ -27,10 +27,10 @@ from tensorhub.protocol.dataplane import (
     Reply,
 )
 from tensorhub.security import Identity, Keyring
-from tensorhub.transport.frames import _recv_frame, _send_frame
+from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.handshake import DataAuth, transcript
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection, shm_available
 from tensorhub.transport.tcp import TcpConnection
 
 SHM, WHY_NOT = shm_available()
@@ -92,8 +92,8 @@ async def test_a_client_without_the_handshake_gets_no_manifest() -> None:
         with trio.socket.socket() as sock:
             await sock.connect((host, int(port)))
             key = pub.local.manifest.key
-            await _send_frame(sock, ManifestRequest(5, key.model, key.version))
-            reply = await _recv_frame(sock)
+            await send_frame(sock, ManifestRequest(5, key.model, key.version))
+            reply = await recv_frame(sock)
             assert reply == Reply(5, UNAUTHORIZED, 0, reply.detail)
             with trio.fail_after(5):
                 assert await sock.recv(1 << 16) == b""  # and nothing more
@@ -110,17 +110,17 @@ async def test_a_replayed_proof_does_not_verify() -> None:
         for _ in range(2):
             with trio.socket.socket() as sock:
                 await sock.connect((host, int(port)))
-                await _send_frame(sock, AuthHello("reader", mine))
-                challenge = await _recv_frame(sock)
+                await send_frame(sock, AuthHello("reader", mine))
+                challenge = await recv_frame(sock)
                 assert isinstance(challenge, AuthHello) and challenge.name == ""
                 if not proofs:  # the first time, the real reader signs
                     proofs.append(IDS["reader"].sign(transcript(
                         b"reader", mine, challenge.nonce, "reader", "holder")))
-                    await _send_frame(sock, AuthProof(proofs[0]))
-                    assert isinstance(await _recv_frame(sock), AuthProof)
+                    await send_frame(sock, AuthProof(proofs[0]))
+                    assert isinstance(await recv_frame(sock), AuthProof)
                 else:  # the second time, an eavesdropper replays it
-                    await _send_frame(sock, AuthProof(proofs[0]))
-                    answer = await _recv_frame(sock)
+                    await send_frame(sock, AuthProof(proofs[0]))
+                    answer = await recv_frame(sock)
                     assert isinstance(answer, Reply) and answer.status == UNAUTHORIZED
         assert server.statistics().refused_auth == 1
 
@@ -136,11 +136,11 @@ async def test_the_reader_checks_whom_it_reached() -> None:
     async def pose_as_holder() -> None:
         sock, _ = await listener.accept()
         with sock:
-            hello = await _recv_frame(sock)
+            hello = await recv_frame(sock)
             mine = bytes(range(NONCE_BYTES))
-            await _send_frame(sock, AuthHello("", mine))
-            await _recv_frame(sock)  # the reader's proof, taken as good
-            await _send_frame(sock, AuthProof(IDS["other"].sign(transcript(
+            await send_frame(sock, AuthHello("", mine))
+            await recv_frame(sock)  # the reader's proof, taken as good
+            await send_frame(sock, AuthProof(IDS["other"].sign(transcript(
                 b"holder", hello.nonce, mine, "holder", "reader"))))
             await sock.recv(1)
 

@@ -39,9 +39,9 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
 )
 from tensorhub.transport.admission import ServerLimits
-from tensorhub.transport.frames import _frame, _recv_exact, _recv_frame
+from tensorhub.transport.frames import encode_frame, recv_exact, recv_frame
+from tensorhub.transport.samehost.reader import ShmConnection
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection
 from tensorhub.transport.tcp import TcpConnection
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ from tensorhub.peer.node import open_peer
 from tensorhub.peer.store import Store
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection
+from tensorhub.transport.samehost.reader import ShmConnection
 seed, size, chunk, nofile, limits = sys.argv[1:6]
 store = Store()
 transport_conformance.publish(store, random.Random(seed), [int(size)], int(chunk))
@@ -239,8 +239,8 @@ async def test_connections_over_a_cap_are_closed_and_counted() -> None:
         with first, second, third:
             await hung_up(third)  # over the per-address cap
             assert server.statistics().refused_over_address == 1
-            await first.send(_frame(ManifestRequest(1, "m", 1)))
-            reply = await _recv_frame(first)
+            await first.send(encode_frame(ManifestRequest(1, "m", 1)))
+            reply = await recv_frame(first)
             assert isinstance(reply, Reply) and reply.status == OK  # the others still served
         await trio.testing.wait_all_tasks_blocked()
         assert server.statistics().connections_open == 0
@@ -256,11 +256,11 @@ async def test_idle_connections_are_closed_and_counted() -> None:
 async def test_a_request_flood_is_throttled_not_refused() -> None:
     async with served(requests_per_second=100) as (server, addr, _pub):
         with await connect(addr) as sock:
-            await sock.send(b"".join(_frame(ManifestRequest(i, "m", 1)) for i in range(250)))
+            await sock.send(b"".join(encode_frame(ManifestRequest(i, "m", 1)) for i in range(250)))
             for i in range(250):
-                reply = await _recv_frame(sock)
+                reply = await recv_frame(sock)
                 assert isinstance(reply, Reply) and (reply.req_id, reply.status) == (i, OK)
-                await _recv_exact(sock, memoryview(bytearray(reply.length)))
+                await recv_exact(sock, memoryview(bytearray(reply.length)))
         assert server.statistics().throttled >= 100
 
 
@@ -284,12 +284,12 @@ async def test_same_host_requests_over_tcp_are_refused() -> None:
         with await connect(addr) as sock:
             for req in (ShmHello(1), ShmChunkRequest(2, key.model, key.version, 0),
                         ShmVersionRequest(3, key.model, key.version, 0)):
-                await sock.send(_frame(req))
-                reply = await _recv_frame(sock)
+                await sock.send(encode_frame(req))
+                reply = await recv_frame(sock)
                 assert reply == Reply(req.req_id, BAD_REQUEST, 0, reply.detail)
                 assert "local socket" in reply.detail
-            await sock.send(_frame(ManifestRequest(4, key.model, key.version)))
-            reply = await _recv_frame(sock)  # the connection stays usable for TCP requests
+            await sock.send(encode_frame(ManifestRequest(4, key.model, key.version)))
+            reply = await recv_frame(sock)  # the connection stays usable for TCP requests
             assert isinstance(reply, Reply) and reply.status == OK
         assert server.statistics().shm_over_tcp == 3
         assert pub.local.inflight == 0
@@ -314,7 +314,7 @@ except (ConnectionResetError, BrokenPipeError):
 async def test_the_local_socket_refuses_another_user() -> None:
     async with served() as (server, addr, _pub):
         proc = await trio.run_process(
-            [sys.executable, "-c", OTHER_USER, addr, _frame(ShmHello(1)).hex()],
+            [sys.executable, "-c", OTHER_USER, addr, encode_frame(ShmHello(1)).hex()],
             cwd=ROOT, capture_stdout=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert proc.stdout.decode().strip() in ("", "reset")  # closed before any answer
         assert server.statistics().refused_credentials == 1

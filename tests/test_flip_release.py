@@ -26,8 +26,8 @@ import tensorhub
 from tensorhub import LocalProtocolError, PeerClosed, PeerConfig, Rollout, VersionKey
 from tensorhub.protocol.dataplane import ChunkRequest
 from tensorhub.transport.base import NotServing
-from tensorhub.transport.frames import _send_frame
-from tensorhub.transport.shm import ShmConnection, shm_available
+from tensorhub.transport.frames import send_frame
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.tcp import TcpConnection
 
 SHM, WHY_NOT = shm_available()
@@ -62,7 +62,7 @@ async def pinned_readers(holder: tensorhub.Peer, transport: str
             else:  # a chunk asked for and never taken: the holder's send is stuck
                 sock = await connect_raw(holder.info.data, rcvbuf=4096)
                 stack.callback(sock.close)
-                await _send_frame(sock, ChunkRequest(1, "m", 1, 0))
+                await send_frame(sock, ChunkRequest(1, "m", 1, 0))
                 await sock.recv(1)  # the reply has started
                 readers.append(sock)
         assert local.inflight == READERS

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from corrupting import corrupt_served
 from test_mesh import mesh
 
 import tensorhub
@@ -133,14 +134,14 @@ async def test_a_rank_that_cannot_stage_aborts_every_rank_with_one_error() -> No
         t2 = await publish_tp4(peers[:4], 2)
         await sealed(peers[4:], 2)
         # publish rank 3 now sends bad bytes: rank 1 (rows 32..64) cannot verify them
-        peers[3].store.corrupt_next = 1 << 20
+        corrupt_served(peers[3], 1 << 20)
         got = await fetch_all(groups)
         assert all(isinstance(g, GroupSwitchError) for g in got)
         assert len({str(g) for g in got}) == 1
         assert "rank 1 (p5) could not stage version 2" in str(got[0])
         check_slices(groups, t1, 1)  # all keep the old version
         # healed: the next round switches both; rank 0 reuses what it staged
-        peers[3].store.corrupt_next = 0
+        corrupt_served(peers[3], 0)
         fetches = peers[4].statistics().fetches
         got = await fetch_all(groups)
         assert {g.version for g in got if isinstance(g, tensorhub.Fetched)} == {2}

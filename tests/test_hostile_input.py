@@ -23,8 +23,8 @@ import zmq
 import tensorhub
 from tensorhub import PeerConfig
 from tensorhub.model import PeerInfo
-from tensorhub.peer.node import _free_port
 from tensorhub.peer.zmq_trio import ZmqRouter
+from tensorhub.processes import free_ports
 from tensorhub.protocol import codec
 from tensorhub.protocol.dataplane import ChunkRequest
 from tensorhub.protocol.groups import GroupEnvelope
@@ -331,7 +331,7 @@ async def test_a_reply_never_opens_a_connection() -> None:
         reply_to, member = (f"tcp://127.0.0.1:{w[0].socket.getsockname()[1]}"
                             for w in watchers)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        router = ZmqRouter(ctx, f"tcp://127.0.0.1:{_free_port('127.0.0.1')}", 1 << 16, 64)
+        router = ZmqRouter(ctx, f"tcp://127.0.0.1:{free_ports(1)[0]}", 1 << 16, 64)
         try:
             await nursery.start(router.run)
             router.send_nowait(reply_to, b"reply", reply=True)

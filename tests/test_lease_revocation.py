@@ -3,7 +3,7 @@
 ``unpublish`` (``Store.hide`` + ``Store.wait_drained``) must return within about
 ``lease_timeout`` whatever a reader does, and a reader whose lease was revoked must
 never return bytes copied after it (see the revocation notes in
-:mod:`tensorhub.transport.shm`).
+:mod:`tensorhub.transport.samehost.reader`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from tensorhub.model import VersionKey
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant, ShmRevoke
 from tensorhub.transport import server as server_module
-from tensorhub.transport import shm
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing
-from tensorhub.transport.frames import _recv_frame, _send_frame
+from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.local import local_name
+from tensorhub.transport.samehost import reader as shm_reader
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection, shm_available
 
 SHM, WHY_NOT = shm_available()
 needs_shm = pytest.mark.skipif(not SHM, reason=WHY_NOT)
@@ -101,13 +101,13 @@ def before_the_copy(monkeypatch: pytest.MonkeyPatch,
     """Run ``action`` on the event loop once the reader's next copy has been handed to
     its worker thread; the copy starts when it returns."""
     token = trio.lowlevel.current_trio_token()
-    land = shm._land_batch
+    land = shm_reader._land_batch
 
     def land_later(files: Any, jobs: Any) -> Any:
         trio.from_thread.run(action, trio_token=token)
         return land(files, jobs)
 
-    monkeypatch.setattr(shm, "_land_batch", land_later)
+    monkeypatch.setattr(shm_reader, "_land_batch", land_later)
 
 
 @needs_shm
@@ -163,13 +163,13 @@ async def test_a_chunk_lease_without_shm_done_is_revoked() -> None:
         key = pub.local.manifest.key
         with trio.socket.socket(trio.socket.AF_UNIX) as sock:
             await sock.connect(local_name(h.address))
-            await _send_frame(sock, ShmChunkRequest(1, key.model, key.version, 0))
-            grant = await _recv_frame(sock)
+            await send_frame(sock, ShmChunkRequest(1, key.model, key.version, 0))
+            grant = await recv_frame(sock)
             assert isinstance(grant, ShmGrant) and grant.req_id == 1
             await trio.testing.wait_all_tasks_blocked()
             assert pub.local.inflight == 1
             await h.unpublish(key)  # no ShmDone ever comes
-            assert await _recv_frame(sock) == ShmRevoke(1)
+            assert await recv_frame(sock) == ShmRevoke(1)
             assert await sock.recv(1) == b""
         assert h.server.statistics().leases_revoked == 1
 
@@ -179,7 +179,7 @@ async def test_a_tcp_reader_that_stops_taking_a_chunk_loses_it() -> None:
         pub = publish(h.store, random.Random(SEED), [48 << 20], 48 << 20)
         key = pub.local.manifest.key
         with await connect_raw(h.address, rcvbuf=4096) as sock:
-            await _send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
+            await send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
             await sock.recv(1)  # the reply has started; the reader takes no more
             await h.unpublish(key)
         assert h.server.statistics().leases_revoked == 1
@@ -237,7 +237,7 @@ async def test_a_send_cut_short_by_shutdown_ends_before_its_lease(
 
         monkeypatch.setattr(h.store, "lease", recorded_lease)
         with await connect_raw(h.address, rcvbuf=4096) as sock:
-            await _send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
+            await send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
             await sock.recv(1)  # the send has started; the reader takes no more
             h.stop()
             with trio.fail_after(10):  # cut short: well before lease_timeout's socket limit

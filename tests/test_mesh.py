@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import numpy as np
 import pytest
 import trio
+from corrupting import corrupt_served
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerConfig, VersionUnavailable
@@ -259,7 +260,7 @@ async def test_planning_off_lets_fetchers_choose() -> None:
 
 
 async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
-    from tensorhub.transport.shm import shm_available
+    from tensorhub.transport.samehost.reader import shm_available
 
     ok, why = shm_available()
     if not ok:
@@ -280,7 +281,7 @@ async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
 async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() -> None:
     """A publisher's arrays in memory files: the reader gets a lease on the whole
     version and copies neighbouring chunks in one call each."""
-    from tensorhub.transport.shm import shm_available
+    from tensorhub.transport.samehost.reader import shm_available
 
     ok, why = shm_available()
     if not ok:
@@ -426,7 +427,7 @@ async def test_a_fetch_that_fails_part_way_raises_one_plain_error() -> None:
         await pub.publish("m", 3, w)
         with trio.fail_after(10):
             await reader.wait_for_version("m", None)
-        pub.store.corrupt_next = 10**6
+        corrupt_served(pub, 10**6)
         with pytest.raises(VersionUnavailable, match="no live holder") as info:
             await reader.fetch("m", 3)
         assert not isinstance(info.value, BaseExceptionGroup)

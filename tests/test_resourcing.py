@@ -7,6 +7,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import trio
 
@@ -17,21 +18,30 @@ from tensorhub.processes import LineProcess, free_ports
 
 SIZE = 48 << 20
 CHUNK = 1 << 20
+CORRUPTING_WORKER = Path(__file__).with_name("corrupting_worker.py")
 
 
-def worker(name: str, role: str, port: int, seed: str, expect: int = 3) -> LineProcess:
-    argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", name, "--role", role,
+def worker(name: str, role: str, port: int, seed: str, expect: int = 3,
+           corrupt: int = 0) -> LineProcess:
+    """A demo worker; with ``corrupt``, one whose first ``corrupt`` chunks served are
+    corrupt (tests/corrupting_worker.py)."""
+    start = ([sys.executable, str(CORRUPTING_WORKER), str(corrupt)] if corrupt
+             else [sys.executable, "-m", "tensorhub.demo", "worker"])
+    argv = [*start, "--name", name, "--role", role,
             "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", str(expect),
             "--chunk", str(CHUNK), "--transports", "tcp"]
     return LineProcess(name, argv + (["--join", seed] if seed else []))
 
 
 @asynccontextmanager
-async def two_holders_and_reader(procs: list[LineProcess]) -> AsyncIterator[
+async def two_holders_and_reader(procs: list[LineProcess], corrupt: int = 0) -> AsyncIterator[
         tuple[tensorhub.Peer, LineProcess, str]]:
+    """A publisher and a holder (whose first ``corrupt`` chunks served are corrupt)
+    processes, and a reader in this process that sees both hold version 1."""
     ports = free_ports(3)
     seed = f"127.0.0.1:{ports[0]}"
-    procs += [worker("pub", "trainer", ports[0], ""), worker("holder", "rollout", ports[1], seed)]
+    procs += [worker("pub", "trainer", ports[0], ""),
+              worker("holder", "rollout", ports[1], seed, corrupt=corrupt)]
     cfg = PeerConfig.local("reader", listen=f"127.0.0.1:{ports[2]}", join=(seed,),
                            fetch_window=1, transports=("tcp",), stall_timeout=5.0)
     async with tensorhub.open_peer(cfg) as reader:
@@ -87,9 +97,7 @@ async def test_sigstop_holder_mid_fetch_completes_from_the_other(procs: list[Lin
 
 
 async def test_corrupt_chunk_is_detected_attributed_and_refetched(procs: list[LineProcess]) -> None:
-    async with two_holders_and_reader(procs) as (reader, holder, expected):
-        holder.send("corrupt 1")
-        await trio.to_thread.run_sync(holder.expect, "corrupting", 30)
+    async with two_holders_and_reader(procs, corrupt=1) as (reader, _, expected):
         got = await reader.fetch("demo-llm", 1)
     r = got.report
     assert r.verified and checksum(got.tensors) == expected

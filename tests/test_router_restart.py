@@ -14,12 +14,12 @@ import trio
 import zmq
 
 from tensorhub.errors import ConfigError
-from tensorhub.peer.node import _free_port
 from tensorhub.peer.zmq_trio import ZmqRouter
+from tensorhub.processes import free_ports
 
 
 def _endpoint() -> str:
-    return f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    return f"tcp://127.0.0.1:{free_ports(1)[0]}"
 
 
 async def _rebind(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> ZmqRouter:

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from tensorhub.errors import LocalProtocolError
 from tensorhub.processes import LineProcess, free_ports
 from tensorhub.safetensors_io import map_safetensors, parse_header, write_safetensors
-from tensorhub.transport.shm import shm_available
+from tensorhub.transport.samehost.reader import shm_available
 
 CLI = [sys.executable, "-m", "tensorhub.cli"]
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from corrupting import corrupt_served
 
 import tensorhub
 from tensorhub import (
@@ -458,10 +459,10 @@ async def test_corrupt_chunk_during_resharding_fetch_is_caught_and_refetched() -
         assert copy.report.bytes_by_source == {"p0": copy.report.bytes}
         await until(lambda: complete_holders(reader, key_of(1, tp2.at(0))) == {"p0", "p2"})
         assert mirror.statistics().chunks_served == 0
-        mirror.store.corrupt_next = 1
+        served = corrupt_served(mirror, 1)
         got = await reader.fetch("m", 1)  # reshards: shard 0 from p0 or p2, shard 1 from p1
         assert_same(got.tensors, full)
-        assert mirror.store.corrupt_next == 0  # the mirror did serve a (corrupt) chunk
+        assert served.remaining == 0  # the mirror did serve a (corrupt) chunk
         assert got.report.integrity_failures == {"p2": 1}
         assert "p2" in got.report.dropped_sources
         assert got.report.verified

@@ -26,9 +26,9 @@ from transport_conformance import publish
 import tensorhub
 from tensorhub import PeerConfig, shared_empty
 from tensorhub.peer.store import Store
-from tensorhub.transport import shmem
+from tensorhub.transport.samehost import memory_files
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection, shm_available
 
 SHM, WHY_NOT = shm_available()
 pytestmark = pytest.mark.skipif(not (SHM and hasattr(os, "memfd_create")), reason=WHY_NOT)
@@ -85,7 +85,7 @@ async def cancel_after(scope: trio.CancelScope, checkpoints: int) -> None:
 
 async def test_reads_from_many_memory_files_keep_no_descriptor_after_close(
         no_cycle_collection: None) -> None:
-    before, cached = descriptors(), shmem.sweep_mappings()  # other tests' files
+    before, cached = descriptors(), memory_files.sweep_mappings()  # other tests' files
     async with serving() as (store, address):
         rng = random.Random(SEED)
         pub = publish(store, rng, [rng.randrange(1, 5000) for _ in range(FILES)],
@@ -101,14 +101,14 @@ async def test_reads_from_many_memory_files_keep_no_descriptor_after_close(
         assert conn.transport == "shm-memfd"
         await conn.aclose()
         # The holder keeps its files open, so the reader keeps them mapped (cached)...
-        assert shmem.cached_mappings() >= cached + FILES
+        assert memory_files.cached_mappings() >= cached + FILES
         await trio.testing.wait_all_tasks_blocked()  # the holder has ended its side too
         # ...but not one descriptor for them, nor for the connection.
         assert descriptors() == held
     del store, pub, conn
     # The server stopped and its store is gone, so are the arrays and their files; the
     # reader unmaps them.
-    assert shmem.sweep_mappings() == cached
+    assert memory_files.sweep_mappings() == cached
     assert descriptors() == before
 
 

@@ -16,15 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.transport import streamcopy
-from tensorhub.transport.streamcopy import BLOCK, MIN_BYTES, stream_copy_all
+from tensorhub.transport.samehost import streaming_copy
+from tensorhub.transport.samehost.streaming_copy import BLOCK, MIN_BYTES, stream_copy_all
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
 def test_the_routine_is_used_where_it_can_be() -> None:
-    status = streamcopy.status()
+    status = streaming_copy.status()
     if NATIVE and os.environ.get("TENSORHUB_STREAM_COPY", "1") != "0":
         assert status == "non-temporal (SSE2)"
     else:
@@ -103,16 +103,16 @@ def test_refuses_a_read_only_destination() -> None:
 @pytest.mark.skipif(not (NATIVE and shutil.which("as") and shutil.which("objcopy")),
                     reason="needs GNU as and objcopy for x86-64")
 def test_the_machine_code_is_the_listing_assembled(tmp_path: Path) -> None:
-    (tmp_path / "ntcopy.s").write_text(streamcopy.assembly())
+    (tmp_path / "ntcopy.s").write_text(streaming_copy.assembly())
     subprocess.run(["as", "ntcopy.s", "-o", "ntcopy.o"], cwd=tmp_path, check=True)
     subprocess.run(["objcopy", "-O", "binary", "-j", ".text", "ntcopy.o", "ntcopy.bin"],
                    cwd=tmp_path, check=True)
-    assert (tmp_path / "ntcopy.bin").read_bytes() == streamcopy.CODE
+    assert (tmp_path / "ntcopy.bin").read_bytes() == streaming_copy.CODE
 
 
 def test_switched_off_it_copies_with_memmove() -> None:
     script = ("import numpy as np\n"
-              "from tensorhub.transport import streamcopy as s\n"
+              "from tensorhub.transport.samehost import streaming_copy as s\n"
               "src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)\n"
               "dst = np.zeros_like(src)\n"
               "s.stream_copy_all([(dst[3:], src[3:])])\n"

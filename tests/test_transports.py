@@ -24,6 +24,7 @@ import pytest
 import transport_conformance
 import trio
 import trio.testing
+from corrupting import CorruptingProvider
 from transport_conformance import *  # noqa: F403
 from transport_conformance import (
     SEED,
@@ -60,14 +61,17 @@ from tensorhub.protocol.dataplane import (
 )
 from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.security import Identity, Keyring
-from tensorhub.transport import crossmem, shm, shm_serve, shmem, tcp
+from tensorhub.transport import tcp
 from tensorhub.transport.base import NotServing
-from tensorhub.transport.frames import _recv_frame, _send_frame
+from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.handshake import DataAuth
 from tensorhub.transport.local import local_name
 from tensorhub.transport.memory import MemoryServer
+from tensorhub.transport.samehost import holder as shm_holder
+from tensorhub.transport.samehost import memory_files, process_vm
+from tensorhub.transport.samehost import reader as shm_reader
+from tensorhub.transport.samehost.reader import ShmConnection, iovecs_of, shm_available
 from tensorhub.transport.server import TcpServer
-from tensorhub.transport.shm import ShmConnection, iovecs_of, shm_available
 from tensorhub.transport.tcp import TcpConnection
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,12 +108,14 @@ def member(name: str) -> DataAuth:
 
 
 @asynccontextmanager
-async def tcp_holder(connection: type[TcpConnection], auth: bool = False
+async def tcp_holder(connection: type[TcpConnection], auth: bool = False, corrupt: int = 0
                      ) -> AsyncIterator[Holder]:
     """A TcpServer in this process; ``connection`` is TcpConnection or ShmConnection;
-    with ``auth`` every connection opens with the members' handshake."""
+    with ``auth`` every connection opens with the members' handshake; the first
+    ``corrupt`` chunks it serves have a flipped byte (:mod:`corrupting`)."""
     store, sent, bad = Store(), list[int](), list[str]()
-    server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append,
+    served = CorruptingProvider(store, corrupt) if corrupt else store
+    server = TcpServer(served, lambda _peer, n: sent.append(n), bad.append,
                        auth=member("holder") if auth else None)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
     scope, stopped = trio.CancelScope(), trio.Event()
@@ -176,7 +182,7 @@ def test_copy_batches_any_cuts_on_both_sides() -> None:
         _src_room, src = scattered(rng, data, rng.randrange(1, 3000))
         _dst_room, dst = scattered(rng, bytes(len(data)), rng.randrange(1, 3000))
         assert len(iovecs_of(src)) == len(src)
-        crossmem.readv_all(os.getpid(), iovecs_of(dst), iovecs_of(src))
+        process_vm.readv_all(os.getpid(), iovecs_of(dst), iovecs_of(src))
         assert b"".join(dst) == data
 
 
@@ -245,7 +251,8 @@ async def test_holder_process_killed_mid_read(holder_process: Any, when: str, ar
     assert np.array_equal(buf, pub.chunk(0))  # one copy from another process's arrays
     assert conn.transport == {"plain": "shm", "shared": "shm-memfd"}[arrays]
 
-    where, name = {"plain": (shm, "readv_all"), "shared": (shmem.MappedFiles, "copy")}[arrays]
+    where, name = {"plain": (shm_reader, "readv_all"),
+                   "shared": (memory_files.MappedFiles, "copy")}[arrays]
     copy = getattr(where, name)
 
     def dying_copy(*args: Any) -> None:
@@ -276,13 +283,13 @@ async def test_lease_ends_when_the_reader_goes_away_or_misbehaves() -> None:
         pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
         for follow_up in (None, ChunkRequest(2, "m", 1, 0)):
             async with local_connection(holder.address) as sock:
-                await _send_frame(sock, ShmChunkRequest(1, "m", 1, 0))
-                grant = await _recv_frame(sock)
+                await send_frame(sock, ShmChunkRequest(1, "m", 1, 0))
+                grant = await recv_frame(sock)
                 assert isinstance(grant, ShmGrant) and grant.length == 65_536
                 await trio.testing.wait_all_tasks_blocked()
                 assert pub.local.inflight == 1  # held until ShmDone...
                 if follow_up is not None:
-                    await _send_frame(sock, follow_up)
+                    await send_frame(sock, follow_up)
                     with trio.fail_after(5):
                         while await sock.recv(1 << 16):
                             pass
@@ -303,8 +310,8 @@ async def test_bad_input_under_a_version_lease_ends_only_that_connection(bad: by
         assert holder.address is not None
         pub = publish(holder.store, rng, [100_000], chunk_size=65_536)
         async with local_connection(holder.address) as sock:
-            await _send_frame(sock, ShmVersionRequest(1, "m", 1, 0))
-            grant = await _recv_frame(sock)
+            await send_frame(sock, ShmVersionRequest(1, "m", 1, 0))
+            grant = await recv_frame(sock)
             assert isinstance(grant, ShmVersionGrant) and not grant.more
             await sock.send(bad)
             with trio.fail_after(5):  # the holder ends the connection
@@ -368,12 +375,11 @@ async def test_cancelled_read_ends_the_lease_before_close(kind: str) -> None:
 
 
 @needs_shm
-async def test_corrupt_hook_flips_a_byte_of_what_the_reader_gets() -> None:
+async def test_a_corrupting_holder_flips_a_byte_of_what_the_reader_gets() -> None:
     rng = rng_for("shm-corrupt")
-    async with tcp_holder(ShmConnection) as holder:
+    async with tcp_holder(ShmConnection, corrupt=1) as holder:
         pub = publish(holder.store, rng, [10_000], chunk_size=10_000)
         conn = await holder.connect()
-        holder.store.corrupt_next = 1
         for flipped in (True, False):
             buf = np.zeros(10_000, dtype=np.uint8)
             await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
@@ -493,13 +499,13 @@ async def test_unpublish_waits_for_the_version_lease_to_end(ending: str) -> None
 async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    land = shm._land_batch
+    land = shm_reader._land_batch
 
     def counted(files: Any, jobs: Any) -> Any:
         calls.append(len(jobs))
         return land(files, jobs)
 
-    monkeypatch.setattr(shm, "_land_batch", counted)
+    monkeypatch.setattr(shm_reader, "_land_batch", counted)
     rng = rng_for("leased-batch")
     async with tcp_holder(ShmConnection) as holder:
         pub = publish(holder.store, rng, [1_000_000, 1_100_000], chunk_size=300_000)
@@ -539,7 +545,7 @@ async def test_connections_share_one_mapping_until_the_holder_lets_go_of_its_fil
     rng = rng_for("mapping-cache")
     async with tcp_holder(ShmConnection) as holder:
         pub = publish(holder.store, rng, [300_000], chunk_size=100_000)
-        pieces = shmem.pieces_of(pub.local.segments(0))
+        pieces = memory_files.pieces_of(pub.local.segments(0))
         assert pieces is not None
         fd, inode = int(pieces[0][0]), int(pieces[0][1])
         seen = []
@@ -550,7 +556,7 @@ async def test_connections_share_one_mapping_until_the_holder_lets_go_of_its_fil
             await conn.aclose()
             seen += reader_mappings(inode)
         assert len(seen) == 3 and len(set(seen)) == 1  # one mapping, kept all along
-        assert shmem.sweep_mappings(os.getpid()) >= 1  # the holder still has the file
+        assert memory_files.sweep_mappings(os.getpid()) >= 1  # the holder still has the file
         assert reader_mappings(inode) == seen[:1]
 
         key = pub.local.manifest.key
@@ -580,7 +586,7 @@ async def test_a_dead_holders_files_are_unmapped(holder_process: Any) -> None:
     assert len(reader_mappings(inode)) == 1  # kept: the holder still has the file
     proc.kill()
     proc.wait(5)
-    shmem.sweep_mappings(proc.pid)
+    memory_files.sweep_mappings(proc.pid)
     gc.collect()
     assert not reader_mappings(inode)
 
@@ -613,13 +619,12 @@ async def test_a_holder_still_receiving_grants_chunk_by_chunk() -> None:
 
 @needs_shm
 @pytest.mark.usefixtures("shared_arrays")
-async def test_corrupt_hook_on_a_memfd_holder_flips_the_first_chunk_read() -> None:
+async def test_a_corrupting_memfd_holder_flips_the_first_chunk_read() -> None:
     rng = rng_for("version-lease-corrupt")
-    async with tcp_holder(ShmConnection) as holder:
+    async with tcp_holder(ShmConnection, corrupt=1) as holder:
         pub = publish(holder.store, rng, [30_000], chunk_size=10_000)
         conn = await holder.connect()
         assert isinstance(conn, ShmConnection)
-        holder.store.corrupt_next = 1
         for c, flipped in ((1, True), (1, False), (2, False)):
             buf = np.zeros(10_000, dtype=np.uint8)
             await read_into(conn, pub, c, [memoryview(buf)])  # type: ignore[arg-type]
@@ -667,8 +672,8 @@ async def fake_holder(answer: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
         with sock:
             try:
                 while True:
-                    for frame in answer(await _recv_frame(sock)):
-                        await _send_frame(sock, frame)
+                    for frame in answer(await recv_frame(sock)):
+                        await send_frame(sock, frame)
             except (TransportError, OSError):
                 return
 
@@ -691,8 +696,8 @@ async def local_connection(address: str) -> AsyncIterator[trio.socket.SocketType
 
 
 def welcome(req: Any, **changes: Any) -> ShmWelcome:
-    good = dict(req_id=req.req_id, pid=os.getpid(), token=shm_serve._token,
-                token_at=shm_serve._token_at)
+    good = dict(req_id=req.req_id, pid=os.getpid(), token=shm_holder._token,
+                token_at=shm_holder._token_at)
     return ShmWelcome(**{**good, **changes})
 
 
@@ -753,7 +758,7 @@ async def test_read_refuses_a_bad_grant(answer: Any, error: str) -> None:
 
 
 SHARED = shared_empty(4096, np.uint8)  # a memory file the fake holders below grant
-FD, INODE = (int(x) for x in shmem.pieces_of([memoryview(SHARED)])[0, :2])  # type: ignore[index, arg-type]
+FD, INODE = (int(x) for x in memory_files.pieces_of([memoryview(SHARED)])[0, :2])  # type: ignore[index, arg-type]
 
 
 def unsealed_file() -> tuple[int, int]:
@@ -892,34 +897,34 @@ def maps_inode(inode: int) -> bool:
 
 
 def test_shared_arrays_are_registered_until_the_last_view_goes() -> None:
-    before = shmem.registered()
+    before = memory_files.registered()
     arr = shared_empty((3, 1000), np.float32)
     assert arr.shape == (3, 1000) and arr.dtype == np.float32 and arr.flags.writeable
-    pieces = shmem.pieces_of([memoryview(arr)])  # type: ignore[arg-type]
-    assert pieces is not None and shmem.registered() == before + 1
+    pieces = memory_files.pieces_of([memoryview(arr)])  # type: ignore[arg-type]
+    assert pieces is not None and memory_files.registered() == before + 1
     fd, inode, offset, length = (int(x) for x in pieces[0])
     assert (offset, length) == (0, 12_000) and maps_inode(inode)
     view = arr[1:]
     del arr
-    assert shmem.registered() == before + 1  # a view keeps the memory
-    assert shmem.pieces_of([memoryview(view)]).tolist() == [[fd, inode, 4000, 8000]]  # type: ignore[union-attr, arg-type]
+    assert memory_files.registered() == before + 1  # a view keeps the memory
+    assert memory_files.pieces_of([memoryview(view)]).tolist() == [[fd, inode, 4000, 8000]]  # type: ignore[union-attr, arg-type]
     del view
-    assert shmem.registered() == before
+    assert memory_files.registered() == before
     assert not maps_inode(inode)  # unmapped...
     assert not os.path.exists(f"/proc/self/fd/{fd}") or os.fstat(fd).st_ino != inode  # ...closed
 
 
 def test_pieces_merge_neighbours_and_need_every_segment_shared() -> None:
     a, b = shared_empty(8192, np.uint8), shared_empty(100, np.uint8)
-    (fa, ia, _, _), (fb, ib, _, _) = (shmem.pieces_of([memoryview(x)])[0]  # type: ignore[index, arg-type]
+    (fa, ia, _, _), (fb, ib, _, _) = (memory_files.pieces_of([memoryview(x)])[0]  # type: ignore[index, arg-type]
                                       for x in (a, b))
     va, vb = memoryview(a), memoryview(b)  # type: ignore[arg-type]
-    assert shmem.pieces_of([va[10:20], va[20:20], va[20:30].toreadonly(), vb[5:], va[:1]]
+    assert memory_files.pieces_of([va[10:20], va[20:20], va[20:30].toreadonly(), vb[5:], va[:1]]
                            ).tolist() == [[fa, ia, 10, 20], [fb, ib, 5, 95], [fa, ia, 0, 1]]  # type: ignore[union-attr]
     plain = memoryview(bytearray(10))
-    assert shmem.pieces_of([va[:10], plain]) is None
-    assert shmem.pieces_of([va[8000:], memoryview(np.empty(300, np.uint8))]) is None  # type: ignore[arg-type]
-    assert shmem.pieces_of([]) is None
+    assert memory_files.pieces_of([va[:10], plain]) is None
+    assert memory_files.pieces_of([va[8000:], memoryview(np.empty(300, np.uint8))]) is None  # type: ignore[arg-type]
+    assert memory_files.pieces_of([]) is None
     assert shared_empty(0, np.uint8).size == 0
 
 
@@ -929,7 +934,7 @@ def test_fetched_arrays_are_shared() -> None:
     manifest = Manifest("m", 1, specs, 4096, "xxh3-128", (bytes(16),))
     arrays, flat = allocate_flat(manifest)
     assert flat is not None
-    pieces = shmem.pieces_of([memoryview(a) for a in arrays])  # type: ignore[arg-type]
+    pieces = memory_files.pieces_of([memoryview(a) for a in arrays])  # type: ignore[arg-type]
     assert pieces is not None and pieces[:, 2:].tolist() == [[0, 134]]
 
 

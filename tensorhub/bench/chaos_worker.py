@@ -39,7 +39,7 @@ from ..config import PeerConfig
 from ..errors import TensorHubError, VersionUnavailable
 from ..model import VersionKey
 from ..peer.node import Peer, open_peer
-from ..transport.shmem import shared_empty
+from ..transport.samehost.memory_files import shared_empty
 from .worker import answer_commands
 
 TENSOR_BYTES = 256 << 10

@@ -73,7 +73,7 @@ MODEL = "bench"
 TRAINER = "trainer"
 JOINER = "joiner"
 _PORT = 7700
-_KEYED_PORT = 7710
+KEYED_PORT = 7710
 """With ``--keys both``: the keyed mesh's port (its joiner's would be the next one)."""
 _STALL_TIMEOUT_S = 60.0
 """Workers' stall limit per chunk read: a star fetch shares the trainer's NIC (or the WAN)
@@ -305,7 +305,7 @@ def measure(args: argparse.Namespace, spec: ClusterSpec, size: int, chunk: int,
         with (open_mesh(cluster, chunk, args.plan,
                         keys=keys if args.keys == "on" else None) as mesh,
               ExitStack() as extra):
-            other = (extra.enter_context(open_mesh(cluster, chunk, args.plan, _KEYED_PORT,
+            other = (extra.enter_context(open_mesh(cluster, chunk, args.plan, KEYED_PORT,
                                                    keys))
                      if args.keys == "both" else None)
             for run in range(args.runs):

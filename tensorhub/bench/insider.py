@@ -31,16 +31,16 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ..model import PeerInfo
-from ..protocol import codec
 from ..protocol.control import RefsDelta
 from ..protocol.coordination import CoordRequest
-from ..protocol.dataplane import MAX_FRAME, NONCE_BYTES, AuthHello, AuthProof
+from ..protocol.dataplane import NONCE_BYTES, AuthHello, AuthProof
 from ..protocol.membership import Gossip, PushPull, Update
 from ..protocol.refs import Holding, OriginEntry, Stamp, announcement_bytes
 from ..security import load
+from ..transport.frames import encode_frame
 from ..transport.handshake import transcript
 from .chaos_worker import model_bytes
-from .rogue_wares import forged_offer, frame, read_frame
+from .rogue_wares import forged_offer, read_message
 
 if TYPE_CHECKING:
     from .rogue import Rogue
@@ -99,25 +99,25 @@ class Insider:
 
     def prove_to_holder(self, conn: socket.socket, holder: str) -> None:
         mine = os.urandom(NONCE_BYTES)
-        conn.sendall(frame(AuthHello(INSIDER, mine)))
-        challenge = codec.decode(read_frame(conn), MAX_FRAME)
+        conn.sendall(encode_frame(AuthHello(INSIDER, mine)))
+        challenge = read_message(conn)
         if not isinstance(challenge, AuthHello):
             raise ConnectionError(f"{holder} refused the insider: {challenge}")
-        conn.sendall(frame(AuthProof(self.identity.sign(
+        conn.sendall(encode_frame(AuthProof(self.identity.sign(
             transcript(b"reader", mine, challenge.nonce, INSIDER, holder)))))
-        if not isinstance(codec.decode(read_frame(conn), MAX_FRAME), AuthProof):
+        if not isinstance(read_message(conn), AuthProof):
             raise ConnectionError(f"{holder} refused the insider's proof")
 
     def admit_reader(self, conn: socket.socket) -> str:
         """The holder's side: prove ourselves to whoever says hello (the insider does
         not care who reads its forgeries)."""
-        hello = codec.decode(read_frame(conn), MAX_FRAME)
+        hello = read_message(conn)
         if not isinstance(hello, AuthHello):
             raise ConnectionError("no AuthHello")
         mine = os.urandom(NONCE_BYTES)
-        conn.sendall(frame(AuthHello("", mine)))
-        codec.decode(read_frame(conn), MAX_FRAME)  # the reader's proof: not checked
-        conn.sendall(frame(AuthProof(self.identity.sign(
+        conn.sendall(encode_frame(AuthHello("", mine)))
+        read_message(conn)  # the reader's proof: not checked
+        conn.sendall(encode_frame(AuthProof(self.identity.sign(
             transcript(b"holder", hello.nonce, mine, INSIDER, hello.name)))))
         return hello.name
 

@@ -40,6 +40,7 @@ import zmq
 
 from ..manifest import manifest_id_of
 from ..model import PeerInfo
+from ..processes import free_ports
 from ..protocol import codec
 from ..protocol.control import RefsDelta, RefsDigest
 from ..protocol.dataplane import (
@@ -53,17 +54,10 @@ from ..protocol.dataplane import (
 from ..protocol.membership import Ack, Gossip, Ping, PushPull, Update
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding, OriginEntry, Stamp
+from ..transport.frames import FRAME_LENGTH, encode_frame, recv_exact_blocking
 from . import insider as insider_mod
 from .insider import INSIDER_ATTACKS, Insider
-from .rogue_wares import (
-    LEN,
-    DataServer,
-    forged_offer,
-    frame,
-    huge_manifest,
-    read_exact,
-    read_frame,
-)
+from .rogue_wares import DataServer, forged_offer, huge_manifest, read_message
 
 register_all()
 
@@ -103,7 +97,7 @@ class Rogue:
         self.chunk = chunk
         self.huge_tensors = huge_tensors
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.control = f"tcp://{ip}:{_free_port(ip)}"
+        self.control = f"tcp://{ip}:{free_ports(1, ip)[0]}"
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTING_ID, self.control.encode())
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -350,11 +344,13 @@ class Rogue:
             with socket.create_connection((host, int(port)), timeout=2.0) as conn:
                 if self.insider is not None:
                     self.insider.prove_to_holder(conn, holder)
-                conn.sendall(frame(req))
-                reply = codec.decode(read_frame(conn), MAX_FRAME)
+                conn.sendall(encode_frame(req))
+                reply = read_message(conn)
                 if not isinstance(reply, Reply) or reply.status != OK or reply.length <= 0:
                     return None
-                return read_exact(conn, min(reply.length, 64 << 20))
+                payload = bytearray(min(reply.length, 64 << 20))
+                recv_exact_blocking(conn, memoryview(payload))
+                return bytes(payload)
         except Exception:  # refused, reset, garbage
             return None
 
@@ -363,8 +359,8 @@ class Rogue:
         host, _, port = address.rpartition(":")
         try:
             conn = socket.create_connection((host, int(port)), timeout=2.0)
-            conn.sendall(frame(ShmVersionRequest(1, model, version, 0)))
-            reply = codec.decode(read_frame(conn), MAX_FRAME)
+            conn.sendall(encode_frame(ShmVersionRequest(1, model, version, 0)))
+            reply = read_message(conn)
         except Exception:  # refused, reset, garbage
             return False
         self.held.append(conn)
@@ -376,7 +372,7 @@ class Rogue:
         for _ in range(count):
             try:
                 conn = socket.create_connection((host, int(port)), timeout=1.0)
-                conn.sendall(LEN.pack(MAX_FRAME) + b"\x93")
+                conn.sendall(FRAME_LENGTH.pack(MAX_FRAME) + b"\x93")
             except OSError:
                 break
             self.held.append(conn)
@@ -421,7 +417,7 @@ class Rogue:
         while not stop.is_set():
             try:
                 with socket.create_connection((host, int(port)), timeout=1.0) as conn:
-                    conn.sendall(LEN.pack(MAX_FRAME) + junk)
+                    conn.sendall(FRAME_LENGTH.pack(MAX_FRAME) + junk)
                     conn.sendall(junk * 16)
             except OSError:
                 time.sleep(0.01)
@@ -436,13 +432,6 @@ class Rogue:
         self.held.clear()
         self.server.offers.clear()
         self.names.clear()
-
-
-def _free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def main(argv: list[str] | None = None) -> None:

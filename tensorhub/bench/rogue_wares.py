@@ -5,7 +5,6 @@ manifests it forges."""
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +14,8 @@ import numpy as np
 
 from ..manifest import build_manifest
 from ..model import VersionKey
-from ..protocol import codec
 from ..protocol.dataplane import (
     BAD_REQUEST,
-    MAX_FRAME,
     NOT_HELD,
     OK,
     ChunkReply,
@@ -27,10 +24,8 @@ from ..protocol.dataplane import (
     ManifestRequest,
     Reply,
 )
+from ..transport.frames import encode_frame, recv_frame_blocking
 from .chaos_worker import model_specs
-
-LEN = struct.Struct(">I")
-
 
 # -- the data port it serves from ----------------------------------------------------------
 
@@ -64,55 +59,42 @@ class DataServer:
                     self.admit(conn)
                     self.admitted += 1
                 while True:
-                    req = codec.decode(read_frame(conn), MAX_FRAME)
+                    req = read_message(conn)
                     offer = self.offers.get((getattr(req, "model", ""),
                                              getattr(req, "version", -1)))
                     if isinstance(req, ManifestRequest) and offer is not None:
                         self.manifests_served += 1
-                        conn.sendall(frame(Reply(req.req_id, OK, len(offer[0]))) + offer[0])
+                        conn.sendall(encode_frame(Reply(req.req_id, OK, len(offer[0]))) + offer[0])
                     elif isinstance(req, ChunkRequest) and offer is not None:
                         payload = offer[1](req.chunk)
                         self.chunks_served += 1
-                        conn.sendall(frame(Reply(req.req_id, OK, len(payload))) + payload)
+                        conn.sendall(encode_frame(Reply(req.req_id, OK, len(payload))) + payload)
                     elif isinstance(req, ChunkRunRequest) and offer is not None:
                         for chunk in range(req.first, req.first + req.count):  # streamed
                             payload = offer[1](chunk)
                             self.chunks_served += 1
-                            conn.sendall(frame(ChunkReply(req.req_id, chunk, OK, len(payload)))
-                                         + payload)
+                            conn.sendall(encode_frame(
+                                ChunkReply(req.req_id, chunk, OK, len(payload))) + payload)
                     elif isinstance(req, ChunkRunRequest):
                         for chunk in range(req.first, req.first + req.count):
-                            conn.sendall(frame(ChunkReply(req.req_id, chunk, NOT_HELD, 0,
-                                                          "not here")))
+                            conn.sendall(encode_frame(ChunkReply(req.req_id, chunk,
+                                                                 NOT_HELD, 0, "not here")))
                     elif isinstance(req, ManifestRequest | ChunkRequest):
-                        conn.sendall(frame(Reply(req.req_id, NOT_HELD, 0, "not here")))
+                        conn.sendall(encode_frame(Reply(req.req_id, NOT_HELD, 0, "not here")))
                     else:
-                        conn.sendall(frame(Reply(getattr(req, "req_id", 0), BAD_REQUEST, 0,
-                                                  "tcp only")))
+                        conn.sendall(encode_frame(Reply(getattr(req, "req_id", 0),
+                                                        BAD_REQUEST, 0, "tcp only")))
             except Exception:  # the reader left or lied
                 return
 
 
-def frame(msg: Any) -> bytes:
-    data = codec.encode(msg, MAX_FRAME)
-    return LEN.pack(len(data)) + data
+def read_message(conn: socket.socket) -> Any:
+    """The next frame's message; a socket timeout with nothing arrived raises."""
+    return recv_frame_blocking(conn, _stalled)
 
 
-def read_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = conn.recv(n - len(buf))
-        if not got:
-            raise EOFError("closed")
-        buf += got
-    return bytes(buf)
-
-
-def read_frame(conn: socket.socket) -> bytes:
-    (n,) = LEN.unpack(read_exact(conn, 4))
-    if n > MAX_FRAME:
-        raise ValueError("frame too large")
-    return read_exact(conn, n)
+def _stalled() -> None:
+    raise TimeoutError("no frame within the socket's timeout")
 
 
 # -- manifests it forges -------------------------------------------------------------------

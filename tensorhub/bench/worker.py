@@ -51,7 +51,7 @@ from ..model import VersionKey
 from ..peer.node import Peer, open_peer
 from ..peer.rollout import Committed, Rollout, Staged
 from ..security import load as load_keys
-from ..transport.shmem import shared_empty
+from ..transport.samehost.memory_files import shared_empty
 from .netns import read_line
 
 

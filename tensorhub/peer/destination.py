@@ -15,7 +15,7 @@ from ..errors import LocalProtocolError
 from ..manifest import Manifest
 from ..model import as_host_array
 from ..torch import check_into, is_tensor
-from ..transport.shmem import shared_empty
+from ..transport.samehost.memory_files import shared_empty
 
 
 def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memoryview | None]:

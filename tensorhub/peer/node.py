@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -47,6 +46,7 @@ from ..model import (
     check_model_name,
     check_version,
 )
+from ..processes import free_ports
 from ..protocol import codec
 from ..protocol.addressing import claimed_name, misaddressed
 from ..protocol.bans import MAX_REASON, Ban, BanNotice, BanTable
@@ -65,8 +65,8 @@ from ..torch import Into, destination
 from ..transport.admission import ServerLimits
 from ..transport.base import Connection
 from ..transport.handshake import DataAuth
+from ..transport.samehost.reader import ShmConnection, shm_available
 from ..transport.server import TcpServer
-from ..transport.shm import ShmConnection, shm_available
 from ..transport.tcp import TcpConnection
 from . import keys
 from .conflicts import Explainer
@@ -87,20 +87,13 @@ log = logging.getLogger("tensorhub.peer")
 INTERNAL_ERRORS_KEPT = 16
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Peer:
     """A member of the mesh.  Create it with :func:`open_peer`."""
 
     def __init__(self, config: PeerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.config = config
         host, port = parse_hostport(config.listen)
-        port = port or _free_port(host)
+        port = port or free_ports(1, host)[0]
         sec = config.security
         self._zap: ZapHandler | None = None
         self._monitor: HandshakeMonitor | None = None

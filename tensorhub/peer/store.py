@@ -132,8 +132,6 @@ class Store:
         """Longest a reader's request waits for a chunk we are still receiving."""
         self.expected: dict[VersionKey, trio.Event] = {}
         """Versions a fetch here is about to add (see :meth:`expecting`)."""
-        self.corrupt_next: int = 0
-        """Test hook: the next N chunk sends get one flipped byte."""
 
     def add(self, local: LocalVersion) -> None:
         self.versions[local.manifest.key] = local
@@ -213,12 +211,6 @@ class Store:
             local.inflight -= 1
             if local.inflight == 0:
                 local.drained.set()
-
-    def corrupt_hook(self, peer: str) -> bool:
-        if self.corrupt_next > 0:
-            self.corrupt_next -= 1
-            return True
-        return False
 
     # -- unpublish ----------------------------------------------------------------
 

@@ -124,7 +124,7 @@ class ShmDone:
 @dataclass(frozen=True, slots=True)
 class ShmFileGrant:
     """Like :class:`ShmGrant`, for a chunk that lies wholly in the holder's memory files
-    (:mod:`tensorhub.transport.shmem`): ``pieces`` are little-endian uint64
+    (:mod:`tensorhub.transport.samehost.memory_files`): ``pieces`` are little-endian uint64
     ``(fd, inode, offset, length)`` quadruples, in chunk order.  The reader opens
     ``/proc/<pid>/fd/<fd>``, checks the inode and maps the pages instead of copying
     through the kernel.  Same lease, same :class:`ShmDone`."""
@@ -136,7 +136,7 @@ class ShmFileGrant:
 
 
 MESSAGES = (ManifestRequest, ChunkRequest, Reply,
-            # same-host transport (tensorhub/transport/shm.py):
+            # same-host transport (tensorhub/transport/samehost/):
             ShmHello, ShmWelcome, ShmChunkRequest, ShmGrant, ShmDone, ShmFileGrant)
 
 

@@ -55,10 +55,6 @@ class Provider(Protocol):
         """Pin the chunk's memory while it is being sent; raises :class:`NotServing`."""
         ...
 
-    def corrupt_hook(self, peer: str) -> bool:
-        """Test hook: True makes the server flip one byte of what it sends."""
-        ...
-
 
 class Connection(Protocol):
     """One reader's connection to one holder, used by one task at a time.  A read that

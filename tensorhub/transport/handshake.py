@@ -26,7 +26,7 @@ import trio
 from ..errors import RemoteProtocolError, TransportError
 from ..protocol.dataplane import NONCE_BYTES, UNAUTHORIZED, AuthHello, AuthProof, Reply
 from ..security import Identity, Keyring
-from .frames import _recv_frame, _send_frame
+from .frames import recv_frame, send_frame
 
 _TAG = b"tensorhub data-plane handshake v1\0"
 _MAX_NAME = 1024  # bytes of a claimed name, UTF-8
@@ -53,17 +53,17 @@ async def prove_to_holder(sock: trio.socket.SocketType, auth: DataAuth, holder: 
     """The reader's side: raises :class:`TransportError` when the holder refuses us or
     cannot prove it is ``holder``."""
     mine = os.urandom(NONCE_BYTES)
-    await _send_frame(sock, AuthHello(auth.name, mine))
-    challenge = await _recv_frame(sock)
+    await send_frame(sock, AuthHello(auth.name, mine))
+    challenge = await recv_frame(sock)
     if isinstance(challenge, Reply) and challenge.status == UNAUTHORIZED:
         raise TransportError(f"{holder} refused us: {challenge.detail}")
     if not isinstance(challenge, AuthHello) or challenge.name \
             or len(challenge.nonce) != NONCE_BYTES:
         raise RemoteProtocolError(f"{holder} answered the data handshake out of turn")
     theirs = challenge.nonce
-    await _send_frame(sock, AuthProof(auth.identity.sign(
+    await send_frame(sock, AuthProof(auth.identity.sign(
         transcript(b"reader", mine, theirs, auth.name, holder))))
-    answer = await _recv_frame(sock)
+    answer = await recv_frame(sock)
     if isinstance(answer, Reply) and answer.status == UNAUTHORIZED:
         raise TransportError(f"{holder} refused us: {answer.detail}")
     if not isinstance(answer, AuthProof) or not auth.keyring.verify_from(
@@ -75,25 +75,25 @@ async def prove_to_holder(sock: trio.socket.SocketType, auth: DataAuth, holder: 
 async def check_reader(sock: trio.socket.SocketType, auth: DataAuth) -> str:
     """The holder's side, before reading any request: the reader's member name.  Raises
     :class:`TransportError` after telling a reader that did not prove itself."""
-    hello = await _recv_frame(sock)
+    hello = await recv_frame(sock)
     if not isinstance(hello, AuthHello) or not 0 < len(hello.name.encode()) <= _MAX_NAME \
             or len(hello.nonce) != NONCE_BYTES:
         await _refuse(sock, getattr(hello, "req_id", 0), "a data connection opens with "
                       "AuthHello: this holder serves members only")
     reader, theirs = hello.name, hello.nonce
     mine = os.urandom(NONCE_BYTES)
-    await _send_frame(sock, AuthHello("", mine))
-    proof = await _recv_frame(sock)
+    await send_frame(sock, AuthHello("", mine))
+    proof = await recv_frame(sock)
     if not isinstance(proof, AuthProof) or not auth.keyring.verify_from(
             reader, transcript(b"reader", theirs, mine, reader, auth.name), proof.signature):
         await _refuse(sock, 0, f"{reader!r:.80} is not a member (or not {auth.name}'s "
                       "reader: the signature does not verify)")
-    await _send_frame(sock, AuthProof(auth.identity.sign(
+    await send_frame(sock, AuthProof(auth.identity.sign(
         transcript(b"holder", theirs, mine, auth.name, reader))))
     return reader
 
 
 async def _refuse(sock: trio.socket.SocketType, req_id: object, why: str) -> NoReturn:
     rid = req_id if isinstance(req_id, int) and 0 <= req_id < 1 << 63 else 0
-    await _send_frame(sock, Reply(rid, UNAUTHORIZED, 0, why))
+    await send_frame(sock, Reply(rid, UNAUTHORIZED, 0, why))
     raise TransportError(why)

@@ -26,7 +26,7 @@ PIECE = 1 << 20
 class MemoryServer:
     """A holder's side: serves ``provider`` to :class:`MemoryConnection` objects.
 
-    ``on_sent(reader, nbytes)`` counts, as for :class:`~tensorhub.transport.tcp.TcpServer`.
+    ``on_sent(reader, nbytes)`` counts, as for :class:`~tensorhub.transport.server.TcpServer`.
     """
 
     def __init__(self, provider: Provider, on_sent: Callable[[str, int], None]) -> None:
@@ -85,10 +85,7 @@ class MemoryConnection:
             if sum(len(s) for s in src) != want:
                 raise RemoteProtocolError(f"{self.peer} has {sum(map(len, src))} bytes in "
                                           f"chunk {chunk}, expected {want}")
-            corrupt = provider.corrupt_hook(self._reader)
             await self._copy(src, out)
-            if corrupt and out:
-                out[0][0] ^= 0xFF
         self._server.on_sent(self._reader, want)
         if verify is not None:
             verify(dest)

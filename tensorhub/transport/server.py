@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from functools import partial
 from typing import Any
@@ -27,11 +27,9 @@ import trio
 
 from ..errors import RemoteProtocolError, TransportError
 from ..model import VersionKey
-from ..protocol import codec
 from ..protocol.dataplane import (
     BAD_REQUEST,
     FRAME_HEADER,
-    MAX_FRAME,
     NOT_YET,
     OK,
     ChunkReply,
@@ -53,10 +51,10 @@ from .admission import (
     ServerStats,
 )
 from .base import NotServing, Provider
-from .frames import _body_size, _frame, _recv_body, _recv_exact, _send_all, _send_frame
+from .frames import encode_frame, recv_rest_of_frame, send_all, send_frame
 from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
-from .shm_serve import LeaseTerms, serve_shm
+from .samehost.holder import LeaseTerms, serve_shm
 from .sockio import send_segments, tune
 
 _BACKLOG = 128
@@ -306,9 +304,7 @@ class _ServerConn:
             self.counts["idle_closed"] += got < 0
             return None
         with trio.move_on_after(self.limits.frame_timeout):
-            await _recv_exact(self.sock, memoryview(head)[got:])
-            body = await _recv_body(self.sock, _body_size(head))
-            return codec.decode(body, MAX_FRAME)
+            return await recv_rest_of_frame(self.sock, head, got)
         self.counts["frame_timeouts"] += 1
         return None
 
@@ -319,10 +315,10 @@ class _ServerConn:
                 key = VersionKey(req.model, req.version, req.shard, req.layout)
                 data = provider.manifest_bytes(key)
             except NotServing as ns:
-                await _send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
+                await send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
                 return
-            await _send_frame(sock, Reply(req.req_id, OK, len(data)))
-            await _send_all(sock, memoryview(data))
+            await send_frame(sock, Reply(req.req_id, OK, len(data)))
+            await send_all(sock, memoryview(data))
         elif isinstance(req, ChunkRequest):
             await self.send_chunk(req)
         elif isinstance(req, ChunkRunRequest):
@@ -330,12 +326,12 @@ class _ServerConn:
         elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
             if not self.local:  # a remote client never gets a lease on our memory
                 self.counts["shm_over_tcp"] += 1
-                await _send_frame(sock, Reply(req.req_id, BAD_REQUEST, 0, "same-host "
-                                              "requests are answered on the local socket only"))
+                await send_frame(sock, Reply(req.req_id, BAD_REQUEST, 0, "same-host "
+                                             "requests are answered on the local socket only"))
                 return
             await serve_shm(sock, self.peer, provider, req, self.server._terms)
         else:
-            await _send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
+            await send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
             raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
 
     async def send_chunk(self, req: ChunkRequest) -> None:
@@ -346,11 +342,11 @@ class _ServerConn:
             lease = provider.lease(key, req.chunk)
             segments = lease.__enter__()
         except NotServing as ns:
-            await _send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
+            await send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
             return
         try:
-            segments, total = self.outgoing(segments)
-            await self.send_views([memoryview(_frame(Reply(req.req_id, OK, total))),
+            total = sum(map(len, segments))
+            await self.send_views([memoryview(encode_frame(Reply(req.req_id, OK, total))),
                                    *segments])
             self.server.on_sent(self.peer, total)
         finally:
@@ -397,27 +393,16 @@ class _ServerConn:
                             waited_out = again.status == NOT_YET
                             raise
                 except NotServing as ns:
-                    views.append(memoryview(_frame(
+                    views.append(memoryview(encode_frame(
                         ChunkReply(req.req_id, chunk, ns.status, 0, ns.detail))))
                     continue
-                segments, total = self.outgoing(segments)
-                views += [memoryview(_frame(ChunkReply(req.req_id, chunk, OK, total))),
+                total = sum(map(len, segments))
+                views += [memoryview(encode_frame(ChunkReply(req.req_id, chunk, OK, total))),
                           *segments]
                 served.append(total)
                 if sum(served) >= RUN_WRITE_BYTES:
                     await flush()
             await flush()
-
-    def outgoing(self, segments: Sequence[memoryview]) -> tuple[list[memoryview], int]:
-        """What goes out for a leased chunk, and its size (the corrupt hook flips the
-        first byte)."""
-        out = list(segments)
-        total = sum(map(len, out))
-        if self.server.provider.corrupt_hook(self.peer) and total:
-            first = next(s for s in out if len(s))
-            at = out.index(first)
-            out[at:at + 1] = [memoryview(bytes([first[0] ^ 0xFF])), first[1:]]
-        return out, total
 
     async def send_views(self, views: list[memoryview]) -> None:
         """Send ``views`` (headers and leased payload) in one vectored write from a worker
@@ -427,7 +412,7 @@ class _ServerConn:
             if twin is None:  # out of descriptors: slower, from the event loop
                 with trio.fail_after(self.limits.lease_timeout):
                     for view in views:
-                        await _send_all(self.sock, view)
+                        await send_all(self.sock, view)
             else:
                 await _send_from_thread(twin, views)
         except (TimeoutError, trio.TooSlowError):

@@ -5,8 +5,9 @@ without the GIL and without an event-loop round trip per ``recv``, and several
 connections copy in parallel.  The holder sends each write in one worker-thread call;
 the reader keeps one thread per connection (:class:`~.tcp.TcpConnection`).  The
 descriptor stays non-blocking (trio sends on it too); Python's socket timeout makes the
-threads' calls wait with poll() instead.  Measured here: 4 streams ~3.9 GB/s vs ~2.9 GB/s
-with trio's ``recv_into``.
+threads' calls wait with poll() instead.  Measured here: 4 streams ~3.9 GB/s vs
+~2.9 GB/s with trio's ``recv_into``.  Frames, the reader thread's included, are made and
+read by :mod:`.frames`.
 """
 
 from __future__ import annotations
@@ -15,16 +16,13 @@ import bisect
 import functools
 import itertools
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
 
 import trio
 
 from ..errors import TransportError
-from ..protocol import codec
-from ..protocol.dataplane import FRAME_HEADER, MAX_FRAME
-from .frames import _body_size
 
 SEND_BUFFER = 4 << 20
 """Bytes of a holder's send buffer (Linux doubles it), when the kernel allows that much
@@ -34,15 +32,6 @@ holder's writes rarely wait.  The receive buffer is left to the kernel's autotun
 round trip -- at the default ``rmem_max`` of 208 KiB, a setting is cut to 416 KiB and
 turns autotuning off -- and measured here (256 MiB over loopback, interleaved runs),
 autotuning was faster than a fixed 8 MiB (1.00 vs 0.88 of a raw socket)."""
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise TransportError("connection closed mid-payload")
-        got += k
 
 
 def send_segments(sock: socket.socket, segments: Sequence[memoryview]) -> None:
@@ -92,25 +81,6 @@ def bytes_of(buf: Any) -> memoryview:
     """A flat byte view of a C-contiguous buffer (itself when it is one already)."""
     view = buf if isinstance(buf, memoryview) else memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def recv_frame(sock: socket.socket, on_idle: Callable[[], None]) -> Any:
-    """The next frame, however long until its first byte: each time the socket's timeout
-    passes with nothing, ``on_idle()`` decides whether to wait on (or raises)."""
-    head = bytearray(FRAME_HEADER)
-    view = memoryview(head)
-    while True:
-        try:
-            got = sock.recv_into(view)
-            break
-        except TimeoutError:
-            on_idle()
-    if got == 0:
-        raise TransportError("connection closed")
-    recv_exact(sock, view[got:])
-    body = bytearray(_body_size(head))
-    recv_exact(sock, memoryview(body))
-    return codec.decode(bytes(body), MAX_FRAME)
 
 
 def tune(sock: trio.socket.SocketType) -> None:

@@ -43,11 +43,17 @@ from ..protocol.dataplane import (
     Reply,
 )
 from ..protocol.sizing import StreamWindow
-from . import copypool
+from . import copy_threads
 from .base import Landed, NotServing, Take, Verifier, read_each
-from .frames import _recv_exact, _recv_frame, _send_frame
+from .frames import (
+    recv_exact,
+    recv_exact_blocking,
+    recv_frame,
+    recv_frame_blocking,
+    send_frame,
+)
 from .handshake import DataAuth, prove_to_holder
-from .sockio import NBYTES, bytes_of, recv_exact, recv_frame, recv_scattered, tune
+from .sockio import NBYTES, bytes_of, recv_scattered, tune
 
 # -- the payload path: plain sockets in threads (:mod:`.sockio`) --------------------------
 #
@@ -116,7 +122,7 @@ class TcpConnection:
         host, _, port = address.rpartition(":")
         sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         tune(sock)
-        await _dial(sock, (host, int(port)), peer, timeout, auth,
+        await dial(sock, (host, int(port)), peer, timeout, auth,
                     f"cannot connect to {peer} at {address}")
         return cls(sock, peer)
 
@@ -127,8 +133,8 @@ class TcpConnection:
             return data
         # Before any chunk (and always on a shared-memory connection): on the event loop.
         sent = time.perf_counter()
-        await _send_frame(self._sock, req)
-        reply = await _recv_frame(self._sock)
+        await send_frame(self._sock, req)
+        reply = await recv_frame(self._sock)
         self._rtt(time.perf_counter() - sent)
         if not isinstance(reply, Reply) or reply.req_id != req.req_id:
             raise RemoteProtocolError(f"{self.peer} answered out of turn")
@@ -136,7 +142,7 @@ class TcpConnection:
             raise NotServing(reply.status, reply.detail or f"status {reply.status}")
         _check_manifest_length(self.peer, reply)
         buf = bytearray(reply.length)
-        await _recv_exact(self._sock, memoryview(buf))
+        await recv_exact(self._sock, memoryview(buf))
         return bytes(buf)
 
     async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
@@ -173,7 +179,7 @@ class TcpConnection:
         ex = _Exchange(req.req_id, land)
         try:
             self._enqueue(ex)
-            await _send_frame(self._sock, req)
+            await send_frame(self._sock, req)
             await ex.done.wait()
         except BaseException:
             # Cancelled or failed mid-exchange: the stream is out of step.  Shutting it
@@ -248,7 +254,7 @@ class TcpConnection:
             self._enqueue(_Run(req.req_id, part[0][0], [d for _, d, _ in part],
                                [v for _, _, v in part], stream, time.perf_counter(),
                                not self._queue))
-            await _send_frame(self._sock, req)
+            await send_frame(self._sock, req)
             at = stop
 
     def _rtt(self, seconds: float) -> None:
@@ -262,7 +268,7 @@ class TcpConnection:
         on the first error (the connection is then out of step) or when it is closed."""
         try:
             while True:
-                reply = recv_frame(sock, partial(self._on_idle, token))
+                reply = recv_frame_blocking(sock, partial(self._on_idle, token))
                 now = time.perf_counter()
                 if not self._queue:
                     raise RemoteProtocolError(f"{self.peer} sent a frame nobody asked for")
@@ -325,7 +331,7 @@ class TcpConnection:
         if run.at == len(run.dests):
             self._queue.popleft()
         if verify is not None and VERIFY_ASIDE:
-            copypool.pool.submit(partial(_check_then_post, run.stream, chunk, dest, verify,
+            copy_threads.pool.submit(partial(_check_then_post, run.stream, chunk, dest, verify,
                                          result, rtt, sample))
             return
         if verify is not None:
@@ -343,7 +349,7 @@ class TcpConnection:
     def _land_manifest(self, sock: socket.socket, reply: Reply) -> bytes:
         _check_manifest_length(self.peer, reply)
         buf = bytearray(reply.length)
-        recv_exact(sock, memoryview(buf))
+        recv_exact_blocking(sock, memoryview(buf))
         return bytes(buf)
 
     def _land_payload(self, sock: socket.socket, length: int, chunk: int,
@@ -356,7 +362,7 @@ class TcpConnection:
             recv_scattered(sock, dest)
         else:
             for d in dest:
-                recv_exact(sock, bytes_of(d))
+                recv_exact_blocking(sock, bytes_of(d))
         return want
 
     def _land_chunk(self, sock: socket.socket, reply: Reply, chunk: int,
@@ -407,7 +413,7 @@ class TcpConnection:
         return False  # closed by the holder (b""), or a byte nobody asked for
 
 
-async def _dial(sock: trio.socket.SocketType, where: Any, peer: str, timeout: float,
+async def dial(sock: trio.socket.SocketType, where: Any, peer: str, timeout: float,
                 auth: DataAuth | None, failed: str) -> None:
     """Connect ``sock`` to ``where`` and, with ``auth``, run the handshake with ``peer``,
     all within ``timeout``; the socket is closed if anything fails."""

@@ -1,7 +1,6 @@
 """Same-host transport, holder side: answering ``ShmHello``, ``ShmChunkRequest`` and
 ``ShmVersionRequest`` (handed over by :class:`~tensorhub.transport.server.TcpServer`
-from its same-host socket only); see :mod:`tensorhub.transport.shm` for the protocol and
-the reader side.
+from its same-host socket only); see :mod:`.reader` for the protocol and the reader side.
 
 Revocation.  A reader that does not end a chunk lease (``ShmDone``) within the holder's
 ``lease_timeout``, or a version lease within it of a ``ShmRevoke``, is cut off: the holder
@@ -25,7 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +33,9 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from ..errors import RemoteProtocolError, TransportError
-from ..model import VersionKey
-from ..protocol.dataplane import (
+from ...errors import RemoteProtocolError, TransportError
+from ...model import VersionKey
+from ...protocol.dataplane import (
     OK,
     Reply,
     ShmChunkRequest,
@@ -50,10 +49,10 @@ from ..protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
-from .base import NotServing, Provider
-from .crossmem import iovecs_of
-from .frames import _recv_frame, _send_frame
-from .shmem import Pieces, address_of, pieces_of
+from ..base import NotServing, Provider
+from ..frames import recv_frame, send_frame
+from .memory_files import Pieces, address_of, pieces_of
+from .process_vm import iovecs_of
 
 GRANT_IOVECS = 32768  # iovecs per ShmGrant frame: 512 KiB, well under MAX_FRAME
 GRANT_PIECES = 16384  # pieces per ShmFileGrant frame: 512 KiB
@@ -70,14 +69,6 @@ def _new_token() -> None:
 
 _new_token()
 os.register_at_fork(after_in_child=_new_token)
-
-
-def _flipped_copy(segments: Sequence[memoryview]) -> memoryview:
-    """Test hook (``Provider.corrupt_hook``): a private copy with one byte flipped."""
-    buf = bytearray(b"".join(segments))
-    if buf:
-        buf[0] ^= 0xFF
-    return memoryview(buf)
 
 
 @dataclass(frozen=True)
@@ -98,21 +89,18 @@ async def serve_shm(sock: trio.socket.SocketType, peer: str, provider: Provider,
     """Answer one same-host request; a chunk stays leased until the reader's ShmDone, a
     version until its ShmRelease (or the connection's end, or revocation)."""
     if isinstance(req, ShmHello):
-        await _send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
+        await send_frame(sock, ShmWelcome(req.req_id, os.getpid(), _token, _token_at))
         return
     key = VersionKey(req.model, req.version, req.shard, req.layout)
-    corrupt = False
     if isinstance(req, ShmVersionRequest):
         hold = getattr(provider, "hold", None)  # Store.hold: a lease on a whole version
         if hold is not None:
             with hold(key) as local:
                 pieces = None if local is None else _whole_version(local)
                 if pieces is not None:
-                    corrupt = provider.corrupt_hook(peer)
-                    if not corrupt:
-                        await _lease_version(sock, peer, local, req.req_id, pieces, terms)
-                        return
-    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, terms, corrupt)
+                    await _lease_version(sock, peer, local, req.req_id, pieces, terms)
+                    return
+    await _serve_chunk(sock, peer, provider, key, req.req_id, req.chunk, terms)
 
 
 def _revoke(sock: trio.socket.SocketType) -> None:
@@ -125,17 +113,14 @@ def _revoke(sock: trio.socket.SocketType) -> None:
 
 
 async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provider,
-                       key: VersionKey, req_id: int, chunk: int, terms: LeaseTerms,
-                       corrupt: bool) -> None:
+                       key: VersionKey, req_id: int, chunk: int, terms: LeaseTerms) -> None:
     with ExitStack() as stack:
         try:
             await provider.wait_chunk(key, chunk)
             segments = stack.enter_context(provider.lease(key, chunk))
         except NotServing as ns:
-            await _send_frame(sock, Reply(req_id, ns.status, 0, ns.detail))
+            await send_frame(sock, Reply(req_id, ns.status, 0, ns.detail))
             return
-        if corrupt or provider.corrupt_hook(peer):
-            segments = [_flipped_copy(segments)]
         files = pieces_of(segments)
         rows, grant, per_frame = ((iovecs_of(segments), ShmGrant, GRANT_IOVECS) if files is None
                                   else (files, ShmFileGrant, GRANT_PIECES))
@@ -144,14 +129,14 @@ async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provid
         with trio.move_on_after(terms.timeout) as waited:
             for start in range(0, max(len(rows), 1), per_frame):
                 part = rows[start:start + per_frame].astype("<u8").tobytes()
-                await _send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
+                await send_frame(sock, grant(req_id, total, part, start + per_frame < len(rows)))
             try:
-                done = await _recv_frame(sock)
+                done = await recv_frame(sock)
             except TransportError:
                 return  # the reader went away; its lease ends here
         if waited.cancelled_caught:
             with trio.move_on_after(0.1), suppress(TransportError, OSError):
-                await _send_frame(sock, ShmRevoke(req_id))
+                await send_frame(sock, ShmRevoke(req_id))
             _revoke(sock)
             terms.on_revoked(peer)
             raise TransportError(f"{peer} held chunk {chunk} of {key} for over "
@@ -195,7 +180,7 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
     total = manifest.total_bytes
     for start in range(0, len(pieces), GRANT_PIECES):
         part = pieces[start:start + GRANT_PIECES].astype("<u8").tobytes()
-        await _send_frame(sock, ShmVersionGrant(req_id, total, manifest.chunk_size, part,
+        await send_frame(sock, ShmVersionGrant(req_id, total, manifest.chunk_size, part,
                                                 start + GRANT_PIECES < len(pieces)))
 
     async def revoke_when_hidden() -> None:
@@ -205,7 +190,7 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
         # ends the lease by the connection's end.
         with trio.CancelScope(shield=True), suppress(TransportError, OSError):
             with trio.move_on_after(terms.timeout):
-                await _send_frame(sock, ShmRevoke(req_id))
+                await send_frame(sock, ShmRevoke(req_id))
         await trio.sleep(terms.timeout)
         _revoke(sock)  # the release waited on below fails: the hold ends
         terms.on_revoked(peer)
@@ -216,7 +201,7 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
         nursery.start_soon(revoke_when_hidden)
         try:
             while True:
-                got = await _recv_frame(sock)
+                got = await recv_frame(sock)
                 if not isinstance(got, ShmRelease) or got.req_id != req_id \
                         or len(got.chunks) % 4:
                     break
@@ -240,4 +225,4 @@ async def _lease_version(sock: trio.socket.SocketType, peer: str, local: Any, re
     tail = total - last * manifest.chunk_size
     for c in chunks.tolist():
         terms.on_sent(peer, manifest.chunk_size if c != last else tail)
-    await _send_frame(sock, Reply(req_id, OK, 0))
+    await send_frame(sock, Reply(req_id, OK, 0))

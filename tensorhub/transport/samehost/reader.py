@@ -1,10 +1,10 @@
 """Same-host data plane: one copy, straight from the holder's arrays into the reader's.
 
-A reader on the holder's host talks to it over a Unix socket (:mod:`.local`: the
+A reader on the holder's host talks to it over a Unix socket (:mod:`..local`: the
 kernel tells the holder who connected), with the framing of the TCP data connection
 (:mod:`tensorhub.transport.tcp`), for control only.  For each chunk it sends a
 ``ShmChunkRequest``; the holder leases the chunk and says where its bytes lie.  If they
-lie in shared memory files (arrays from :func:`tensorhub.transport.shmem.shared_empty`,
+lie in shared memory files (arrays from :func:`.memory_files.shared_empty`,
 and every fetched version) the grant names the files (``ShmFileGrant``) and the reader
 maps their pages read-only and copies them with an ordinary memory copy (transport name
 ``shm-memfd``); otherwise it names addresses (``ShmGrant``) and the reader copies with
@@ -23,9 +23,9 @@ pool thread per chunk, the holder checked alive and connected after each.  A rea
 releases when it reads another version or a manifest, when it closes (the fetcher closes
 its connections when the fetch ends), and when the holder unpublishes: the holder then
 says ``ShmRevoke`` (the copy in flight is still covered) and the reader's next read is
-refused (``NOT_HELD``).  Any other holder (still receiving, plain arrays, the corrupt
-hook armed) answers the request as a ``ShmChunkRequest``, and the connection asks chunk
-by chunk from then on.
+refused (``NOT_HELD``).  Any other holder (still receiving, plain arrays, a provider
+that leases no whole version) answers the request as a ``ShmChunkRequest``, and the
+connection asks chunk by chunk from then on.
 
 Four checks make this safe.  The holder answers only its own user (or root), as the
 kernel reports the socket's other end (``SO_PEERCRED``); the reader checks the same of
@@ -41,11 +41,12 @@ changed under it.  A memory file is used only if it is the very file granted (it
 matches: descriptor numbers get reused), sealed against shrinking (so a mapping cannot
 fault past its end) and long enough for the piece granted.
 
-A reader that stops answering loses its lease (revocation, in :mod:`.shm_serve`); the
+A reader that stops answering loses its lease (revocation, in :mod:`.holder`); the
 check after each copy makes sure it never uses a copy that outlived its lease.
 
-This module is the reader side.  The holder side is :mod:`.shm_serve`; the kernel copy
-:mod:`.crossmem`, the memory files :mod:`.shmem`, the copy threads :mod:`.copypool`.
+This module is the reader side.  The holder side is :mod:`.holder`; the kernel copy
+:mod:`.process_vm`, the memory files :mod:`.memory_files`, the copy threads
+:mod:`..copy_threads`.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from ..errors import LocalProtocolError, RemoteProtocolError, TransportError
-from ..model import VersionKey
-from ..protocol.dataplane import (
+from ...errors import LocalProtocolError, RemoteProtocolError, TransportError
+from ...model import VersionKey
+from ...protocol.dataplane import (
     BAD_REQUEST,
     NOT_HELD,
     OK,
@@ -77,15 +78,15 @@ from ..protocol.dataplane import (
     ShmVersionRequest,
     ShmWelcome,
 )
-from ..protocol.sizing import StreamWindow
-from . import copypool
-from .base import Landed, NotServing, Take, Verifier, read_each, stream_each
-from .crossmem import Iovecs, iovecs_of, readv_all, shm_available
-from .frames import _recv_frame, _send_frame
-from .handshake import DataAuth
-from .local import credentials, local_name, same_user
-from .shmem import MappedFiles, Pieces
-from .tcp import TcpConnection, _dial
+from ...protocol.sizing import StreamWindow
+from .. import copy_threads
+from ..base import Landed, NotServing, Take, Verifier, read_each, stream_each
+from ..frames import recv_frame, send_frame
+from ..handshake import DataAuth
+from ..local import credentials, local_name, same_user
+from ..tcp import TcpConnection, dial
+from .memory_files import MappedFiles, Pieces
+from .process_vm import Iovecs, iovecs_of, readv_all, shm_available
 
 __all__ = ["ShmConnection", "shm_available"]
 
@@ -158,10 +159,10 @@ class ShmConnection(TcpConnection):
     async def connect(cls, address: str, peer: str, timeout: float,
                       auth: DataAuth | None = None) -> ShmConnection:
         """Connect to the same-host socket of the holder whose data address is
-        ``address`` (see :mod:`.local`), authenticate as over TCP, and check that we can
+        ``address`` (see :mod:`..local`), authenticate as over TCP, and check that we can
         read its memory."""
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        await _dial(sock, local_name(address), peer, timeout, auth,
+        await dial(sock, local_name(address), peer, timeout, auth,
                     f"no same-host connection to {peer} (on another host or in another "
                     "network namespace?)")
         conn = cls(sock, peer)
@@ -179,8 +180,8 @@ class ShmConnection(TcpConnection):
 
     async def _hello(self) -> None:
         req_id = next(self._ids)
-        await _send_frame(self._sock, ShmHello(req_id))
-        welcome = await _recv_frame(self._sock)
+        await send_frame(self._sock, ShmHello(req_id))
+        welcome = await recv_frame(self._sock)
         if isinstance(welcome, Reply):
             raise TransportError(f"{self.peer} does not serve shared memory: {welcome.detail}")
         if not isinstance(welcome, ShmWelcome) or welcome.req_id != req_id:
@@ -254,7 +255,7 @@ class ShmConnection(TcpConnection):
         kind: type | None = None
         while True:
             if msg is None:
-                msg = await _recv_frame(self._sock)
+                msg = await recv_frame(self._sock)
             if isinstance(msg, Reply) and msg.req_id == req_id and msg.status != OK:
                 raise NotServing(msg.status, msg.detail or f"status {msg.status}")
             if not isinstance(msg, ShmGrant | ShmFileGrant) or msg.req_id != req_id \
@@ -297,7 +298,7 @@ class ShmConnection(TcpConnection):
             parts.append(rows)
             if not msg.more:
                 break
-            msg = await _recv_frame(self._sock)
+            msg = await recv_frame(self._sock)
             if not isinstance(msg, ShmVersionGrant) or msg.req_id != req_id \
                     or (msg.length, msg.chunk_size) != (length, chunk_size):
                 raise RemoteProtocolError(f"{self.peer} answered out of turn")
@@ -319,14 +320,14 @@ class ShmConnection(TcpConnection):
                 return await self._read_leased_one(self._lease, chunk, dest, verify)
             req_id = next(self._ids)
             if key in self._unleased:
-                await _send_frame(self._sock, ShmChunkRequest(
+                await send_frame(self._sock, ShmChunkRequest(
                     req_id, key.model, key.version, chunk, key.shard, key.layout))
                 files, rows = await self._grant(req_id, want)
             else:
                 self._unleased.add(key)  # ask for a version lease once per connection
-                await _send_frame(self._sock, ShmVersionRequest(
+                await send_frame(self._sock, ShmVersionRequest(
                     req_id, key.model, key.version, chunk, key.shard, key.layout))
-                first = await _recv_frame(self._sock)
+                first = await recv_frame(self._sock)
                 if isinstance(first, ShmVersionGrant) and first.req_id == req_id:
                     self._lease = await self._version_grant(req_id, key, first)
                     self._unleased.discard(key)
@@ -336,14 +337,14 @@ class ShmConnection(TcpConnection):
             self.chunk_grants += 1
             if files:
                 self.transport = "shm-memfd"
-                (bad,) = await copypool.pool.run(_land_batch, self._files,
+                (bad,) = await copy_threads.pool.run(_land_batch, self._files,
                                                  [(rows, dest, verify)])
             else:
                 self.transport = "shm"
-                bad = await copypool.pool.run(_land_iovecs, self._pid, iovecs_of(dest), rows, dest,
-                                      verify)
+                bad = await copy_threads.pool.run(_land_iovecs, self._pid, iovecs_of(dest),
+                                                  rows, dest, verify)
             self._check_holder()
-            await _send_frame(self._sock, ShmDone(req_id))
+            await send_frame(self._sock, ShmDone(req_id))
             if bad is not None:
                 raise bad
         except NotServing:
@@ -415,7 +416,7 @@ class ShmConnection(TcpConnection):
                                           f"has {stop - start} bytes, not {want}")
             jobs.append((lease.pieces_of(start, stop), dest, verify))
         self.transport = "shm-memfd"
-        bad = await copypool.pool.run(_land_batch, self._files, jobs)
+        bad = await copy_threads.pool.run(_land_batch, self._files, jobs)
         dead, spoke = self._holder_state()
         if dead:
             raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
@@ -429,7 +430,7 @@ class ShmConnection(TcpConnection):
 
     async def _heard(self, lease: _VersionLease) -> None:
         """The holder spoke while we hold its version lease: only a revoke is in turn."""
-        msg = await _recv_frame(self._sock)  # raises TransportError on a hang-up
+        msg = await recv_frame(self._sock)  # raises TransportError on a hang-up
         if msg != ShmRevoke(lease.req_id) or lease.revoked:
             raise RemoteProtocolError(f"{self.peer} spoke out of turn during a version lease")
         lease.revoked = True
@@ -440,7 +441,7 @@ class ShmConnection(TcpConnection):
         assert lease is not None
         await self._send_release(lease)
         while True:
-            msg = await _recv_frame(self._sock)
+            msg = await recv_frame(self._sock)
             if msg == Reply(lease.req_id, OK, 0):
                 return
             if msg != ShmRevoke(lease.req_id) or lease.revoked:
@@ -450,7 +451,7 @@ class ShmConnection(TcpConnection):
     async def _send_release(self, lease: _VersionLease) -> None:
         chunks = np.array(lease.copied, dtype="<u4")
         for at in range(0, max(len(chunks), 1), RELEASE_CHUNKS):
-            await _send_frame(self._sock, ShmRelease(
+            await send_frame(self._sock, ShmRelease(
                 lease.req_id, chunks[at:at + RELEASE_CHUNKS].tobytes(),
                 at + RELEASE_CHUNKS < len(chunks)))
 
@@ -470,7 +471,7 @@ class ShmConnection(TcpConnection):
         # Unmapping a mapping of a whole version costs milliseconds: not on the event
         # loop, which may be running the last copies of the fetch (FIFO: after them).
         if self._files.mapped:
-            copypool.pool.submit(self._files.close)
+            copy_threads.pool.submit(self._files.close)
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import TransportError
-from .shmem import address_of
+from ...errors import TransportError
+from .memory_files import address_of
 
 Iovecs = npt.NDArray[np.uint64]
 """``(address, length)`` rows: the layout of Linux ``struct iovec`` on 64-bit hosts."""

@@ -1,4 +1,6 @@
-"""Worker threads for the same-host copies (see :mod:`tensorhub.transport.shm`)."""
+"""Worker threads for the data plane's copies and checks: the same-host reader's copies
+(:mod:`.samehost.reader`) and the TCP reader's digest checks of streamed chunks
+(:mod:`.tcp`), each taken by the next free thread without an event-loop hand-over."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ _T = TypeVar("_T")
 
 
 class CopyPool:
-    """Worker threads for the same-host copies, one per usable core (at most 8), fed
+    """Worker threads for copies and checks, one per usable core (at most 8), fed
     from one queue.  Unlike ``trio.to_thread`` a thread that finishes a copy takes the
     next queued one at once, without waiting for the event loop to hand it over: with
     a few reads in flight the cores never idle between chunks (on a 2-core host that

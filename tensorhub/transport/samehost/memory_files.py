@@ -4,9 +4,9 @@ through the kernel.
 :func:`shared_empty` puts an array's memory in an anonymous memory file (``memfd``),
 sealed so that it can never shrink, and maps it into this process.  A process-wide
 registry maps the address range of each live file to its descriptor and inode, so that
-the holder side of the same-host transport (:mod:`tensorhub.transport.shm`) can tell
-whether a leased chunk lies in such files and, if so, grant the reader
-``(fd, inode, offset, length)`` pieces instead of addresses.  The reader opens
+the holder side of the same-host transport (:mod:`.holder`) can tell whether a leased
+chunk lies in such files and, if so, grant the reader ``(fd, inode, offset, length)``
+pieces instead of addresses.  The reader opens
 ``/proc/<holder pid>/fd/<fd>`` -- the kernel allows that exactly when it allows
 ``process_vm_readv``: same user, ptrace read permission -- checks the inode (descriptor
 numbers get reused), maps the pages read-only and copies them with an ordinary memory
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import RemoteProtocolError, TransportError
-from .streamcopy import stream_copy_all
+from ...errors import RemoteProtocolError, TransportError
+from .streaming_copy import stream_copy_all
 
 Pieces = npt.NDArray[np.uint64]
 """``(fd, inode, offset, length)`` rows: where a chunk lies in the holder's memory files."""
@@ -309,7 +309,7 @@ class MappedFiles:
     def copy(self, parts: Sequence[tuple[Pieces, Sequence[memoryview]]]) -> None:
         """For each ``(pieces, dest)``: copy the granted ``(fd, inode, offset, length)``
         pieces, in order, into ``dest`` (whose sizes add up to theirs).  Neighbouring
-        pieces are copied as one run (:func:`.streamcopy.stream_copy_all`)."""
+        pieces are copied as one run (:func:`.streaming_copy.stream_copy_all`)."""
         stream_copy_all([pair for pieces, dest in parts for pair in self._pairs(pieces, dest)])
 
     def _pairs(self, pieces: Pieces, dest: Sequence[memoryview]
