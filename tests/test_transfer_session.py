@@ -189,11 +189,12 @@ def test_the_fetch_fails_only_after_stall_timeout_with_nothing_in_flight() -> No
 def test_first_and_last_landing_times_are_kept() -> None:
     w = World(manifest(3), {"h1": None}, timeout=10.0, window=1, verified={0})
     s = w.session
-    assert s.tally.first_landed is None and s.pending == [1, 2]
+    tally = s.tally
+    assert tally.first_landed is None and s.pending == [1, 2]
     stream = s.open_stream(1.0, 1, info("h1"))
     for at, c in zip((2.0, 3.5), s.next_run(1.0, stream, 1 << 20), strict=True):
         s.landed(at, stream, c, 64)
-    assert (s.tally.first_landed, s.tally.last_landed) == (2.0, 3.5) and s.done
+    assert (s.tally.first_landed, tally.last_landed) == (2.0, 3.5) and s.done
     assert s.tally.chunks == 2 and s.tally.reads == 1 and s.tally.bytes == 128
 
 
@@ -277,14 +278,15 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
                     s.failed(now, stream, chunk, kind, "why")
                     dropped(stream, kind, retries)
             elif op == "end":
-                kind = data.draw(st.none() | st.sampled_from(FAILURE_KINDS))
+                why: FailureKind | None = data.draw(
+                    st.none() | st.sampled_from(FAILURE_KINDS))
                 retries = s.tally.stall_retries.get(name, 0)
                 lost = min(stream.taken, default=stream.first)
-                s.stream_ended(now, stream, kind)
+                s.stream_ended(now, stream, why)
                 streams.remove(stream)
-                if kind is not None:
-                    dropped(stream, kind, retries)
-                if kind == "stalled" and s.tally.stall_retries.get(name, 0) > retries \
+                if why is not None:
+                    dropped(stream, why, retries)
+                if why == "stalled" and s.tally.stall_retries.get(name, 0) > retries \
                         and lost in s.pending and not s.load.get(name) and may_use(name) \
                         and lost not in s.lacks.get(name, ()):
                     assert s.usable(now, name) and s.pick(now) is not None  # asked again
