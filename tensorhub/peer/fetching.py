@@ -24,7 +24,6 @@ from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, HolderView
-from .stats import account, count_integrity
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -72,17 +71,17 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
                          derived=derived)
     local.announced = peer.control.announcement(key, manifest.manifest_id())
     peer.store.add(local)
+    plane = peer.data_plane()
     last = [trio.current_time()]
 
     def progress() -> None:
         now = trio.current_time()
         if now - last[0] >= peer.config.gossip_interval and not local.complete:
             last[0] = now
-            peer._send(peer.control.put_holding(local.holding()))
+            plane.announce(local)
 
-    job: Fetch | None = None
     try:  # from here on, a failure or a cancellation (planning too) drops it
-        peer._send(peer.control.put_holding(local.holding()))  # downstream can find us
+        plane.announce(local)  # downstream can find us
         plan: list[tuple[PeerInfo, int, int]] = []
         plan_note = "planning off"
         if allowed is None and peer.config.planning and key.whole:
@@ -91,28 +90,22 @@ async def fetch_key(peer: Peer, key: VersionKey, into: Mapping[str, Any] | None,
             plan_note = "no plan: shards are fetched from their holders directly"
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
                     upstream=allowed or frozenset(), plan=plan,
-                    connect=peer._pool.connect, release=peer._pool.release,
+                    connect=plane.connect, release=plane.release,
                     window=window(peer, manifest), window_cap=window_cap(peer, manifest),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
         job.report.plan = plan_note
-        peer._fetches.add(job)
-        report = await job.run()
+        with plane.running(job):
+            report = await job.run()
     except BaseException:
-        if job is not None:
-            count_integrity(peer, job.report)
         local.end_receiving()
-        peer.store.hide(key)
-        peer._send(peer.control.drop_holding(key))
+        peer.withdraw(key)
         with trio.CancelScope(shield=True):
             await peer.store.wait_drained(key)
         raise
-    finally:
-        if job is not None:
-            peer._fetches.discard(job)
     local.end_receiving()
-    peer._send(peer.control.put_holding(local.holding()))
-    account(peer, report)
+    plane.announce(local)
+    plane.account(report)
     return Fetched(key.version, dict(zip(manifest.table.names, arrays, strict=True)),
                    report)
 
@@ -137,6 +130,7 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
     tried: dict[str, Holding] = {}
     errors: dict[str, str] = {}
     banned: dict[str, str] = {}
+    plane = peer.data_plane()
     while True:
         holders = candidates()
         if not holders and allowed is None and not errors:
@@ -148,11 +142,11 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
         for source, holding in fresh:
             tried[source.name] = holding
             try:
-                conn = await peer._pool.connect(source)
+                conn = await plane.connect(source)
                 try:
                     data = await conn.read_manifest(key)
                 finally:  # kept for the chunks, when it is in step
-                    await peer._pool.release(conn)
+                    await plane.release(conn)
                 manifest = await decode_manifest(peer, data, holding.manifest_id)
                 if manifest.key != key:
                     raise RemoteProtocolError(f"{source.name} sent a non-matching manifest")
@@ -165,7 +159,7 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
             raise VersionUnavailable(key.model, key.version, f"no holder{which} served "
                                      f"the manifest ({detail or 'none known'})")
         with trio.move_on_at(deadline):
-            await peer._changed.wait()
+            await peer.wait_changed()
 
 
 def check_schema(manifest: Manifest, schema: bytes | None) -> None:
