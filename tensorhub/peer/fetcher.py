@@ -150,7 +150,6 @@ class Fetch:
             report.first_byte_seconds = max(0.0, tally.first_landed - start)
             report.transfer_seconds = max(0.0, tally.last_landed - start)
         report.verify_seconds = sum(self._verify_times)
-        report.dropped_sources = dict(tally.dropped_sources)
         report.windows = {name: w.why() for name, w in self.windows.items()}
         return report
 
