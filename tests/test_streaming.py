@@ -146,8 +146,8 @@ async def test_a_holder_still_receiving_is_streamed_in_order_without_stalls() ->
         h0.store.add(parent)
         reader = reader_of(full)
         job = fetch(reader, [h0], upstream={"h0"}, window=1, stall_timeout=1.0)
-        job.pace.floor = 0.2  # the run takes 2 s: a limit per run would stall
-        wide = job.windows["h0"] = StreamWindow(65_536, 1 << 30)
+        job.session.pace.floor = 0.2  # the run takes 2 s: a limit per run would stall
+        wide = job.session.windows["h0"] = StreamWindow(65_536, 1 << 30)
         wide.rtt(1.0)  # as if over a long fast link: the whole version in one run
         wide.delivered(1 << 20, 1e-3)
         result: list[FetchReport] = []

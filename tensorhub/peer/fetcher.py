@@ -33,9 +33,7 @@ from ..manifest import digest_of
 from ..model import PeerInfo, VersionKey
 from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
-from ..protocol.pace import Pace
 from ..protocol.refs import Holding
-from ..protocol.sizing import StreamWindow
 from ..protocol.transfer import FailureKind, TransferSession, TransferTally, chunk_size_note
 from ..transport.base import Connection, NotServing, Verifier
 from .fetch_report import Fetched as Fetched
@@ -107,8 +105,6 @@ class Fetch:
             wanted=range(self.manifest.num_chunks) if only is None else only,
             verified=local.verified, window=window, stall_timeout=stall_timeout,
             upstream=upstream, plan=plan, window_cap=window_cap)
-        self.pace: Pace = self.session.pace
-        self.windows: dict[str, StreamWindow] = self.session.windows
         self._report = FetchReport(key.model, key.version,
                                    chunk_size=chunk_size_note(self.manifest))
         self._verify_times: list[float] = []
@@ -150,7 +146,7 @@ class Fetch:
             report.first_byte_seconds = max(0.0, tally.first_landed - start)
             report.transfer_seconds = max(0.0, tally.last_landed - start)
         report.verify_seconds = sum(self._verify_times)
-        report.windows = {name: w.why() for name, w in self.windows.items()}
+        report.windows = {name: w.why() for name, w in self.session.windows.items()}
         return report
 
     async def _worker(self) -> None:
