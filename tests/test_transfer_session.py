@@ -28,6 +28,7 @@ from tensorhub.protocol.transfer import (
 
 KEY = VersionKey("m", 1)
 NAMES = ("h0", "h1", "h2", "h3")
+STALLED: FailureKind = "stalled"
 
 
 def manifest(chunks: int, chunk_size: int = 64, tensors: int = 1) -> Manifest:
@@ -284,7 +285,7 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
                     dropped(stream, kind, retries)
             elif op == "end":
                 why: FailureKind | None = data.draw(
-                    st.none() | st.just("stalled") | st.sampled_from(FAILURE_KINDS))
+                    st.none() | st.just(STALLED) | st.sampled_from(FAILURE_KINDS))
                 retries = s.tally.stall_retries.get(name, 0)
                 lost = min(stream.taken, default=stream.first)
                 s.stream_ended(now, stream, why)
@@ -378,3 +379,37 @@ def test_simulated_holders_serve_a_version_at_their_summed_rate(
     assert ideal * (1 - 1e-9) <= took  # the simulation cannot beat physics
     # the tail: the slowest holder's last run (the floor of 4 chunks) at worst
     assert took <= ideal + 4 * chunk / min(rates.values())
+
+
+def relay_chain(depth: int, chunks: int, chunk_size: int, rate: float) -> list[float]:
+    """Each reader of a chain follows a plan naming the one before it (still receiving)
+    as the source of every chunk; a chunk crosses a link at ``rate`` once its sender has
+    it.  Returns when each level has the whole version."""
+    m = manifest(chunks, chunk_size)
+    sender_has = [0.0] * chunks  # the original holder: everything from the start
+    ends = []
+    for level in range(depth):
+        w = World(m, {}, timeout=60.0, window=1, plan=[(f"r{level}", 0, chunks)])
+        s = w.session
+        got = [0.0] * chunks
+        now = link = 0.0
+        while not s.done:
+            job = s.pick(now)
+            assert job is not None and job[1].name == f"r{level}"  # asked before it has it
+            stream = s.open_stream(now, *job)
+            while run := s.next_run(now, stream, s.windows[job[1].name].bytes()):
+                for c in run:
+                    link = max(link, sender_has[c]) + chunk_size / rate
+                    s.landed(link, stream, c, chunk_size)
+                    got[c] = link
+                now = link
+            s.stream_ended(now, stream)
+        sender_has = got
+        ends.append(max(got))
+    return ends
+
+
+def test_a_relay_chain_lags_one_chunk_time_a_level() -> None:
+    chunks, chunk, rate = 32, 1 << 20, 50e6
+    ends = relay_chain(4, chunks, chunk, rate)
+    assert ends == pytest.approx([(chunks + level) * chunk / rate for level in range(4)])
