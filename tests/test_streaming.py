@@ -130,6 +130,9 @@ async def test_a_fetch_streams_runs_and_reports_its_windows() -> None:
     assert report.reads < report.chunks  # runs of several chunks at a time
     assert set(report.windows) == {"h0"} and "MiB" in report.windows["h0"]
     assert report.chunk_size.startswith("1 MiB chosen by the publisher: its PeerConfig")
+    # stage timings (issue 15): first verified chunk, last one, digest checks summed
+    assert 0 < report.first_byte_seconds <= report.transfer_seconds <= report.seconds
+    assert report.verify_seconds > 0 and report.to_dict()["verify_seconds"] > 0
     assert sum(h0.served) == 24 << 20
 
 
@@ -143,8 +146,8 @@ async def test_a_holder_still_receiving_is_streamed_in_order_without_stalls() ->
         h0.store.add(parent)
         reader = reader_of(full)
         job = fetch(reader, [h0], upstream={"h0"}, window=1, stall_timeout=1.0)
-        job.pace.floor = 0.2  # the run takes 2 s: a limit per run would stall
-        wide = job.windows["h0"] = StreamWindow(65_536, 1 << 30)
+        job.session.pace.floor = 0.2  # the run takes 2 s: a limit per run would stall
+        wide = job.session.windows["h0"] = StreamWindow(65_536, 1 << 30)
         wide.rtt(1.0)  # as if over a long fast link: the whole version in one run
         wide.delivered(1 << 20, 1e-3)
         result: list[FetchReport] = []

@@ -54,6 +54,13 @@ class FetchReport:
     windows: dict[str, str] = field(default_factory=dict)
     """Per source: the window kept in flight on each stream from it, and why (rate x
     round trip measured on that source, the floor or the cap)."""
+    first_byte_seconds: float = 0.0
+    """From the start of the fetch to its first verified chunk."""
+    transfer_seconds: float = 0.0
+    """From the start of the fetch to its last chunk landed (verified)."""
+    verify_seconds: float = 0.0
+    """Time spent checking chunk digests, summed over chunks (checks run in worker
+    threads, several at once, so this can exceed ``seconds``)."""
     verified: bool = False
     cast: dict[str, str] = field(default_factory=dict)
     """Tensors cast after verification (``fetch(cast=...)``): name -> ``from->to``."""
@@ -103,6 +110,8 @@ class FetchReport:
             "planned_bytes": self.planned_bytes, "plan": self.plan,
             "plan_seconds": self.plan_seconds, "switch_seconds": self.switch_seconds,
             "chunk_size": self.chunk_size, "windows": dict(self.windows),
+            "first_byte_seconds": self.first_byte_seconds,
+            "transfer_seconds": self.transfer_seconds, "verify_seconds": self.verify_seconds,
         }
 
 

@@ -26,7 +26,6 @@ from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, HolderView, first_error
-from .stats import account, count_integrity
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -147,17 +146,17 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
                          derived=derived)
     local.announced = peer.control.announcement(key, manifest.manifest_id())
     peer.store.add(local)
+    plane = peer.data_plane()
     last = [trio.current_time()]
 
     def progress() -> None:
         now = trio.current_time()
         if now - last[0] >= peer.config.gossip_interval and not local.complete:
             last[0] = now
-            peer._send(peer.control.put_holding(local.holding()))
+            plane.announce(local)
 
-    job: Fetch | None = None
     try:  # from here on, a failure or a cancellation (planning too) drops it
-        peer._send(peer.control.put_holding(local.holding()))  # downstream can find us
+        plane.announce(local)  # downstream can find us
         plan: list[tuple[PeerInfo, int, int]] = []
         plan_note, plan_seconds = "planning off", None
         if early is not None:
@@ -172,29 +171,23 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
             plan_note = "no plan: shards are fetched from their holders directly"
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
                     upstream=allowed or frozenset(), plan=plan,
-                    connect=peer._pool.connect, release=peer._pool.release,
+                    connect=plane.connect, release=plane.release,
                     window=window(peer, manifest), window_cap=window_cap(peer, manifest),
                     socket_window=socket_window(),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
         job.report.plan, job.report.plan_seconds = plan_note, plan_seconds
-        peer._fetches.add(job)
-        report = await job.run()
+        with plane.running(job):
+            report = await job.run()
     except BaseException:
-        if job is not None:
-            count_integrity(peer, job.report)
         local.end_receiving()
-        peer.store.hide(key)
-        peer._send(peer.control.drop_holding(key))
+        peer.withdraw(key)
         with trio.CancelScope(shield=True):
             await peer.store.wait_drained(key)
         raise
-    finally:
-        if job is not None:
-            peer._fetches.discard(job)
     local.end_receiving()
-    peer._send(peer.control.put_holding(local.holding()))
-    account(peer, report)
+    plane.announce(local)
+    plane.account(report)
     return Fetched(key.version, dict(zip(manifest.table.names, arrays, strict=True)),
                    report)
 
@@ -231,6 +224,7 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
     early: set[str] = set()
     """Named sources asked before their reference says they hold the version (one still
     starting its own fetch answers "not held"; asked again every EARLY_RETRY)."""
+    plane = peer.data_plane()
     while True:
         early.clear()
         holders = candidates()
@@ -243,11 +237,11 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
         for source, holding in fresh:
             tried[source.name] = holding
             try:
-                conn = await peer._pool.connect(source)
+                conn = await plane.connect(source)
                 try:
                     data = await conn.read_manifest(key)
                 finally:  # kept for the chunks, when it is in step
-                    await peer._pool.release(conn)
+                    await plane.release(conn)
                 manifest = await decode_manifest(peer, data, holding.manifest_id)
                 if manifest.key != key:
                     raise RemoteProtocolError(f"{source.name} sent a non-matching manifest")
@@ -265,7 +259,7 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
             for name in early:
                 tried.pop(name, None)
         with trio.move_on_at(wake):
-            await peer._changed.wait()
+            await peer.wait_changed()
 
 
 def check_schema(manifest: Manifest, schema: bytes | None) -> None:

@@ -72,10 +72,10 @@ from . import keys
 from .conflicts import Explainer
 from .connections import ConnectionPool
 from .fetcher import Fetch, Fetched, FetchReport
-from .fetching import fetch_key
 from .operations import Operations, operation
 from .opstatus import StatusDesk
-from .reshard import reshard, same_layout_holder
+from .plane import DataPlane
+from .reshard import fetch_sealed
 from .retention import Retention
 from .stats import INSECURE, PeerStats, peer_statistics
 from .store import LocalVersion, Store
@@ -278,6 +278,10 @@ class Peer:
                                  codec.encode(msg, self.config.max_message_bytes))
         return True
 
+    def data_plane(self) -> DataPlane:
+        """What fetching, resharding and retention use of this peer (:mod:`.plane`)."""
+        return DataPlane(self)
+
     async def wait_changed(self) -> None:
         """Return at the next change of the reference table or of coordination answers."""
         await self._changed.wait()
@@ -468,11 +472,7 @@ class Peer:
             raise LocalProtocolError(f"{key} is already being fetched or held here")
         allowed = frozenset(sources) if sources is not None else None
         seal = await self._sealed(model, resolved, wait=allowed is not None)
-        if key.layout != seal.layout_id and not await same_layout_holder(
-                self, key, seal, allowed):
-            return await reshard(self, key, seal, spec, into, allowed)
-        return await fetch_key(self, key, into, allowed, key.layout != seal.layout_id,
-                               seal.schema)
+        return await fetch_sealed(self, key, seal, spec, into, allowed)
 
     async def wait_sealed(self, model: str, version: int) -> None:
         """Wait up to ``stall_timeout`` until ``model@version`` is sealed in this peer's

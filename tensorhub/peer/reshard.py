@@ -20,12 +20,31 @@ from ..protocol.sizing import choose_chunk_size
 from ..protocol.versions import Seal
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, first_error
-from .fetching import check_schema, fetch_manifest, holder_view, window, window_cap
-from .stats import account, count_integrity
+from .fetching import (
+    check_schema,
+    fetch_key,
+    fetch_manifest,
+    holder_view,
+    socket_window,
+    window,
+    window_cap,
+)
 from .store import LocalVersion
 
 if TYPE_CHECKING:
     from .node import Peer
+
+
+async def fetch_sealed(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
+                       into: Mapping[str, Any] | None, allowed: frozenset[str] | None
+                       ) -> Fetched:
+    """Fetch ``key`` of a sealed version: read whole from holders of its layout, or
+    reshard from the publish shards when none holds it in ``spec``'s layout."""
+    if key.layout != seal.layout_id and not await same_layout_holder(
+            peer, key, seal, allowed):
+        return await reshard(peer, key, seal, spec, into, allowed)
+    return await fetch_key(peer, key, into, allowed, key.layout != seal.layout_id,
+                           seal.schema)
 
 
 async def same_layout_holder(peer: Peer, key: VersionKey, seal: Seal,
@@ -45,7 +64,7 @@ async def same_layout_holder(peer: Peer, key: VersionKey, seal: Seal,
         if publish & allowed or trio.current_time() >= deadline:
             return False
         with trio.move_on_at(deadline):
-            await peer._changed.wait()
+            await peer.wait_changed()
 
 
 
@@ -54,13 +73,11 @@ async def reshard(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
                    ) -> Fetched:
     """Assemble our slices from the publish shards that intersect them."""
     assert seal.world is not None and seal.layout_id is not None
-    peer._resharding.add(key)
     try:
-        return await _reshard_parts(peer, key, seal, spec, into, allowed)
+        with peer.data_plane().resharding(key):
+            return await _reshard_parts(peer, key, seal, spec, into, allowed)
     except BaseExceptionGroup as group:
         raise first_error(group) from None
-    finally:
-        peer._resharding.discard(key)
 
 async def _reshard_parts(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
                          into: Mapping[str, Any] | None, allowed: frozenset[str] | None
@@ -103,6 +120,7 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         arrays = prepare_destination(skeleton, into)
     temps: dict[int, np.ndarray[Any, Any]] = {}
     reports: list[FetchReport] = []
+    plane = peer.data_plane()
 
     async def pull(s: int) -> None:
         m, publisher = got[s]
@@ -110,20 +128,14 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         part = LocalVersion(m, [], publisher, verified=False,
                             flat=memoryview(buf))  # type: ignore[arg-type]
         job = Fetch(me=peer.info.name, local=part, view=holder_view(peer, allowed),
-                    upstream=allowed or frozenset(), connect=peer._pool.connect,
-                    release=peer._pool.release,
+                    upstream=allowed or frozenset(), connect=plane.connect,
+                    release=plane.release,
                     window=window(peer, m), window_cap=window_cap(peer, m),
-                    stall_timeout=peer.config.stall_timeout,
+                    socket_window=socket_window(), stall_timeout=peer.config.stall_timeout,
                     on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
                     only=plan.chunks[s])
-        peer._fetches.add(job)
-        try:
+        with plane.running(job):
             reports.append(await job.run())
-        except BaseException:
-            count_integrity(peer, job.report)
-            raise
-        finally:
-            peer._fetches.discard(job)
         temps[s] = buf
 
     async with trio.open_nursery() as nursery:
@@ -158,7 +170,7 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
     local = LocalVersion(manifest, arrays, got[0][1] if 0 in got else "",
                          verified=True, flat=flat, derived=True)
     peer.store.add(local)
-    peer._send(peer.control.put_holding(local.holding()))
+    plane.announce(local)
     report = FetchReport(key.model, key.version, verified=True)
     for r in reports:
         report.add(r)
@@ -166,6 +178,6 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
     report.plan = (f"resharded from {len(src)} shards of layout "
                    f"{src[0].layout.hex()[:8] or 'whole'}"
                    + (f", {len(mine)} of them held here" if mine else ""))
-    account(peer, report)
+    plane.account(report)
     return Fetched(key.version, {t.name: a for t, a in zip(plan.tensors, arrays,
                                                              strict=True)}, report)

@@ -113,7 +113,7 @@ class Retention:
         if isinstance(msg, KeepAnswer):
             ask = self._asks.get(msg.nonce)
             if ask is None or sender != ask[1]:  # late (timed out), or not who we asked
-                self.peer._count_bad(f"unexpected retention answer from {sender}")
+                self.peer.data_plane().count_bad(f"unexpected retention answer from {sender}")
                 return
             del self._asks[msg.nonce]
             ask[0].send_nowait(msg.keeps)
@@ -129,6 +129,6 @@ class Retention:
         peer = self.peer
         for key in [k for k in self.offloaded if not self.retained(k)]:
             self.offloaded.discard(key)
-            if peer.store.hide(key) is not None:
-                peer._send(peer.control.drop_holding(key))
-                peer._nursery.start_soon(peer.store.wait_drained, key)
+            if peer.store.get(key) is not None:
+                peer.withdraw(key)
+                peer.data_plane().spawn(peer.store.wait_drained, key)

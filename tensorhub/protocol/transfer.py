@@ -1,0 +1,462 @@
+"""One fetch's policy, as a state machine: which chunk next, from whom, and what a
+failure means.
+
+Theory of operation
+-------------------
+A fetch pulls the chunks of a version it does not have yet from holders.  Every wanted
+chunk is in exactly one state: *pending*, *claimed* by one stream, or *verified*.  The
+shell (``tensorhub.peer.fetcher``) runs a bounded number of workers; each asks
+:meth:`TransferSession.pick` for the lowest pending chunk and the best holder that has it
+-- a holder other than the original publisher first, then the one we are reading least
+from -- and opens a stream to it (:meth:`~TransferSession.open_stream`).  The stream
+claims runs (:meth:`~TransferSession.next_run`): the lowest pending chunk that holder is
+the source of and the pending chunks right after it that it has too, about the stream's
+window in bytes (:class:`~tensorhub.protocol.sizing.StreamWindow`, sized from the
+bandwidth-delay product measured on that source) and no more than leaves work for every
+worker.  It keeps claiming until the holder is the source of nothing pending.  A chunk
+that landed and passed its digest is reported with :meth:`~TransferSession.landed` and
+never fetched again; one that did not goes back to pending.
+
+*Plans and named sources.*  The coordinator's plan names a source per chunk; it is that
+chunk's source while usable, asked even before it advertises the chunk (it pipelines).
+Named sources (``upstream``) are asked for any chunk likewise.  A planned parent, or a
+named one still receiving, gets :data:`RELAY_DEPTH` streams.
+
+*Streams per source.*  Any other source gets one stream, so its chunks land in order and
+a relay downstream of this reader forwards each a chunk-time after it arrives; a second
+only when one stream filled what one TCP connection keeps in flight
+(``socket_window``; see :mod:`~tensorhub.protocol.sizing`).  While the copies that have
+a chunk are at their streams, the original publisher is not asked for it: a worker
+waits instead (a copy's one stream fills our link; the publisher's uplink is the one
+every reader shares).
+
+*Failures* (:data:`FailureKind`, reported with :meth:`~TransferSession.failed` for one
+chunk or :meth:`~TransferSession.stream_ended` for the rest of a stream).  ``not_yet``:
+the holder lacks that chunk for now (it is not asked for it again until gossip changes,
+:meth:`~TransferSession.view_changed`).  ``refused``, ``integrity`` (bytes that failed
+their digest) and ``remote_protocol``: the holder is dropped for this fetch; the shell
+also bans one that sent bad bytes, and banned holders are benched until their ban ends.
+``transport``: the connection failed; the holder is benched for a backoff from
+:data:`RETRY_BASE`, doubling with each failure in a row, up to ``stall_timeout``.
+
+*Stalls.*  A stream that lands no chunk for longer than its source's limit per chunk
+(:meth:`~TransferSession.stall_limit`, from :class:`~tensorhub.protocol.pace.Pace`: the
+source's measured pace, never under a floor that holds on a loaded host) is ``stalled``;
+the limit applies to progress, chunk by chunk, not to a whole run.  The stalled source
+gets twice as long next time; its chunks go to another holder that has them, and only
+when there is none is the same source asked again at once: a slow but live sole source is
+never dropped.  What ends a fetch is a real timeout: no chunk landed for
+``stall_timeout`` with nothing in flight (:meth:`~TransferSession.expired`); then, or
+when no holder is left for some chunk, the shell raises ``VersionUnavailable`` with
+:meth:`~TransferSession.missing_text`.  A worker with nothing to do waits for news --
+a chunk back in pending, gossip, a benched holder coming back -- at most until
+:meth:`~TransferSession.wake_at`.
+
+Nothing here reads a clock or performs I/O: every event carries its ``now``; holder views
+and bans come in as callables that only look at memory.  The counts of what happened
+(:class:`TransferTally`) become the fetch report in the shell.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from ..errors import LocalProtocolError
+from ..manifest import Manifest
+from ..model import PeerInfo
+from .bans import Ban
+from .pace import Pace
+from .refs import Holding
+from .sizing import StreamWindow, choose_chunk_size, size_text
+
+RELAY_DEPTH = 1
+"""Streams to one planned parent (or named parent still receiving).  One: chunks arrive
+in order, one after the other, and each level of a tree lags its parent by one
+chunk-time; the stream's window keeps the parent's next chunks asked for, and the parent
+sends each as it lands.  Measured in the 8-host emulated cluster (256 MiB, 4 MiB chunks,
+one request at a time): 1 gave 1.16x the fluid bound, 2 gave 1.28x (two chunks share
+our link, so every level lags by two)."""
+
+RETRY_BASE = 0.1
+"""Seconds before a source whose connection failed is tried again; doubles with each
+failure in a row, up to ``stall_timeout``."""
+
+FailureKind = Literal["not_yet", "refused", "integrity", "remote_protocol", "stalled",
+                      "transport"]
+FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
+
+Holders = Callable[[], Sequence[tuple[PeerInfo, Holding]]]
+"""Who holds the version in the current view (memory only, no I/O)."""
+BanCheck = Callable[[float, str], Ban | None]
+"""``(now, holder name)`` -> the ban on it then (until when, why), or None."""
+
+
+@dataclass
+class TransferTally:
+    """What a session did; the names are those of the fetch report's fields."""
+
+    bytes: int = 0
+    chunks: int = 0
+    chunks_received: int = 0
+    reads: int = 0
+    resourced_chunks: int = 0
+    planned_bytes: int = 0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    integrity_failures: dict[str, int] = field(default_factory=dict)
+    dropped_sources: dict[str, str] = field(default_factory=dict)
+    banned_sources: dict[str, str] = field(default_factory=dict)
+    stall_retries: dict[str, int] = field(default_factory=dict)
+    first_landed: float | None = None
+    """When the first chunk landed (verified), or None."""
+    last_landed: float | None = None
+
+
+@dataclass
+class Stream:
+    """One stream from one source, as the session sees it."""
+
+    source: PeerInfo
+    first: int
+    """The chunk it was opened for (the one a failure before any claim is about)."""
+    last: float
+    """When the stream opened, or its last chunk landed or failed."""
+    taken: dict[int, None] = field(default_factory=dict)
+    """Chunks claimed by this stream that have neither landed nor failed, in order."""
+    claimed: int = 0
+    stop: bool = False
+    """The source failed: its connection is to be closed."""
+
+
+def chunk_size_note(manifest: Manifest) -> str:
+    """The version's chunk size, as its publisher chose it, and whether that is the
+    automatic choice for its size."""
+    size = manifest.chunk_size
+    auto, _ = choose_chunk_size(manifest.total_bytes)
+    return f"{size_text(size)} chosen by the publisher: " + (
+        f"automatic for {size_text(manifest.total_bytes)}" if size == auto else
+        f"its PeerConfig.chunk_size (automatic would be {size_text(auto)})")
+
+
+class TransferSession:
+    """The policy of one fetch (see the module docstring)."""
+
+    def __init__(self, *, now: float, me: str, manifest: Manifest, holders: Holders,
+                 banned: BanCheck, wanted: Iterable[int], verified: Sequence[int],
+                 window: int, stall_timeout: float, upstream: frozenset[str] = frozenset(),
+                 plan: Sequence[tuple[PeerInfo, int, int]] = (),
+                 window_cap: int = 256 << 20, socket_window: int = 0) -> None:
+        """``wanted``: the chunks to fetch (those already ``verified``, non-zero, are
+        skipped);
+        ``window``: the number of workers; ``plan``: ``(source, first, stop)`` ranges;
+        ``socket_window``: bytes one TCP connection keeps in flight (0: unknown)."""
+        if window < 1:
+            raise LocalProtocolError(f"window must be >= 1, got {window}")
+        self.me = me
+        self.manifest = manifest
+        self.holders = holders
+        self.banned = banned
+        self.upstream = upstream
+        """Named sources: asked for any chunk even before they advertise it."""
+        self.planned: dict[int, PeerInfo] = {
+            c: peer for peer, first, stop in plan for c in range(first, stop)}
+        self.window = window
+        self.window_cap = window_cap
+        self.socket_window = socket_window
+        self.stall_timeout = stall_timeout
+        self.started = now
+        self.last_progress = now
+        wanted = sorted(set(wanted))
+        self.wanted = len(wanted)
+        self.pending = [c for c in wanted if not verified[c]]
+        """Chunks to fetch that no stream has claimed, in order."""
+        self.claimed: dict[int, str] = {}
+        """Chunk -> the source whose stream claimed it."""
+        self.load: dict[str, int] = {}
+        """Streams open per source."""
+        self.benched: dict[str, float] = {}
+        """Sources not to use until the given time (``inf``: not for this fetch)."""
+        self.failures: dict[str, int] = {}
+        """Connection failures in a row per source (the retry backoff)."""
+        self.lacks: dict[str, set[int]] = {}
+        """Chunks a source said it does not have yet, until the view changes."""
+        self.tried: set[int] = set()
+        """Chunks claimed by a source that was then dropped (a landing counts as
+        re-sourced)."""
+        self.pace = Pace(ceiling=stall_timeout)
+        """Each source's measured pace, for stall limits that fit each link and load."""
+        self.windows: dict[str, StreamWindow] = {}
+        """Each source's stream window, from what its streams measured."""
+        self.tally = TransferTally()
+
+    # -- questions --------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """Every wanted chunk verified."""
+        return not self.pending and not self.claimed
+
+    def usable(self, now: float, name: str) -> bool:
+        """Whether ``name`` may be read from now (not us, not benched, not banned)."""
+        if name == self.me or self.benched.get(name, 0.0) > now:
+            return False
+        ban = self.banned(now, name)
+        if ban is not None:  # benched too: a waiting worker wakes when the ban ends
+            self.tally.banned_sources[name] = ban.reason
+            self.benched[name] = ban.until
+            return False
+        return True
+
+    def stall_limit(self, name: str) -> float:
+        """Seconds a stream from ``name`` may go without landing a chunk."""
+        return self.pace.limit(name, self.manifest.chunk_size)
+
+    def expired(self, now: float) -> bool:
+        """Nothing in flight and no chunk landed for ``stall_timeout``: the fetch fails
+        (with :meth:`missing_text`)."""
+        return not self.claimed and now - self.last_progress > self.stall_timeout
+
+    def wake_at(self, now: float) -> float:
+        """When a worker that found nothing to do should look again, news or not: the
+        end of the earliest bench, or ``stall_timeout`` from now."""
+        wake = now + self.stall_timeout
+        for until in self.benched.values():
+            if now < until < wake:
+                wake = until
+        return wake
+
+    def missing_text(self) -> str:
+        """What is missing and why, for ``VersionUnavailable``."""
+        m = self.manifest
+        names = sorted({m.tensors[s.index].name for c in self.pending
+                        for s in m.segments(*m.chunk_range(c))})
+        t = self.tally
+        dropped = "; ".join(f"{k}: {v}" for k, v in sorted(t.dropped_sources.items()))
+        banned = "; ".join(f"{k}: {v}" for k, v in sorted(t.banned_sources.items())
+                           if k not in t.dropped_sources)
+        return (f"no live holder for {len(self.pending)} of {self.wanted} chunks "
+                f"(tensors {names[:8]}{' ...' if len(names) > 8 else ''})"
+                + (f"; dropped sources: {dropped}" if dropped else "")
+                + (f"; banned sources: {banned}" if banned else ""))
+
+    def pick(self, now: float) -> tuple[int, PeerInfo] | None:
+        """The lowest pending chunk that has a source now, and that source."""
+        holders = self._holders(now)
+        for chunk in self.pending:
+            peer = self._source_for(now, chunk, holders)
+            if peer is not None:
+                return chunk, peer
+        return None
+
+    # -- events -----------------------------------------------------------------------
+
+    def view_changed(self) -> None:
+        """Gossip changed the holder view: holders may have chunks they lacked."""
+        self.lacks.clear()
+
+    def open_stream(self, now: float, chunk: int, source: PeerInfo) -> Stream:
+        """A worker opens a stream to ``source``, picked as the source of ``chunk``."""
+        name = source.name
+        if name not in self.windows:
+            self.windows[name] = StreamWindow(self.manifest.chunk_size, self.window_cap)
+        self.load[name] = self.load.get(name, 0) + 1
+        return Stream(source, chunk, now)
+
+    def next_run(self, now: float, stream: Stream, budget: int) -> list[int]:
+        """Claim the next run for ``stream``: the lowest pending chunk its source is the
+        source of, and the pending chunks right after it that it has too (planned chunks
+        stay with their planned source), about ``budget`` bytes and no more than leaves
+        work for every worker.  Empty: the stream is done."""
+        name = stream.source.name
+        if not self.usable(now, name):
+            return []
+        holders = self._holders(now)
+        holding = next((h for p, h in holders if p.name == name), None)
+        at = next((i for i, c in enumerate(self.pending)
+                   if (found := self._source_for(now, c, holders, name)) is not None
+                   and found.name == name), None)
+        if at is None:
+            return []
+        chunk = self.pending[at]
+        share = max(1, -(-len(self.pending) // self.window))
+        out, size = [chunk], self._size(chunk)
+        for nxt in self.pending[at + 1:at + share]:
+            planned = self.planned.get(nxt)
+            mine = planned.name == name if planned is not None else (
+                name in self.upstream or (holding is not None and holding.has(nxt)))
+            if nxt != out[-1] + 1 or not mine or nxt in self.lacks.get(name, ()) \
+                    or size + self._size(nxt) > budget:
+                break
+            out.append(nxt)
+            size += self._size(nxt)
+        for c in out:
+            self.pending.remove(c)
+            self.claimed[c] = name
+        stream.taken.update(dict.fromkeys(out))
+        stream.claimed += len(out)
+        self.tally.reads += 1
+        return out
+
+    def landed(self, now: float, stream: Stream, chunk: int, nbytes: int) -> None:
+        """``chunk`` of ``stream`` arrived (``nbytes``) and passed its digest."""
+        name = stream.source.name
+        self._unclaim(stream, chunk)
+        self.pace.completed(name, nbytes, now - stream.last)
+        stream.last = now
+        self.failures.pop(name, None)
+        self.last_progress = now
+        t = self.tally
+        if t.first_landed is None:
+            t.first_landed = now
+        t.last_landed = now
+        t.chunks_received += 1
+        t.chunks += 1
+        t.bytes += nbytes
+        if chunk in self.tried:
+            t.resourced_chunks += 1
+        t.bytes_by_source[name] = t.bytes_by_source.get(name, 0) + nbytes
+        planned = self.planned.get(chunk)
+        if planned is not None and planned.name == name:
+            t.planned_bytes += nbytes
+
+    def failed(self, now: float, stream: Stream, chunk: int, kind: FailureKind,
+               detail: str) -> bool:
+        """``chunk`` of ``stream`` did not land (``kind``, ``detail`` says why): it goes
+        back to pending.  True when the stream must end (its connection closed)."""
+        self._unclaim(stream, chunk)
+        self.pending.append(chunk)
+        self.pending.sort()
+        stream.last = now
+        stream.stop = self._failed(now, stream.source.name, chunk, kind, detail) \
+            or stream.stop
+        return stream.stop
+
+    def stream_ended(self, now: float, stream: Stream, kind: FailureKind | None = None,
+                     detail: str = "") -> bool:
+        """``stream`` is over: its source is the source of nothing pending, or it failed
+        (``kind``; ``stalled`` when nothing landed within :meth:`stall_limit`).  Chunks it
+        claimed and did not land go back to pending.  True when its connection must be
+        closed (the source failed)."""
+        name = stream.source.name
+        if kind is not None:
+            if kind == "stalled" and not detail:
+                detail = (f"stalled: no chunk of {sorted(stream.taken)[:4]} in "
+                          f"{self.stall_limit(name):.2f}s")
+            chunk = min(stream.taken, default=stream.first)
+            stream.stop = self._failed(now, name, chunk, kind, detail) or stream.stop
+        self.load[name] -= 1
+        for c in stream.taken:
+            del self.claimed[c]
+            self.pending.append(c)
+        stream.taken.clear()
+        self.pending.sort()
+        return stream.stop
+
+    # -- policy -----------------------------------------------------------------------
+
+    def _failed(self, now: float, name: str, chunk: int, kind: FailureKind,
+                detail: str) -> bool:
+        if kind == "not_yet":
+            self.lacks.setdefault(name, set()).add(chunk)
+            return False
+        if kind == "refused":
+            self._drop(now, name, f"refused: {detail}", math.inf)
+        elif kind == "integrity":
+            t = self.tally
+            t.chunks_received += 1  # received in full, then refused
+            t.integrity_failures[name] = t.integrity_failures.get(name, 0) + 1
+            self._drop(now, name, detail, math.inf)
+        elif kind == "remote_protocol":
+            self._drop(now, name, detail, math.inf)
+        elif kind == "stalled":
+            self._stalled(now, name, chunk, detail)
+        elif kind == "transport":
+            # Maybe a passing fault: retry this source after a backoff (membership
+            # removes it from the view meanwhile if it died).
+            n = self.failures[name] = self.failures.get(name, 0) + 1
+            self._drop(now, name, detail,
+                       min(self.stall_timeout, RETRY_BASE * 2 ** min(n - 1, 16)))
+        else:
+            raise LocalProtocolError(f"unknown failure kind {kind!r}")
+        return True
+
+    def _stalled(self, now: float, name: str, chunk: int, why: str) -> None:
+        """A stream from ``name`` landed nothing within its limit (see the module
+        docstring)."""
+        self.pace.stalled(name)
+        if now - self.last_progress >= self.stall_timeout:  # a real timeout
+            self._drop(now, name, why, self.stall_timeout)
+        elif self._others_have(now, name, chunk):
+            self._drop(now, name, why, self.stall_limit(name))
+        else:  # the only source: ask it again, with twice the time
+            r = self.tally.stall_retries
+            r[name] = r.get(name, 0) + 1
+
+    def _others_have(self, now: float, name: str, chunk: int) -> bool:
+        """Whether a usable holder other than ``name`` could serve ``chunk``."""
+        planned = self.planned.get(chunk)
+        if planned is not None and planned.name != name and self.usable(now, planned.name):
+            return True
+        return any(p.name != name and self.usable(now, p.name)
+                   and (h.has(chunk) or p.name in self.upstream)
+                   for p, h in self.holders())
+
+    def _drop(self, now: float, name: str, reason: str, bench_for: float) -> None:
+        self.tally.dropped_sources[name] = reason
+        self.benched[name] = max(self.benched.get(name, 0.0), now + bench_for)
+        self.tried.update(c for c, src in self.claimed.items() if src == name)
+
+    def _unclaim(self, stream: Stream, chunk: int) -> None:
+        if chunk not in stream.taken:
+            raise LocalProtocolError(f"chunk {chunk} is not in flight on this stream")
+        del stream.taken[chunk]
+        del self.claimed[chunk]
+
+    def _source_for(self, now: float, chunk: int, holders: list[tuple[PeerInfo, Holding]],
+                    streaming: str | None = None) -> PeerInfo | None:
+        """The best source of ``chunk`` now, or None; ``streaming`` names the source of
+        the stream asking (its own stream does not count in its load, and it wins ties)."""
+        def load(name: str) -> int:
+            return self.load.get(name, 0) - (name == streaming)
+
+        planned = self.planned.get(chunk)
+        if planned is not None and self.usable(now, planned.name) \
+                and chunk not in self.lacks.get(planned.name, ()):
+            # A planned parent gets one stream, so chunks arrive in order one after the
+            # other: more would share our link between several chunks and delay our own
+            # children (and theirs) by that many chunk-times.
+            return planned if load(planned.name) < RELAY_DEPTH else None
+        best: tuple[tuple[int, int, bool, str], PeerInfo] | None = None
+        copy_busy = False  # a holder other than the publisher has it, at its streams
+        for peer, holding in holders:
+            if chunk in self.lacks.get(peer.name, ()) or not (
+                    holding.has(chunk) or peer.name in self.upstream):
+                continue
+            publisher = holding.publisher == peer.name
+            if load(peer.name) >= self.streams_to(peer.name, holding):
+                copy_busy |= not publisher
+                continue  # chunks in order from each source
+            rank = (int(publisher), load(peer.name), peer.name != streaming, peer.name)
+            if best is None or rank < best[0]:
+                best = (rank, peer)
+        if best is not None and best[0][0] and copy_busy:
+            return None  # the publisher serves only what no copy can (ROS)
+        return None if best is None else best[1]
+
+    def streams_to(self, name: str, holding: Holding) -> int:
+        """Streams to keep to ``name``: one, so its chunks land in order (a source still
+        receiving: always one); more only on a link one cannot fill
+        (:meth:`~tensorhub.protocol.sizing.StreamWindow.streams`)."""
+        window = self.windows.get(name)
+        if window is None or not holding.complete:
+            return 1
+        return window.streams(self.socket_window, self.window)
+
+    def _holders(self, now: float) -> list[tuple[PeerInfo, Holding]]:
+        return [(p, h) for p, h in self.holders() if self.usable(now, p.name)]
+
+    def _size(self, chunk: int) -> int:
+        first, stop = self.manifest.chunk_range(chunk)
+        return stop - first
