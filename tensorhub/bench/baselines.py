@@ -304,6 +304,22 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
+def parse_chunk(text: str) -> int:
+    """``--chunk``: ``"auto"`` -> 0 (the system chooses from the version's size), else a
+    size as :func:`parse_size` reads it."""
+    return 0 if text.strip().lower() == "auto" else parse_size(text)
+
+
+def chunk_text(chunk: int, size: int) -> str:
+    """How a benchmark's header says its chunk size: forced, or what ``auto`` gives."""
+    from ..protocol.sizing import choose_chunk_size
+
+    if chunk:
+        return f"chunk {chunk / 2**20:g} MiB (forced)"
+    auto, _ = choose_chunk_size(size)
+    return f"chunk auto ({auto / 2**20:g} MiB for this size)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tensorhub.bench.baselines",

@@ -36,9 +36,8 @@ import tempfile
 from contextlib import ExitStack
 from typing import Any
 
-from ..config import DEFAULT_CHUNK_SIZE
 from ..errors import TensorHubError
-from .baselines import parse_size
+from .baselines import chunk_text, parse_chunk, parse_size
 from .cluster import MODEL, TRAINER, Mesh, mesh_keys, open_mesh
 from .figures import figure, print_figures
 from .netns import open_cluster
@@ -134,8 +133,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="every host's NIC cap, Mbit/s each way (default 400)")
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"),
                    help="bytes per version (default 256MiB)")
-    p.add_argument("--chunk", type=parse_size, default=DEFAULT_CHUNK_SIZE,
-                   help=f"the peers' chunk size (default {DEFAULT_CHUNK_SIZE >> 20}MiB)")
+    p.add_argument("--chunk", type=parse_chunk, default="auto",
+                   help="the peers' chunk size (default auto: the system chooses from the "
+                        "version's size; e.g. 4MiB forces one)")
     p.add_argument("--runs", type=int, default=3,
                    help="single hops and chains each (medians; default 3)")
     p.add_argument("--keys", choices=("off", "on"), default="off",
@@ -149,7 +149,7 @@ def run_cli(args: argparse.Namespace) -> int:
     size, chunk, depth = args.size, args.chunk, args.depth
     link_s = size / (args.mbit * 1e6 / 8)
     print(f"chain benchmark: publisher -> {depth} relays, one DC, {args.mbit:g} Mbit NICs, "
-          f"{size / 2**20:g} MiB, chunk {chunk / 2**20:g} MiB, median of {args.runs} "
+          f"{size / 2**20:g} MiB, {chunk_text(chunk, size)}, median of {args.runs} "
           f"run(s), keys {args.keys}", flush=True)
     singles, chains, mtu = measure(args)
     single_s = statistics.median(singles)
@@ -176,7 +176,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          "chain_done_s": [c["done_s"] for c in chains],
                          "chain_bytes_by_source": [c["bytes_by_source"] for c in chains]},
             "settings": {"depth": depth, "mbit": args.mbit, "size_bytes": size,
-                         "chunk_bytes": chunk, "runs": args.runs, "keys": args.keys,
+                         "chunk_bytes": chunk or "auto", "runs": args.runs, "keys": args.keys,
                          "mtu": mtu},
         }))
     return 0

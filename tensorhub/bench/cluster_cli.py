@@ -9,8 +9,7 @@ import json
 import statistics
 from typing import Any
 
-from ..config import DEFAULT_CHUNK_SIZE
-from .baselines import BASELINES, parse_size
+from .baselines import BASELINES, chunk_text, parse_chunk, parse_size
 from .cluster import BASELINE_EXTRAS, BASELINE_KEYS, ClusterBenchError, Measured, measure, report
 from .clusterspec import ClusterSpec, load_topology, uniform
 from .figures import print_figures
@@ -57,8 +56,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         "always the round trip")
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"),
                    help="bytes per version (default 256MiB)")
-    p.add_argument("--chunk", type=parse_size, default=DEFAULT_CHUNK_SIZE,
-                   help=f"chunk size (default {DEFAULT_CHUNK_SIZE >> 20}MiB)")
+    p.add_argument("--chunk", type=parse_chunk, default="auto",
+                   help="the peers' chunk size (default auto: the system chooses from the "
+                        "version's size; e.g. 4MiB forces one)")
     p.add_argument("--runs", type=int, default=1,
                    help="star and TensorHub fan-outs each (median); baselines run once")
     p.add_argument("--baselines", default=None,
@@ -105,7 +105,7 @@ def run_cli(args: argparse.Namespace) -> int:
     spec, chosen = check(args)
     size, chunk = args.size, args.chunk
     print(f"cluster benchmark: trainer + {len(spec.hosts) - 1} rollouts; {spec.describe()}; "
-          f"{size / 2**20:g} MiB, chunk {chunk / 2**20:g} MiB, "
+          f"{size / 2**20:g} MiB, {chunk_text(chunk, size)}, "
           f"median of {args.runs} run(s), keys {args.keys}", flush=True)
     m, bound, mtu = measure(args, spec, size, chunk, chosen)
     rows, figures = report(m, bound, size, spec, args.plan)
@@ -159,7 +159,7 @@ def result_json(args: argparse.Namespace, spec: ClusterSpec, m: Measured, bound:
         },
         "settings": {"hosts": len(spec.hosts), "rollouts": len(spec.hosts) - 1,
                      "nic_mbit": spec.hosts[0][1] if uniform_nic else None,
-                     "size_bytes": args.size, "chunk_bytes": args.chunk,
+                     "size_bytes": args.size, "chunk_bytes": args.chunk or "auto",
                      "dcs": len(spec.dcs),
                      "wan_mbit": link.mbit if link else None,
                      "wan_rtt_ms": link.rtt_ms if link else None,

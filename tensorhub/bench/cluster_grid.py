@@ -18,6 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from .baselines import chunk_text
 from .cluster import FANOUT_BOUND, INTERDC_BOUND, ClusterBenchError, measure, report
 from .cluster_cli import check
 from .clusterspec import ClusterSpec
@@ -65,7 +66,7 @@ def run_grid(args: argparse.Namespace) -> int:
         raise ClusterBenchError("--grid wan-* needs more than one DC")
     size, chunk = args.size, args.chunk
     print(f"cluster grid: {len(settings)} setting(s) of {spec.describe()}; "
-          f"{size / 2**20:g} MiB, chunk {chunk / 2**20:g} MiB, median of {args.runs} run(s) "
+          f"{size / 2**20:g} MiB, {chunk_text(chunk, size)}, median of {args.runs} run(s) "
           f"each", flush=True)
     rows: list[dict[str, Any]] = []
     for i, setting in enumerate(settings):
@@ -102,7 +103,7 @@ def run_grid(args: argparse.Namespace) -> int:
             "measured": {"grid": rows, "worst_fanout_setting": worst["setting"]},
             "settings": {"grid": args.grid, "topology_file": args.topology,
                          "topology": spec.to_dict(), "size_bytes": size,
-                         "chunk_bytes": chunk, "runs": args.runs, "plan": args.plan,
+                         "chunk_bytes": chunk or "auto", "runs": args.runs, "plan": args.plan,
                          "keys": args.keys, "baselines": chosen},
         }))
     return 0

@@ -42,9 +42,8 @@ import tempfile
 from contextlib import ExitStack
 from typing import Any
 
-from ..config import DEFAULT_CHUNK_SIZE
 from ..errors import TensorHubError
-from .baselines import parse_size
+from .baselines import chunk_text, parse_chunk, parse_size
 from .cluster import MODEL, TRAINER, Mesh, mesh_keys, open_mesh
 from .clusterspec import ClusterSpec, DCLink, DCSpec
 from .figures import figure, print_figures
@@ -175,8 +174,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="NIC and link cap, Mbit/s each way (default 400)")
     p.add_argument("--size", type=parse_size, default=parse_size("64MiB"),
                    help="bytes per transfer (default 64MiB)")
-    p.add_argument("--chunk", type=parse_size, default=DEFAULT_CHUNK_SIZE,
-                   help=f"the peers' chunk size (default {DEFAULT_CHUNK_SIZE >> 20}MiB)")
+    p.add_argument("--chunk", type=parse_chunk, default="auto",
+                   help="the peers' chunk size (default auto: the system chooses from the "
+                        "version's size; e.g. 4MiB forces one)")
     p.add_argument("--runs", type=int, default=3,
                    help="streams and fetches per round trip (medians; default 3)")
     p.add_argument("--keys", choices=("off", "on"), default="off",
@@ -195,7 +195,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise RttBenchError(f"--size must be above {_WARM_SIZE} bytes (the warm-up's)")
     size = args.size
     print(f"rtt benchmark: one holder -> one reader across two DCs, {args.mbit:g} Mbit "
-          f"NICs and link, {size / 2**20:g} MiB, chunk {args.chunk / 2**20:g} MiB, "
+          f"NICs and link, {size / 2**20:g} MiB, {chunk_text(args.chunk, size)}, "
           f"median of {args.runs} run(s), keys {args.keys}", flush=True)
     rows, worst = summarize([measure_rtt(r, args) for r in rtts], size, args.mbit)
     print(f"\n{'rtt ms':>7} {'stream s':>9} {'fetch s':>8} {'stream/fetch':>13} "
@@ -212,7 +212,7 @@ def run_cli(args: argparse.Namespace) -> int:
             "baselines": {"tcp_stream_s": {f"{r['rtt_ms']:g}": r["stream_s"] for r in rows}},
             "measured": {"per_rtt": rows},
             "settings": {"rtts_ms": rtts, "mbit": args.mbit, "size_bytes": size,
-                         "chunk_bytes": args.chunk, "runs": args.runs, "keys": args.keys,
+                         "chunk_bytes": args.chunk or "auto", "runs": args.runs, "keys": args.keys,
                          "holder": TRAINER, "model": MODEL},
         }))
     return 0
