@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from test_mesh import mesh as mesh_of
 
 import tensorhub
+from tensorhub import cli_ops
 from tensorhub.metrics import serve_metrics
 from tensorhub.processes import LineProcess, free_ports
 from tensorhub.protocol import codec
@@ -155,6 +156,24 @@ def test_rates_are_bytes_between_reports_over_the_time_between() -> None:
     rates.add(second)
     assert first["links"][0]["rate"] is None  # type: ignore[index]
     assert second["links"][0]["rate"] == 2000.0  # type: ignore[index]
+
+
+def test_plain_progress_rate_counts_from_the_fetch_not_the_wait_for_a_version(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tensorhub fetch`` off a terminal: the line's rate is bytes over the time since
+    the first report, so the seconds spent waiting for the version do not count."""
+    now = [0.0]
+    monkeypatch.setattr(cli_ops.time, "monotonic", lambda: now[0])
+    show = cli_ops._Plain("fetch m@2")  # made when the command starts
+    now[0] = 30.0  # the version appeared and its fetch began 30 s later
+    show(0, 400_000_000)
+    now[0] = 32.0
+    show(200_000_000, 400_000_000)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == "fetch m@2:  50.0% 200000000/400000000 bytes 100.0 MB/s"
+    quick = cli_ops._Plain("fetch m@3")  # a fetch too short to be seen in flight
+    quick(10, 10)
+    assert capsys.readouterr().err == "fetch m@3: 100.0% 10/10 bytes\n"
 
 
 def test_a_status_reply_at_its_bounds_fits_the_smallest_frame() -> None:
