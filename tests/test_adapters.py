@@ -20,7 +20,7 @@ import trio.testing
 from test_mesh import mesh
 
 from tensorhub import Committed, ConfigError, PeerConfig, Rollout, Staged, VersionKey
-from tensorhub.transport.shm import ShmConnection, shm_available
+from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 
 RANK, HIDDEN = 8, 256
 ADAPTERS = [f"lora/{i:02d}" for i in range(50)]
