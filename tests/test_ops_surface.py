@@ -114,6 +114,43 @@ async def test_a_scrape_shows_the_plan_and_switch_stages_of_a_rollout() -> None:
     assert scraped["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 2
 
 
+async def test_a_scrape_times_cast_only_for_fetches_that_cast_and_counts_bad_chunks(
+        ) -> None:
+    """``stage="cast"`` counts the fetches that cast a tensor (a report's cast_seconds is
+    0.0 otherwise); a source whose chunks fail their digest gets its own series."""
+    pytest.importorskip("torch")
+    from corrupting import corrupt_served
+
+    async with mesh_of(2, planning=False, stall_timeout=0.5) as (pub, reader), \
+            serve_metrics(reader, 0) as port:
+        for version in (1, 2, 3):
+            await pub.publish("m", version, {"w": np.full(1000, version, np.float32)})
+        with trio.fail_after(10):
+            while (reader.control.latest("m") or 0) < 3:
+                await reader.wait_changed()
+        await reader.fetch("m", 1)
+        plain = await trio.to_thread.run_sync(_scrape, port)
+        cast = await reader.fetch("m", 2, cast="bfloat16")
+        casting = await trio.to_thread.run_sync(_scrape, port)
+        corrupt_served(pub, 10**6)
+        with pytest.raises(tensorhub.VersionUnavailable):
+            await reader.fetch("m", 3)
+        bad = await trio.to_thread.run_sync(_scrape, port)
+        failures = reader.statistics().integrity_failures["p0"]
+    assert cast.report.cast == {"w": "float32->bfloat16"}
+    assert plain["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 1
+    assert 'tensorhub_fetch_stage_total{stage="cast"}' not in plain
+    assert casting["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 2
+    assert casting["tensorhub_fetch_stage_total{stage=\"cast\"}"] == 1
+    assert casting["tensorhub_fetch_stage_seconds_total{stage=\"cast\"}"] == \
+        pytest.approx(cast.report.cast_seconds)
+    for stage in ("first_byte", "transfer", "verify"):
+        assert casting[f'tensorhub_fetch_stage_total{{stage="{stage}"}}'] == 2
+    assert not [k for k in casting if k.startswith("tensorhub_integrity_failures")]
+    assert failures >= 1
+    assert bad['tensorhub_integrity_failures_total{source="p0"}'] == failures
+
+
 def test_status_json_and_watch_show_holders_bytes_and_staleness(
         tmp_path: Path, mesh: tuple[list[int], list[LineProcess]]) -> None:
     ports, procs = mesh
