@@ -33,6 +33,7 @@ from .dtypes import display
 from .errors import LocalProtocolError
 from .peer.destination import disjoint
 from .peer.fetcher import Fetched
+from .peer.stats import account_cast
 from .torch import (
     as_torch,
     check_into,
@@ -205,5 +206,6 @@ async def fetch_cast(peer: Peer, model: str, version: int | str, into: Any,
     report.cast = {name: f"{display(dtype_of(src[name]))}->{target}" for name, target in
                    targets.items()}
     report.cast_seconds = time.perf_counter() - start
+    account_cast(peer, report)
     tensors = {name: host_view(t, name) for name, t in out.items()}
     return Fetched(fetched.version, tensors, report)

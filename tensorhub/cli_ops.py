@@ -102,21 +102,25 @@ def roles_of(args: argparse.Namespace) -> list[Role]:
 
 
 class _Plain:
-    """Progress as lines (not a terminal): at most one a second, and the last."""
+    """Progress as lines (not a terminal): at most one a second, and the last.  The rate
+    counts from the first report (the fetch's start), not from the wait for a version."""
 
     def __init__(self, what: str) -> None:
         self.what = what
-        self.start = time.monotonic()
+        self.start: float | None = None
         self.shown = -1.0
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
+        if self.start is None:
+            self.start = now
         if now - self.shown < 1.0 and done < total:
             return
         self.shown = now
-        rate = done / max(now - self.start, 1e-9) / 1e6
+        elapsed = now - self.start
+        rate = f" {done / elapsed / 1e6:.1f} MB/s" if elapsed > 0 else ""
         pct = 100.0 * done / total if total else 100.0
-        print(f"{self.what}: {pct:5.1f}% {done}/{total} bytes {rate:.1f} MB/s",
+        print(f"{self.what}: {pct:5.1f}% {done}/{total} bytes{rate}",
               file=sys.stderr, flush=True)
 
 

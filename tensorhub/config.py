@@ -252,8 +252,12 @@ class PeerConfig:
             parse_hostport(seed)
         if len(self.labels) > MAX_LABELS:
             raise ConfigError(f"at most {MAX_LABELS} labels")
+        if not isinstance(self.labels, tuple):  # a dict would pass below as 2-char keys
+            raise ConfigError(f"labels must be a tuple of (key, value) pairs, got a "
+                              f"{type(self.labels).__name__} (tuple(d.items()) for a dict)")
         for item in self.labels:
-            if len(item) != 2 or not all(isinstance(s, str) and s for s in item) \
+            if not isinstance(item, tuple | list) or len(item) != 2 \
+                    or not all(isinstance(s, str) and s for s in item) \
                     or len(item[0]) > MAX_LABEL_KEY or len(item[1]) > MAX_LABEL_VALUE:
                 raise ConfigError(f"labels must be (key, value) pairs of non-empty strings of "
                                   f"<= {MAX_LABEL_KEY} and <= {MAX_LABEL_VALUE} chars, "

@@ -8,8 +8,9 @@ prometheus-client is imported here only: it is the ``ops`` extra.
 Fetch stage timings come from the reports of finished fetches: the whole fetch
 (``stage="fetch"``) and every ``*_seconds`` figure a report carries (``plan`` only for
 fetches that asked for a plan), summed per stage with a count, so a rate of sum over
-count gives the mean.  ``stage="switch"`` is the rollouts' swaps, which happen after
-their fetch's report was taken: counted from ``statistics().switches``.
+count gives the mean.  ``stage="switch"`` is the rollouts' swaps and ``stage="cast"``
+the casts of ``fetch(cast=...)``, which both happen after their fetch's report was
+taken: counted from ``statistics().switches`` and ``statistics().casts``.
 """
 
 from __future__ import annotations
@@ -50,20 +51,24 @@ class StageTimes:
         self.counts: dict[str, int] = {}
 
     def update(self, fetches: int, reports: tuple[dict[str, Any], ...],
-               switches: tuple[int, float] = (0, 0.0)) -> None:
-        """Add the reports not seen yet; ``switches``: the swaps so far and their
-        seconds (totals, not increments)."""
+               switches: tuple[int, float] = (0, 0.0),
+               casts: tuple[int, float] = (0, 0.0)) -> None:
+        """Add the reports not seen yet; ``switches`` and ``casts``: the swaps and the
+        casts so far and their seconds (totals, not increments)."""
         new = min(fetches - self.seen, len(reports))
         self.seen = fetches
         for report in reports[len(reports) - new:] if new > 0 else ():
             stages = {"fetch": report.get("seconds", 0.0)}
             stages.update({k[:-len("_seconds")]: v for k, v in report.items()
                            if k.endswith("_seconds") and isinstance(v, int | float)})
+            stages.pop("cast", None)  # taken after the report: counted from casts
             for stage, seconds in stages.items():
                 self.sums[stage] = self.sums.get(stage, 0.0) + float(seconds)
                 self.counts[stage] = self.counts.get(stage, 0) + 1
         if switches[0]:
             self.counts["switch"], self.sums["switch"] = switches
+        if casts[0]:
+            self.counts["cast"], self.sums["cast"] = casts
 
 
 def families(peer: Peer, stages: StageTimes) -> list[Any]:
@@ -73,7 +78,8 @@ def families(peer: Peer, stages: StageTimes) -> list[Any]:
     st = peer.statistics()
     ms = peer.control.membership.statistics()
     rs = peer._router.statistics()
-    stages.update(st.fetches, st.reports, (st.switches, st.switch_seconds))
+    stages.update(st.fetches, st.reports, (st.switches, st.switch_seconds),
+                  (st.casts, st.cast_seconds))
 
     def labelled(kind: Any, name: str, doc: str, label: str,
                  values: dict[str, int] | dict[str, float]) -> Any:

@@ -124,8 +124,9 @@ def render(report: dict[str, Any]) -> Any:
         links.add_row(link["dest"], link["source"], f"{link['model']}@{link['version']}",
                       link["transport"], f"{_size(link['bytes'])} / {_size(link['total'])}",
                       "-" if rate is None else f"{rate / MB:.1f} MB/s")
-    stale = Table(title="staleness (sealed versions newer than the newest held)",
-                  title_justify="left")
+    # "behind": sealed versions newer than the newest one held complete (a short title:
+    # rich wraps a title at the table's width)
+    stale = Table(title="staleness (sealed versions behind)", title_justify="left")
     for col in ("member", "model", "holds", "latest", "behind"):
         stale.add_column(col)
     for s in report["staleness"]:

@@ -88,6 +88,16 @@ def test_config_validates_the_caps() -> None:
             PeerConfig.local("x", **bad)
 
 
+def test_config_refuses_labels_given_as_a_dict() -> None:
+    """A dict iterates as its keys, and a 2-character key ("dc") looked like a pair: the
+    peer then could not send its join and never became a member (found running the
+    docs by hand).  Labels are a tuple of pairs; anything else is refused at once."""
+    assert PeerConfig.local("x", labels=(("dc", "eu"),)).labels == (("dc", "eu"),)
+    for bad in ({"dc": "eu"}, [("dc", "eu")], ("dc",), (("dc", "eu", "x"),)):
+        with pytest.raises(tensorhub.ConfigError, match="labels must be"):
+            PeerConfig.local("x", labels=bad)  # type: ignore[arg-type]
+
+
 def test_a_manifest_declaring_millions_of_tensors_is_refused_before_allocating() -> None:
     """The issue's 4-million-tensor manifest: the parser refuses the array header."""
     m = build_manifest(KEY, [("a", np.zeros(4, np.float32))], 4096, "blake3")

@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from test_mesh import mesh as mesh_of
 
 import tensorhub
+from tensorhub import cli_ops
 from tensorhub.metrics import serve_metrics
 from tensorhub.processes import LineProcess, free_ports
 from tensorhub.protocol import codec
@@ -113,6 +114,43 @@ async def test_a_scrape_shows_the_plan_and_switch_stages_of_a_rollout() -> None:
     assert scraped["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 2
 
 
+async def test_a_scrape_times_cast_only_for_fetches_that_cast_and_counts_bad_chunks(
+        ) -> None:
+    """``stage="cast"`` counts the fetches that cast a tensor (a report's cast_seconds is
+    0.0 otherwise); a source whose chunks fail their digest gets its own series."""
+    pytest.importorskip("torch")
+    from corrupting import corrupt_served
+
+    async with mesh_of(2, planning=False, stall_timeout=0.5) as (pub, reader), \
+            serve_metrics(reader, 0) as port:
+        for version in (1, 2, 3):
+            await pub.publish("m", version, {"w": np.full(1000, version, np.float32)})
+        with trio.fail_after(10):
+            while (reader.control.latest("m") or 0) < 3:
+                await reader.wait_changed()
+        await reader.fetch("m", 1)
+        plain = await trio.to_thread.run_sync(_scrape, port)
+        cast = await reader.fetch("m", 2, cast="bfloat16")
+        casting = await trio.to_thread.run_sync(_scrape, port)
+        corrupt_served(pub, 10**6)
+        with pytest.raises(tensorhub.VersionUnavailable):
+            await reader.fetch("m", 3)
+        bad = await trio.to_thread.run_sync(_scrape, port)
+        failures = reader.statistics().integrity_failures["p0"]
+    assert cast.report.cast == {"w": "float32->bfloat16"}
+    assert plain["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 1
+    assert 'tensorhub_fetch_stage_total{stage="cast"}' not in plain
+    assert casting["tensorhub_fetch_stage_total{stage=\"fetch\"}"] == 2
+    assert casting["tensorhub_fetch_stage_total{stage=\"cast\"}"] == 1
+    assert casting["tensorhub_fetch_stage_seconds_total{stage=\"cast\"}"] == \
+        pytest.approx(cast.report.cast_seconds)
+    for stage in ("first_byte", "transfer", "verify"):
+        assert casting[f'tensorhub_fetch_stage_total{{stage="{stage}"}}'] == 2
+    assert not [k for k in casting if k.startswith("tensorhub_integrity_failures")]
+    assert failures >= 1
+    assert bad['tensorhub_integrity_failures_total{source="p0"}'] == failures
+
+
 def test_status_json_and_watch_show_holders_bytes_and_staleness(
         tmp_path: Path, mesh: tuple[list[int], list[LineProcess]]) -> None:
     ports, procs = mesh
@@ -155,6 +193,24 @@ def test_rates_are_bytes_between_reports_over_the_time_between() -> None:
     rates.add(second)
     assert first["links"][0]["rate"] is None  # type: ignore[index]
     assert second["links"][0]["rate"] == 2000.0  # type: ignore[index]
+
+
+def test_plain_progress_rate_counts_from_the_fetch_not_the_wait_for_a_version(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tensorhub fetch`` off a terminal: the line's rate is bytes over the time since
+    the first report, so the seconds spent waiting for the version do not count."""
+    now = [0.0]
+    monkeypatch.setattr(cli_ops.time, "monotonic", lambda: now[0])
+    show = cli_ops._Plain("fetch m@2")  # made when the command starts
+    now[0] = 30.0  # the version appeared and its fetch began 30 s later
+    show(0, 400_000_000)
+    now[0] = 32.0
+    show(200_000_000, 400_000_000)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == "fetch m@2:  50.0% 200000000/400000000 bytes 100.0 MB/s"
+    quick = cli_ops._Plain("fetch m@3")  # a fetch too short to be seen in flight
+    quick(10, 10)
+    assert capsys.readouterr().err == "fetch m@3: 100.0% 10/10 bytes\n"
 
 
 def test_a_status_reply_at_its_bounds_fits_the_smallest_frame() -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pty
+import re
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +84,45 @@ def test_publish_from_one_process_fetch_from_another_reads_back_equal(
     _assert_equal(got, want)
     assert meta == {"tensorhub": "m@1"}
     assert not list(tmp_path.glob(".*.part"))  # no temporary file left behind
+
+
+def test_fetch_on_a_terminal_draws_a_progress_bar(tmp_path: Path,
+                                                  procs: list[LineProcess]) -> None:
+    """With stderr on a terminal (a pty here) ``tensorhub fetch`` draws rich's bar
+    instead of plain lines; stdout still ends with the JSON summary."""
+    pytest.importorskip("rich")
+    want = _tensors(5)
+    save_file(want, str(tmp_path / "model.safetensors"))
+    (port,) = free_ports(1)
+    _publish(procs, tmp_path / "model.safetensors", 1, port)
+    master, slave = pty.openpty()
+    run = subprocess.Popen(
+        [*CLI, "fetch", "--model", "m", "--out", str(tmp_path / "copy.safetensors"),
+         "--join", f"127.0.0.1:{port}", "--preset", "local"],
+        stdout=subprocess.PIPE, stderr=slave, text=True,
+        env=dict(os.environ, TERM="xterm", COLUMNS="100"))
+    os.close(slave)
+    screen = b""
+    try:
+        while select.select([master], [], [], 120)[0]:
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            screen += data
+        assert run.stdout is not None
+        stdout = run.stdout.read()
+        assert run.wait(timeout=60) == 0, screen[-2000:]
+    finally:
+        os.close(master)
+        run.kill()
+    text = screen.decode(errors="replace")
+    assert "fetch m@latest" in text and "100%" in text and "\u2501" in text, text  # ━
+    assert not re.search(r"\d+/\d+ bytes", text)  # no plain lines
+    assert json.loads(stdout.strip().splitlines()[-1])["verified"] is True
+    _assert_equal(_read(tmp_path / "copy.safetensors")[0], want)
 
 
 def test_torch_bf16_and_fp8_files_are_served_and_written_back_equal(

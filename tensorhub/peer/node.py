@@ -146,6 +146,7 @@ class Peer:
         """The API calls in flight: closing the peer ends them with PeerClosed."""
         self._served = self._chunks_served = self._fetched = self._nfetches = self._malformed = 0
         self._switches, self._switch_seconds = 0, 0.0  # rollouts' swaps (stats.account_switch)
+        self._casts, self._cast_seconds = 0, 0.0  # fetch(cast=...) (stats.account_cast)
         self._internal_errors = 0
         self._internal_texts: list[str] = []
         self._by_source: dict[str, int] = {}

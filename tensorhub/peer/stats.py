@@ -64,6 +64,10 @@ class PeerStats:
     """Versions rollouts (and group ranks) made live here."""
     switch_seconds: float = 0.0
     """Seconds those swaps took, summed (each one: ``Committed.switch_seconds``)."""
+    casts: int = 0
+    """Fetches that cast a tensor on the way (``fetch(cast=...)``)."""
+    cast_seconds: float = 0.0
+    """Seconds those casts took, summed (each one: ``FetchReport.cast_seconds``)."""
     chunking: str = ""
     """How this peer cuts what it publishes into chunks (automatic, or
     ``PeerConfig.chunk_size``), and what its last publish chose and why.  Each fetch
@@ -118,6 +122,7 @@ def peer_statistics(peer: Peer) -> PeerStats:
         ban_notices=dict(peer.bans.notices),
         reports=tuple(peer._reports), data_server=peer._server.statistics(),
         switches=peer._switches, switch_seconds=peer._switch_seconds,
+        casts=peer._casts, cast_seconds=peer._cast_seconds,
         chunking=("automatic (about 64 chunks a version, 4 to 64 MiB)"
                   if peer.config.chunk_size is None else
                   f"{peer.config.chunk_size} bytes (PeerConfig.chunk_size)")
@@ -148,3 +153,10 @@ def account_switch(peer: Peer, report: FetchReport, seconds: float) -> None:
     report.switch_seconds = seconds
     peer._switches += 1
     peer._switch_seconds += seconds
+
+
+def account_cast(peer: Peer, report: FetchReport) -> None:
+    """Count a fetch's cast, done after its report was accounted (:func:`account`)."""
+    if report.cast:
+        peer._casts += 1
+        peer._cast_seconds += report.cast_seconds
