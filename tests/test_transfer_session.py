@@ -156,8 +156,14 @@ def test_one_stream_per_copy_and_the_publisher_only_for_what_no_copy_serves() ->
     s.socket_window = 1000
     s.windows["h1"].rtt(0.1)
     s.windows["h1"].delivered(64, 64 / 1e4)  # 10 kB/s x 100 ms = 1000 bytes in flight
-    assert s.streams_to("h1", holding(w.m, None, "h0")) == 2
-    assert s.streams_to("h2", holding(w.m, set(range(8)), "h0")) == 1  # still receiving
+    assert s.streams_to(info("h1"), holding(w.m, None, "h0")) == 2
+    assert s.streams_to(info("h2"), holding(w.m, set(range(8)), "h0")) == 1  # receiving
+    # on our own host a complete holder gets every worker: copies are bound by cores
+    s.host = "box"
+    near = PeerInfo("h1", "tcp://h1:1", "h1:2", (("host", "box"),))
+    assert s.streams_to(near, holding(w.m, None, "h0")) == 4
+    assert s.streams_to(near, holding(w.m, set(range(8)), "h0")) == 1
+    s.host = None
     assert s.pick(0.0) == (7, info("h1"))
     c = s.open_stream(0.0, 7, info("h1"))
     assert s.next_run(0.0, c, 1 << 20) == [7, 8, 9]

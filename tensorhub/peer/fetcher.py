@@ -87,12 +87,14 @@ class Fetch:
                  on_progress: Callable[[], None], banned: BanCheck, on_bad_bytes: BadBytes,
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
                  only: Sequence[int] | None = None, release: Releaser | None = None,
-                 window_cap: int = 256 << 20, socket_window: int = 0) -> None:
+                 window_cap: int = 256 << 20, socket_window: int = 0,
+                 host: str | None = None) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
         needs just the chunks that overlap its slices); ``release`` takes each
         connection a worker is done with (default: close it); ``window_cap`` bounds
         the bytes one stream keeps requested ahead; ``socket_window`` is what one TCP
-        connection keeps in flight (see :class:`TransferSession`)."""
+        connection keeps in flight and ``host`` this peer's host label (see
+        :class:`TransferSession`)."""
         self.local = local
         self.manifest = local.manifest
         self.key = key = local.manifest.key
@@ -106,7 +108,7 @@ class Fetch:
             wanted=range(self.manifest.num_chunks) if only is None else only,
             verified=local.verified, window=window, stall_timeout=stall_timeout,
             upstream=upstream, plan=plan, window_cap=window_cap,
-            socket_window=socket_window)
+            socket_window=socket_window, host=host)
         self._report = FetchReport(key.model, key.version,
                                    chunk_size=chunk_size_note(self.manifest))
         self._verify_times: list[float] = []

@@ -173,7 +173,7 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
                     upstream=allowed or frozenset(), plan=plan,
                     connect=plane.connect, release=plane.release,
                     window=window(peer, manifest), window_cap=window_cap(peer, manifest),
-                    socket_window=socket_window(),
+                    socket_window=socket_window(), host=peer.info.label("host"),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
         job.report.plan, job.report.plan_seconds = plan_note, plan_seconds

@@ -131,7 +131,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
                     upstream=allowed or frozenset(), connect=plane.connect,
                     release=plane.release,
                     window=window(peer, m), window_cap=window_cap(peer, m),
-                    socket_window=socket_window(), stall_timeout=peer.config.stall_timeout,
+                    socket_window=socket_window(), host=peer.info.label("host"),
+                    stall_timeout=peer.config.stall_timeout,
                     on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
                     only=plan.chunks[s])
         with plane.running(job):

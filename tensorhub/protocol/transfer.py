@@ -25,7 +25,10 @@ named one still receiving, gets :data:`RELAY_DEPTH` streams.
 *Streams per source.*  Any other source gets one stream, so its chunks land in order and
 a relay downstream of this reader forwards each a chunk-time after it arrives; a second
 only when one stream filled what one TCP connection keeps in flight
-(``socket_window``; see :mod:`~tensorhub.protocol.sizing`).  While the copies that have
+(``socket_window``; see :mod:`~tensorhub.protocol.sizing`).  A complete holder on this
+peer's own host (same ``host`` label) gets every worker's stream: a same-host copy is
+bound by cores and memory, not by a link, and several streams copy and check on several
+cores.  While the copies that have
 a chunk are at their streams, the original publisher is not asked for it: a worker
 waits instead (a copy's one stream fills our link; the publisher's uplink is the one
 every reader shares).
@@ -147,11 +150,13 @@ class TransferSession:
                  banned: BanCheck, wanted: Iterable[int], verified: Sequence[int],
                  window: int, stall_timeout: float, upstream: frozenset[str] = frozenset(),
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
-                 window_cap: int = 256 << 20, socket_window: int = 0) -> None:
+                 window_cap: int = 256 << 20, socket_window: int = 0,
+                 host: str | None = None) -> None:
         """``wanted``: the chunks to fetch (those already ``verified``, non-zero, are
         skipped);
         ``window``: the number of workers; ``plan``: ``(source, first, stop)`` ranges;
-        ``socket_window``: bytes one TCP connection keeps in flight (0: unknown)."""
+        ``socket_window``: bytes one TCP connection keeps in flight (0: unknown);
+        ``host``: this peer's ``host`` label (holders with the same one share its host)."""
         if window < 1:
             raise LocalProtocolError(f"window must be >= 1, got {window}")
         self.me = me
@@ -165,6 +170,7 @@ class TransferSession:
         self.window = window
         self.window_cap = window_cap
         self.socket_window = socket_window
+        self.host = host
         self.stall_timeout = stall_timeout
         self.started = now
         self.last_progress = now
@@ -435,7 +441,7 @@ class TransferSession:
                     holding.has(chunk) or peer.name in self.upstream):
                 continue
             publisher = holding.publisher == peer.name
-            if load(peer.name) >= self.streams_to(peer.name, holding):
+            if load(peer.name) >= self.streams_to(peer, holding):
                 copy_busy |= not publisher
                 continue  # chunks in order from each source
             rank = (int(publisher), load(peer.name), peer.name != streaming, peer.name)
@@ -445,12 +451,17 @@ class TransferSession:
             return None  # the publisher serves only what no copy can (ROS)
         return None if best is None else best[1]
 
-    def streams_to(self, name: str, holding: Holding) -> int:
-        """Streams to keep to ``name``: one, so its chunks land in order (a source still
+    def streams_to(self, peer: PeerInfo, holding: Holding) -> int:
+        """Streams to keep to ``peer``: one, so its chunks land in order (a source still
         receiving: always one); more only on a link one cannot fill
-        (:meth:`~tensorhub.protocol.sizing.StreamWindow.streams`)."""
-        window = self.windows.get(name)
-        if window is None or not holding.complete:
+        (:meth:`~tensorhub.protocol.sizing.StreamWindow.streams`), or from a complete
+        holder on this host, where a copy is bound by cores, not by a link."""
+        if not holding.complete:
+            return 1
+        if self.host is not None and peer.label("host") == self.host:
+            return self.window
+        window = self.windows.get(peer.name)
+        if window is None:
             return 1
         return window.streams(self.socket_window, self.window)
 
