@@ -36,7 +36,7 @@ _DONE_SLACK = 1e-6
 class Link:
     """One direction of one NIC, or one WAN direction."""
 
-    __slots__ = ("name", "rate", "flows", "carried")
+    __slots__ = ("carried", "flows", "name", "rate")
 
     def __init__(self, name: str, rate: float) -> None:
         if not (math.isfinite(rate) and rate > 0):
@@ -52,7 +52,7 @@ class Link:
 class Flow:
     """One chunk in flight on one connection."""
 
-    __slots__ = ("links", "cap", "left", "rate", "since", "version", "on_done", "nbytes")
+    __slots__ = ("cap", "left", "links", "nbytes", "on_done", "rate", "since", "version")
 
     def __init__(self, links: tuple[Link, ...], cap: float, nbytes: int,
                  on_done: Callable[[float], None]) -> None:

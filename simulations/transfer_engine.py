@@ -37,8 +37,9 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from tensorhub.config import PeerConfig
 from tensorhub.manifest import Manifest
@@ -118,8 +119,18 @@ def manifest_of(size: int, chunk_size: int) -> Manifest:
 class Conn:
     """One reader worker's connection to one holder, as both ends see it."""
 
-    __slots__ = ("reader", "source", "queue", "busy", "flow", "stream", "alive",
-                 "min_rtt", "last_end", "waited_out")
+    __slots__ = (
+        "alive",
+        "busy",
+        "flow",
+        "last_end",
+        "min_rtt",
+        "queue",
+        "reader",
+        "source",
+        "stream",
+        "waited_out",
+    )
 
     def __init__(self, reader: Reader, source: str) -> None:
         self.reader, self.source = reader, source
@@ -159,9 +170,12 @@ class Reader:
         self.sim, self.name, self.session = sim, name, session
         self.conns: list[dict[str, Conn]] = [{} for _ in range(session.window)]
         self.busy: list[bool] = [False] * session.window
-        self.waiting: dict[int, int] = {}
-        """Idle worker -> its wake token."""
-        self.tokens = 0
+        self.waiting: dict[int, None] = {}
+        """Workers waiting for news."""
+        self.timers: list[float | None] = [None] * session.window
+        """When each worker's wake-up timer fires (the earliest pending one)."""
+        self.chained = False
+        """A wake-up of the waiting workers is scheduled."""
         self.streams: list[SimStream] = []
         self.dead = False
 
@@ -208,9 +222,9 @@ class Sim:
     def run(self, until: float = math.inf) -> Result:
         for name in self.setup.readers:
             self.at(self.rng.random() * self.setup.start_jitter,
-                    lambda t, r=self.readers[name]: self._start(r))
+                    partial(self._start, self.readers[name]))
         for when, host in self.setup.kills:
-            self.at(when, lambda t, h=host: self.kill(h))
+            self.at(when, partial(self.kill, host))
         while self.heap and len(self.done) + len(self.failed) < len(self.readers):
             when, _, fn = heapq.heappop(self.heap)
             if when > until:
@@ -268,11 +282,13 @@ class Sim:
     # -- the holder view ----------------------------------------------------------------
 
     def view(self, me: str, allowed: frozenset[str] | None) -> list[tuple[PeerInfo, Holding]]:
-        """What ``me`` sees advertised (as ``tensorhub.peer.fetching.holder_view``)."""
-        cached = self._views.get(me)
+        """What ``me`` sees advertised (as ``tensorhub.peer.fetching.holder_view``).
+        Holders that advertised no chunk yet are left out: no session would read from
+        them (named sources are added back, as the shell does)."""
+        cached = self._views.get("" if allowed is None else me)
         if cached is not None and cached[0] == self.view_version:
             return cached[1]
-        every = [(self.infos[h], self._holding(h)) for h in self.advertised]
+        every = self._every()
         found = every if allowed is None else [x for x in every if x[0].name in allowed]
         if allowed is not None and self.setup.publisher in self.advertised:
             ref = self._holding(self.setup.publisher)
@@ -281,8 +297,17 @@ class Sim:
                                               ref.publisher, ref.num_chunks, nothing))
                       for n in sorted(allowed - {x[0].name for x in found} - {me})
                       if n not in self.dead]
-        self._views[me] = (self.view_version, found)
+        self._views["" if allowed is None else me] = (self.view_version, found)
         return found
+
+    def _every(self) -> list[tuple[PeerInfo, Holding]]:
+        cached = self._views.get("*")
+        if cached is not None and cached[0] == self.view_version:
+            return cached[1]
+        every = [(self.infos[h], self._holding(h)) for h, bits in self.advertised.items()
+                 if 1 in bits]
+        self._views["*"] = (self.view_version, every)
+        return every
 
     def _holding(self, name: str) -> Holding:
         held = self.holdings.get(name)
@@ -322,17 +347,28 @@ class Sim:
 
     # -- readers: workers ---------------------------------------------------------------
 
-    def _start(self, r: Reader) -> None:
+    def _start(self, r: Reader, _now: float) -> None:
         self.advertise(r.name, None)  # downstream can find us
         for w in range(r.session.window):
             self.worker(r, w)
 
     def notify(self, r: Reader) -> None:
-        """Wake every waiting worker of ``r`` (a chunk back in pending, a stream ended,
-        gossip)."""
-        waiting, r.waiting = r.waiting, {}
-        for w in sorted(waiting):
-            self.at(self.now, lambda t, w=w: self.worker(r, w))
+        """Wake the waiting workers of ``r`` (a chunk back in pending, a stream ended,
+        gossip).  They are woken one at a time, each once the one before found a job:
+        one that finds none leaves the state as it was, so the rest would find none
+        too (the shell wakes them all; the outcome is the same)."""
+        if r.waiting and not r.chained:
+            r.chained = True
+            self.at(self.now, lambda t: self._wake_next(r))
+
+    def _wake_next(self, r: Reader) -> None:
+        r.chained = False
+        while r.waiting and not r.dead:
+            w = min(r.waiting)
+            del r.waiting[w]
+            self.worker(r, w)
+            if w in r.waiting:
+                return  # it found nothing to do
 
     def worker(self, r: Reader, w: int) -> None:
         """One turn of ``Fetch._worker``: pick a job and stream, or wait for news."""
@@ -349,15 +385,20 @@ class Sim:
             if s.expired(now):
                 self.fail(r, "VersionUnavailable: " + s.missing_text())
                 return
-            r.tokens += 1
-            token = r.waiting[w] = r.tokens
+            r.waiting[w] = None
             self.listeners.add(r)
+            wake_at = s.wake_at(now)
+            armed = r.timers[w]
+            if armed is None or armed > wake_at:
+                r.timers[w] = wake_at
 
-            def wake(t: float) -> None:
-                if r.waiting.get(w) == token:
-                    del r.waiting[w]
-                    self.worker(r, w)
-            self.at(s.wake_at(now), wake)
+                def wake(t: float) -> None:
+                    if r.timers[w] == t:
+                        r.timers[w] = None
+                        if w in r.waiting:
+                            del r.waiting[w]
+                            self.worker(r, w)
+                self.at(wake_at, wake)
             return
         chunk, peer = job
         st = SimStream(s.open_stream(now, chunk, peer), Conn(r, peer.name), w)
@@ -555,7 +596,10 @@ class Sim:
                 waiting.remove(conn)
         conn.queue.clear()
 
-    def kill(self, host: str) -> None:
+    def _reset(self, st: SimStream, host: str, _now: float) -> None:
+        self.end(st, "transport", f"{host}: connection reset")
+
+    def kill(self, host: str, _now: float = 0.0) -> None:
         """``host``'s process ends (see the module docstring)."""
         self.dead.add(host)
         now = self.now
@@ -565,7 +609,7 @@ class Sim:
         if r is not None:
             self.drop_reader(r)
         for other in self.readers.values():
-            for w, conns in enumerate(other.conns):
+            for conns in other.conns:
                 conn = conns.pop(host, None)
                 if conn is not None and conn.stream is None:
                     self.close(conn)
@@ -574,8 +618,7 @@ class Sim:
                     conn = st.conn
                     self.close(conn)
                     half = self.rtt(host, other.name) / 2
-                    self.at(now + half, lambda t, st=st: self.end(
-                        st, "transport", f"{host}: connection reset"))
+                    self.at(now + half, partial(self._reset, st, host))
 
         def forgotten(t: float) -> None:
             self.advertised.pop(host, None)
