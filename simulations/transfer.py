@@ -46,6 +46,7 @@ class Options:
     depth: int = 4
     gossip_delay: float = 0.01
     seed: int = 0
+    socket_window: int = 0
 
     @property
     def size(self) -> int:
@@ -58,7 +59,8 @@ def one_dc(o: Options, *, plan: bool = True, hosts: int | None = None) -> Setup:
     rate = o.nic_mbit * MBIT
     return Setup(tuple(Host(f"h{i}", "dc0", rate, rate) for i in range(n)), "h0",
                  tuple(f"h{i}" for i in range(1, n)), o.size, o.chunk_size, plan=plan,
-                 rtt=o.rtt, gossip_delay=o.gossip_delay, seed=o.seed)
+                 rtt=o.rtt, gossip_delay=o.gossip_delay, seed=o.seed,
+                 socket_window=o.socket_window)
 
 
 def chain(o: Options, depth: int) -> Setup:
@@ -165,6 +167,7 @@ def run(o: Options) -> tuple[list[Row], list[dict[str, Any]], dict[str, Any]]:
                 "size_bytes": size, "nic_mbit": o.nic_mbit, "wan_mbit": o.wan_mbit,
                 "wan_rtt_s": o.wan_rtt, "rtt_s": o.rtt, "depth": o.depth,
                 "gossip_delay_s": o.gossip_delay, "seed": o.seed,
+                "socket_window_bytes": o.socket_window,
                 "network": "flow-level, equal share per link, store-and-forward per chunk",
                 "trace": res.trace[:16]}
     return rows, figures, settings
@@ -184,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gossip-ms", type=float, default=10.0,
                         help="from a chunk landing to every peer seeing it advertised")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--socket-window-mib", type=float, default=0.0,
+                        help="bytes one connection keeps in flight (caps its rate at "
+                             "this / rtt; the session's socket_window); 0: no cap")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     a = parser.parse_args(argv)
     if a.hosts < 2 or a.chunks < 1 or a.depth < 1:
         parser.error("need --hosts >= 2, --chunks >= 1, --depth >= 1")
     o = Options(a.hosts, a.chunks, int(a.chunk_mib * (1 << 20)), a.nic_mbit, a.wan_mbit,
-                a.wan_rtt_ms / 1e3, a.rtt_ms / 1e3, a.depth, a.gossip_ms / 1e3, a.seed)
+                a.wan_rtt_ms / 1e3, a.rtt_ms / 1e3, a.depth, a.gossip_ms / 1e3, a.seed,
+                int(a.socket_window_mib * (1 << 20)))
     started = time.perf_counter()
     rows, figures, settings = run(o)
     settings["wall_s"] = round(time.perf_counter() - started, 2)

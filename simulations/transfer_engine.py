@@ -54,6 +54,9 @@ from tensorhub.protocol.transfer import FailureKind, Stream, TransferSession
 from .flows import Flow, Link, Network
 
 KEY = VersionKey("sim", 1)
+MAX_EVENTS_PER_CHUNK = 2000
+"""Events per reader and chunk past which a run is taken to be stuck (a few tens are
+normal)."""
 
 
 @dataclass(frozen=True)
@@ -225,13 +228,19 @@ class Sim:
                     partial(self._start, self.readers[name]))
         for when, host in self.setup.kills:
             self.at(when, partial(self.kill, host))
+        limit = MAX_EVENTS_PER_CHUNK * len(self.readers) * self.m.num_chunks + 100_000
         while self.heap and len(self.done) + len(self.failed) < len(self.readers):
             when, _, fn = heapq.heappop(self.heap)
             if when > until:
                 break
             self.now = when
             self.events += 1
+            if self.events > limit:
+                raise RuntimeError(f"over {limit} events at t={when}: a livelock?")
             fn(when)
+        for name in self.readers:
+            if name not in self.done and name not in self.failed:
+                self.failed[name] = f"unfinished at t={self.now}"
         live = [t for r, t in self.done.items()]
         sources = {r.name: dict(r.session.tally.bytes_by_source)
                    for r in self.readers.values()}
@@ -465,16 +474,17 @@ class Sim:
                 self.serve(conn)
         self.at(self.now + half, arrive)
 
-    def reply(self, st: SimStream, chunk: int, ok: bool, req: Run) -> None:
-        """A reply reached the reader: the transport's bookkeeping, then ``landed``."""
+    def reply(self, st: SimStream, chunk: int, ok: bool, req: Run, header: float) -> None:
+        """A reply reached the reader (its header at ``header``): the transport's
+        bookkeeping, then ``landed``."""
         if st.over:
             return
         r, s, conn, now = st.conn.reader, st.conn.reader.session, st.conn, self.now
         name = st.s.source.name
         window = s.windows[name]
         st.ahead -= st.sizes.pop(chunk)
-        if chunk == req.first and req.alone:
-            rtt = now - req.sent_at
+        if chunk == req.first and req.alone:  # request sent to the reply's first byte
+            rtt = header - req.sent_at
             conn.min_rtt = rtt if conn.min_rtt is None else min(conn.min_rtt, rtt)
             window.rtt(rtt)
         nbytes = self.m.chunk_range(chunk)[1] - self.m.chunk_range(chunk)[0]
@@ -564,22 +574,25 @@ class Sim:
         cap = math.inf
         if self.setup.socket_window > 0:
             cap = self.setup.socket_window / max(self.rtt(holder, reader), 1e-6)
+        began = self.now
         conn.flow = self.net.start(self.now, self.links(holder, reader), size,
-                                   lambda t: self._sent(conn), cap)
+                                   lambda t: self._sent(conn, began), cap)
 
-    def _sent(self, conn: Conn) -> None:
+    def _sent(self, conn: Conn, began: float) -> None:
         conn.flow = None
         conn.busy = False
-        self._answer(conn, True)
+        self._answer(conn, True, began)
 
-    def _answer(self, conn: Conn, ok: bool) -> None:
-        """The head of ``conn``'s queue is answered: it reaches the reader half a round
-        trip later; the holder goes on with the next."""
+    def _answer(self, conn: Conn, ok: bool, began: float | None = None) -> None:
+        """The head of ``conn``'s queue is answered (its first byte left at ``began``,
+        default now): it reaches the reader half a round trip later; the holder goes on
+        with the next."""
         chunk, req = conn.queue.popleft()
         st = conn.stream
         half = self.rtt(conn.source, conn.reader.name) / 2
+        header = (self.now if began is None else began) + half
         if st is not None:
-            self.at(self.now + half, lambda t: self.reply(st, chunk, ok, req))
+            self.at(self.now + half, lambda t: self.reply(st, chunk, ok, req, header))
         self.serve(conn)
 
     def close(self, conn: Conn) -> None:
