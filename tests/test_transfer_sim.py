@@ -121,3 +121,15 @@ def test_the_command_prints_figures_and_one_json_line(
                for f in out["figures"])
     assert out["settings"]["hosts"] == 4
     assert code == (0 if all(f["ok"] for f in out["figures"]) else 1)
+
+
+def test_one_connection_is_held_to_its_window_and_the_session_opens_a_second() -> None:
+    rate, rtt, window = 400 * MBIT, 0.04, 1 << 20
+    setup = Setup((Host("h0", "dc0", rate, rate), Host("h1", "dc1", rate, rate)), "h0",
+                  ("h1",), 32 << 20, 1 << 20, plan=False, socket_window=window,
+                  wan={("dc0", "dc1"): (rate, rtt)})
+    one_stream = setup.size / (window / rtt)  # 1.28 s at 26 MB/s
+    res = simulate(setup)
+    assert res.end >= setup.size / rate
+    # once a stream measured a window's worth in flight, the session streams on two
+    assert res.end < one_stream
