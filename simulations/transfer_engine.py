@@ -36,6 +36,7 @@ import hashlib
 import heapq
 import math
 import random
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -215,6 +216,7 @@ class Sim:
         self.failed: dict[str, str] = {}
         self.bound_s: float | None = None
         self.readers = {name: self._reader(name) for name in setup.readers}
+        self.quiet_pokes = setup.socket_window == 0
 
     # -- the clock ----------------------------------------------------------------------
 
@@ -333,26 +335,40 @@ class Sim:
         return held
 
     def advertise(self, holder: str, chunk: int | None) -> None:
-        """``holder`` announced ``chunk`` (None: that it is fetching); seen by every
-        other peer ``gossip_delay`` later."""
+        """``holder`` announced ``chunk`` (None: that it is fetching, which changes no
+        view: a holder with no chunk is left out); seen ``gossip_delay`` later."""
         def seen(t: float) -> None:
             if holder in self.dead:
                 return
             bits = self.advertised.setdefault(holder, bytearray(self.m.num_chunks))
-            if chunk is not None:
-                bits[chunk] = 1
+            if chunk is None or bits[chunk]:
+                return
+            bits[chunk] = 1
             self.holdings.pop(holder, None)
             self.view_version += 1
-            self.poke(t)
+            self.poke(t, chunk, 0 not in bits)
         self.at(self.now + self.setup.gossip_delay, seen)
 
-    def poke(self, now: float) -> None:
-        """The view changed: as ``Fetch.poke`` on every reader that listens."""
+    def poke(self, now: float, chunk: int | None = None, complete: bool = False) -> None:
+        """The view changed (a holder advertised ``chunk``, and is now ``complete``;
+        None: a holder left): as ``Fetch.poke`` on every reader that listens.  A reader
+        whose session lacks nothing and for which ``chunk`` is not pending is not
+        woken: the news changes none of its picks (only that chunk's holders changed,
+        and a holder's stream count only when it completes).  That holds while nothing
+        else changes a pick unannounced; with a ``socket_window`` the streams per source
+        follow each stream's measurements, so then every listener is woken, as the
+        shell's ``Fetch.poke`` does on every change of the control plane."""
         listeners, self.listeners = self.listeners, set()
         for r in sorted(listeners, key=lambda r: r.name):
-            if not r.dead and r.name not in self.done:
-                r.session.view_changed()
+            if r.dead or r.name in self.done:
+                continue
+            s = r.session
+            if not self.quiet_pokes or chunk is None or complete or s.lacks \
+                    or _has(s.pending, chunk):
+                s.view_changed()
                 self.notify(r)
+            else:
+                self.listeners.add(r)
 
     # -- readers: workers ---------------------------------------------------------------
 
@@ -657,6 +673,11 @@ class Sim:
             if found is not None:
                 out.append(self.net.link(f"wan:{a.dc}>{b.dc}", found[0]))
         return tuple(out)
+
+
+def _has(ordered: list[int], x: int) -> bool:
+    i = bisect_left(ordered, x)
+    return i < len(ordered) and ordered[i] == x
 
 
 def simulate(setup: Setup, until: float = math.inf) -> Result:

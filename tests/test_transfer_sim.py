@@ -4,6 +4,7 @@ TransferSession over a flow-level network; small sizes, virtual time only."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from simulations.flows import Network
 from simulations.transfer import MBIT, Options, chain, main, one_dc, two_dc, with_kill
-from simulations.transfer_engine import Host, Setup, fluid_bound_of, simulate
+from simulations.transfer_engine import Host, Setup, Sim, fluid_bound_of, simulate
 
 SMALL = Options(hosts=6, chunks=16, chunk_size=1 << 20, nic_mbit=400.0)
 
@@ -22,6 +23,17 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_another() -> None:
     assert a.bytes_by_source == b.bytes_by_source
     other = simulate(one_dc(Options(**{**SMALL.__dict__, "seed": 7})))
     assert other.trace != a.trace  # the start times differ, so the landing times do
+
+
+@pytest.mark.parametrize("plan", [True, False])
+def test_waking_only_the_readers_gossip_concerns_changes_nothing(plan: bool) -> None:
+    o = Options(hosts=8, chunks=16, chunk_size=1 << 20)
+    setup = replace(two_dc(o, plan=plan), kills=((0.2, "h2"),))
+    quiet, loud = Sim(setup), Sim(setup)
+    loud.quiet_pokes = False  # every listener woken at every advertisement
+    a, b = quiet.run(), loud.run()
+    assert a.trace == b.trace and a.done == b.done and a.failed == b.failed
+    assert a.events < b.events
 
 
 def test_two_flows_on_one_uplink_share_it_equally() -> None:
