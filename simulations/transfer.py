@@ -25,7 +25,8 @@ from typing import Any
 
 from tensorhub.bench.figures import figure, print_figures
 
-from .transfer_engine import Host, Result, Setup, fluid_bound_of, simulate
+from .transfer_engine import simulate
+from .transfer_setup import Host, Result, Setup, fluid_bound_of
 
 MBIT = 1e6 / 8
 BASELINE_HOSTS = 16

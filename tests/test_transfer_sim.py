@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from simulations.flows import Network
 from simulations.transfer import MBIT, Options, chain, main, one_dc, two_dc, with_kill
-from simulations.transfer_engine import Host, Setup, Sim, fluid_bound_of, simulate
+from simulations.transfer_engine import Sim, simulate
+from simulations.transfer_setup import Host, Setup, fluid_bound_of
 
 SMALL = Options(hosts=6, chunks=16, chunk_size=1 << 20, nic_mbit=400.0)
 
