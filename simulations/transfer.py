@@ -7,11 +7,13 @@ network).
     python -m simulations.transfer --hosts 64 --chunks 64
 
 Scenarios: (a) one DC, a trainer and ``hosts - 1`` readers with the coordinator's plan
-(and without, for comparison); (b) a chain of ``depth`` readers, each naming the one
-before it as its source, against one hop; (c) two DCs joined by a WAN link, with the
-plan (and without); (d) scenario (a) with a planned relay killed mid-transfer.  Prints a
-table, then each figure next to its bound; with ``--json``, one JSON object as the last
-line: ``{"figures": [{"name", "value", "unit", "bound", "better"}, ...], "settings"}``.
+(made with every reader at once, and one reader at a time as the coordinator does when
+each asks; and without a plan, for comparison); (b) a chain of ``depth`` readers, each
+naming the one before it as its source, against one hop; (c) two DCs joined by a WAN
+link, with the plan (and without); (d) scenario (a) with a planned relay killed
+mid-transfer.  Prints a table, then each figure next to its bound; with ``--json``, one
+JSON object as the last line:
+``{"figures": [{"name", "value", "unit", "bound", "better"}, ...], "settings"}``.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def run(o: Options) -> tuple[list[Row], list[dict[str, Any]], dict[str, Any]]:
     rows.append(Row(f"fan-out, 1 DC, {o.hosts} hosts, plan", res.end, bound,
                     f"{sources_note(res, 'h0', size)}; {res.events} events"))
     figures.append(figure("sim_fanout_vs_fluid_bound", res.end / bound, "x", 1.15, "lower"))
+    inc = simulate(replace(fan, incremental_plan=True))
+    rows.append(Row("fan-out, 1 DC, plan made one reader at a time", inc.end, bound,
+                    "as the coordinator plans them when each asks (add_fetcher)"))
     if o.hosts <= BASELINE_HOSTS:
         star = simulate(one_dc(o, plan=False))
         rows.append(Row("fan-out, 1 DC, no plan (gossip only)", star.end, bound,

@@ -162,8 +162,14 @@ class Sim:
                 NodeInfo(h.name, h.dc, "", h.name, h.up, h.down) for h in s.hosts
                 if h.name == s.publisher or h.name in s.readers))
             planned = [r for r in s.readers if r not in s.upstream]
-            self._planner = Planner(KEY, s.size, self.m.num_chunks, topo,
-                                    {s.publisher: None}, planned)
+            if s.incremental_plan and planned:  # as the coordinator: one ask at a time
+                self._planner = Planner(KEY, s.size, self.m.num_chunks, topo,
+                                        {s.publisher: None}, planned[:1])
+                for r in planned[1:]:
+                    self._planner.add_fetcher(r)
+            else:
+                self._planner = Planner(KEY, s.size, self.m.num_chunks, topo,
+                                        {s.publisher: None}, planned)
             self.bound_s = self._planner.plan.bound_s
         return [(self.infos[r.peer], r.first, r.stop)
                 for r in self._planner.plan.sources(reader)]

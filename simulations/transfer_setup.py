@@ -44,6 +44,9 @@ class Setup:
     size: int
     chunk_size: int
     plan: bool = True
+    incremental_plan: bool = False
+    """Plan the readers one at a time, in order, as the coordinator does when each asks
+    (``Planner.add_fetcher``); False: one plan with every reader as a fetcher."""
     upstream: dict[str, frozenset[str]] = field(default_factory=dict)
     """Named sources per reader (``fetch(allowed=...)``): they read only from these."""
     rtt: float = 0.0002

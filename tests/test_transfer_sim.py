@@ -51,19 +51,20 @@ def test_two_flows_on_one_uplink_share_it_equally() -> None:
     assert second.rate == 100.0 and up.carried == pytest.approx(100.0)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(hosts=st.integers(2, 6), chunks=st.integers(1, 12),
        mbits=st.lists(st.sampled_from([100.0, 400.0, 1000.0]), min_size=6, max_size=6),
-       dcs=st.booleans(), plan=st.booleans(), seed=st.integers(0, 3))
+       dcs=st.booleans(), plan=st.booleans(), incremental=st.booleans(),
+       seed=st.integers(0, 3))
 def test_no_run_beats_physics_and_every_reader_gets_every_byte(
         hosts: int, chunks: int, mbits: list[float], dcs: bool, plan: bool,
-        seed: int) -> None:
+        incremental: bool, seed: int) -> None:
     size = chunks * (1 << 20) - 1000  # a short last chunk
     wan = {("dc0", "dc1"): (200 * MBIT, 0.02)} if dcs else {}
     setup = Setup(tuple(Host(f"h{i}", "dc1" if dcs and i >= (hosts + 1) // 2 else "dc0",
                              mbits[i] * MBIT, mbits[-1 - i] * MBIT) for i in range(hosts)),
                   "h0", tuple(f"h{i}" for i in range(1, hosts)), size, 1 << 20, plan=plan,
-                  wan=wan, seed=seed)
+                  wan=wan, seed=seed, incremental_plan=incremental)
     res = simulate(setup)
     assert not res.failed and set(res.done) == set(setup.readers)
     assert res.end >= fluid_bound_of(setup) * (1 - 1e-9)
