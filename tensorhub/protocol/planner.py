@@ -26,7 +26,28 @@ max(parent load/uplink, size/downlink, pair bytes/link estimate, WAN bytes/WAN);
 fetcher gets a stripe no faster than its parent, one chunk after it.  Changes are
 incremental: a joiner attaches to the best parent in each tree; a leaver's children
 re-attach, each with its subtree, outside that subtree (no cycle can form); seeds are
-replaced; nobody else moves.  Pure: no clock, no I/O.
+replaced; nobody else moves.
+
+*Rebuilds.*  Joiners arrive one at a time, and attaching each where it fits best then
+depends on the order: the first joiners take the roots' whole fan-out (a remote DC's seed
+that asked first takes the trainer's one copy, and the trainer's own DC must then wait
+for a bigger budget), and in one DC the trees degrade into chains (64 joiners one at a
+time: an estimate 1.97x the bound, against 1.31x planned at once).  So when a join leaves
+the plan suspect -- the budget had to grow, or the estimate is over
+:data:`REBUILD_OVER_BOUND` times the fluid bound -- the plan is made afresh for every
+participant, as the constructor does (same roots, same fetchers), and taken when its
+estimate is at least :data:`REBUILD_GAIN` times better.  That is sound mid-transfer:
+the fresh plan is a plan for the same peers, a fetcher skips the chunks it has verified
+whoever its new parent is, chunks in flight finish where they are, and a parent still
+receiving is asked ahead as any planned parent is.  The rebuild's cost (a fresh plan is
+O(n^2) per stripe and budget step) is kept bounded: after a join's try at n fetchers the
+next join's try waits for n/4 more joiners, so those tries together cost a constant times
+one plan of the final size; the joiners in between (in one DC each makes a chain one
+deeper) get one more try when a fetcher asks again (:meth:`Planner.reconsider`; fetchers
+ask again a fraction of a second in, when every concurrent fetcher has registered), once
+per join's try.  With more than ``PlannerConfig.rebuild_max_peers`` participants there
+is none (a fresh plan would take the coordinator's event loop for seconds).  Fetchers
+learn a new plan by asking again (``TransferSession.replan``).  Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -46,6 +67,14 @@ _STEP = 1.03
 _MAX_STEPS = 400  # 1.03**400: far past any budget a star would need
 _EPS = 1e-9
 _Key = tuple[Locality, bool, bool, int, bool, float, str]
+REBUILD_OVER_BOUND = 1.25
+"""A join that leaves the estimate over this many times the fluid bound tries a fresh
+plan (as does one that made the budget grow)."""
+REBUILD_GAIN = 1.05
+"""A fresh plan replaces the incremental one only if its estimate is this much better:
+moving fetchers has a cost (a stream ends, another starts)."""
+REBUILD_SPACING = 4
+"""After a try at n fetchers the next waits for n / this more joiners (at least one)."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +84,17 @@ class PlannerConfig:
     of the stripes.  More seeds put more NICs on the WAN; WAN bytes stay 1x per DC."""
     max_stripes: int = 4
     """Most stripes tried.  More: shallower trees, but more sources per fetcher."""
+    rebuild_max_peers: int = 128
+    """Most participants for which a join may rebuild the whole plan (see the module
+    docstring; a fresh plan of 128 peers takes about 0.4 s of CPU); 0: never."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.seeds_per_dc <= 64:
             raise ConfigError("seeds_per_dc must be in [1, 64]")
         if not 1 <= self.max_stripes <= 64:
             raise ConfigError("max_stripes must be in [1, 64]")
+        if not 0 <= self.rebuild_max_peers <= 1 << 20:
+            raise ConfigError("rebuild_max_peers must be in [0, 2**20]")
 
 
 @dataclass(frozen=True)
@@ -107,6 +141,9 @@ class PlannerStatistics:
     stripes: int
     budget_s: float
     epoch: int
+    rebuilds: int = 0
+    """Joins after which the plan was made afresh (see the module docstring)."""
+    rebuild_tries: int = 0
 
 
 def _normalize(ranges: ChunkRanges, chunks: int) -> ChunkRanges:
@@ -140,35 +177,50 @@ class Planner:
         if self._fetchers & self._held.keys():
             raise LocalProtocolError("a peer cannot be both an original holder and a fetcher")
         self._nodes = {n: topology.node(n) for n in (*self._held, *self._fetchers)}
-        seeds, tries = self._config.seeds_per_dc, []
-        for k in sorted({max(i, seeds) for i in range(1, self._config.max_stripes + 1)}):
-            t = self._reset(k)
-            for _ in range(_MAX_STEPS):
-                if self._build(k, t):
-                    break
-                t *= _STEP
-            else:
-                raise LocalProtocolError(f"{key}: no plan fits any budget (planner bug)")
-            tries.append((self._estimate(), k, t))
-        _, k, t = min(tries)
-        self._build(k, t)
+        self._cached: Plan | None = None
+        self._rebuilds = self._rebuild_tries = 0
+        self._next_rebuild = 0
+        """Fetchers there must be before a join may try a rebuild."""
+        self._joined = 0
+        """Joins since the last try."""
+        self._catch_up = True
+        """Whether :meth:`reconsider` may try once (again after each join's try)."""
+        self._rebuilds_last = False
+        """Whether the last try replaced the plan."""
+        self._fresh()
 
     # -- public -------------------------------------------------------------------
 
     @property
     def plan(self) -> Plan:
-        assignments = []
-        for v in sorted(self._fetchers):
-            merged: list[SourceRange] = []
-            for j, (lo, hi) in enumerate(self._stripes):
-                p = self._parent[j][v]
-                if merged and merged[-1].peer == p:
-                    merged[-1] = SourceRange(p, merged[-1].first, hi)
-                else:
-                    merged.append(SourceRange(p, lo, hi))
-            assignments.append(Assignment(v, tuple(merged)))
-        return Plan(self.key.model, self.key.version, self._epoch, tuple(assignments),
-                    self._estimate(), self._bound())
+        if self._cached is not None and self._cached.epoch == self._epoch:
+            return self._cached
+        assignments = tuple(Assignment(v, self._sources(v)) for v in sorted(self._fetchers))
+        self._cached = Plan(self.key.model, self.key.version, self._epoch,
+                            assignments, self._estimate(), self._bound())
+        return self._cached
+
+    def sources(self, fetcher: str) -> tuple[SourceRange, ...]:
+        """``fetcher``'s part of the plan (``plan.sources(fetcher)`` without making the
+        whole plan: a fetcher that asks again costs O(stripes))."""
+        if fetcher not in self._fetchers:
+            raise LocalProtocolError(f"{fetcher!r} is not a fetcher in this plan")
+        return self._sources(fetcher)
+
+    def _sources(self, v: str) -> tuple[SourceRange, ...]:
+        merged: list[SourceRange] = []
+        for j, (lo, hi) in enumerate(self._stripes):
+            p = self._parent[j][v]
+            if merged and merged[-1].peer == p:
+                merged[-1] = SourceRange(p, merged[-1].first, hi)
+            else:
+                merged.append(SourceRange(p, lo, hi))
+        return tuple(merged)
+
+    @property
+    def epoch(self) -> int:
+        """The plan's epoch: one more with every change."""
+        return self._epoch
 
     @property
     def topology(self) -> Topology:
@@ -185,13 +237,34 @@ class Planner:
         return frozenset(self._nodes)
 
     def add_fetcher(self, name: str) -> Plan:
-        """A late joiner: attach it to the best parent in every tree, move nobody else."""
+        """A late joiner: attach it to the best parent in every tree, move nobody else;
+        unless that leaves the plan clearly worse than a fresh one (see the module
+        docstring), which then replaces it."""
         if name in self._nodes:
             raise LocalProtocolError(f"{name!r} already takes part in {self.key}")
         self._nodes[name] = self._topo.node(name)
         self._fetchers.add(name)
         self._load[name] = 0.0
-        return self._apply([*self._refresh(), *((name, j) for j in range(len(self._sb)))])
+        budget = self._budget_s
+        self._attach([*self._refresh(), *((name, j) for j in range(len(self._sb)))])
+        self._joined += 1
+        n = len(self._fetchers)
+        if n >= self._next_rebuild and self._rebuild(grew=self._budget_s > budget):
+            self._next_rebuild = n + max(1, n // REBUILD_SPACING)
+            self._catch_up = True
+        self._epoch += 1
+        return self.plan
+
+    def reconsider(self) -> Plan:
+        """A fetcher asks again: the joins that came since the last rebuild was tried
+        (too soon after it to try one) get one try now, if the plan is suspect.  Once
+        per join's try, so the tries stay within twice the joins' (see the module
+        docstring); the coordinator calls it when a fetcher of the plan asks again."""
+        if self._catch_up and self._joined and self._rebuild(grew=False):
+            self._catch_up = False
+            if self._rebuilds_last:
+                self._epoch += 1
+        return self.plan
 
     def mark_complete(self, name: str) -> Plan:
         """``name`` holds every chunk verified: it stops pulling and becomes a root."""
@@ -238,9 +311,52 @@ class Planner:
 
     def statistics(self) -> PlannerStatistics:
         return PlannerStatistics(len(self._fetchers), len(self._complete), len(self._held),
-                                 len(self._stripes), self._budget_s, self._epoch)
+                                 len(self._stripes), self._budget_s, self._epoch,
+                                 self._rebuilds, self._rebuild_tries)
 
     # -- building -----------------------------------------------------------------
+
+    _STATE = ("_stripes", "_sb", "_roots", "_held_bytes", "_parent", "_kids", "_load",
+              "_seed", "_exports", "_budget_s", "_seed_stripes", "_surplus")
+    """What a build makes (each a new object: a snapshot is a copy of the references)."""
+
+    def _fresh(self) -> None:
+        """Plan every participant from scratch: K = 1..max_stripes, each at the least
+        budget that fits; keep the K the fluid model finishes first."""
+        seeds, tries = self._config.seeds_per_dc, []
+        for k in sorted({max(i, seeds) for i in range(1, self._config.max_stripes + 1)}):
+            t = self._reset(k)
+            for _ in range(_MAX_STEPS):
+                if self._build(k, t):
+                    break
+                t *= _STEP
+            else:
+                raise LocalProtocolError(f"{self.key}: no plan fits any budget (planner bug)")
+            tries.append((self._estimate(), k, t))
+        _, k, t = min(tries)
+        self._build(k, t)
+
+    def _rebuild(self, grew: bool) -> bool:
+        """Try a fresh plan if this one is suspect (``grew``: the last join made the
+        budget grow; or the estimate is over the bound), and keep it when clearly better
+        (see the module docstring).  Returns whether it was tried."""
+        self._rebuilds_last = False
+        if len(self._nodes) > self._config.rebuild_max_peers:
+            return False
+        estimate = self._estimate()
+        if not grew and estimate <= REBUILD_OVER_BOUND * self._bound():
+            return False
+        self._rebuild_tries += 1
+        self._joined = 0
+        before = {a: getattr(self, a) for a in self._STATE}
+        self._fresh()
+        if self._estimate() * REBUILD_GAIN <= estimate:
+            self._rebuilds += 1
+            self._rebuilds_last = True
+        else:
+            for a, v in before.items():
+                setattr(self, a, v)
+        return True
 
     def _reset(self, k: int) -> float:
         """Cut ``k`` stripes and forget all edges; returns the fluid bound."""
@@ -298,8 +414,13 @@ class Planner:
         return True
 
     def _apply(self, todo: Iterable[tuple[str, int]]) -> Plan:
-        """Re-attach each ``(fetcher, stripe)``, seeds first so that their DC can follow;
-        then publish the plan under a new epoch."""
+        """:meth:`_attach`, then publish the plan under a new epoch."""
+        self._attach(todo)
+        self._epoch += 1
+        return self.plan
+
+    def _attach(self, todo: Iterable[tuple[str, int]]) -> None:
+        """Re-attach each ``(fetcher, stripe)``, seeds first so that their DC can follow."""
         def seeds_first(item: tuple[str, int]) -> tuple[bool, int, str]:
             v, j = item
             return self._seed.get((self._nodes[v].dc, j)) != v, j, v
@@ -315,8 +436,6 @@ class Planner:
                 self._refresh()
             else:
                 raise LocalProtocolError(f"{self.key}: no source for {v!r} (planner bug)")
-        self._epoch += 1
-        return self.plan
 
     def _refresh(self) -> list[tuple[str, int]]:
         """Give each remote (DC, stripe) one seed and recount surpluses.  Returns who
