@@ -139,6 +139,35 @@ def test_planned_chunks_go_to_their_planned_source_and_fall_back_when_it_fails()
     assert s.next_run(back, c, 1 << 20) == [1, 2]  # asked before it advertises them
 
 
+def test_a_newer_plan_moves_pending_chunks_and_claimed_ones_finish_where_they_are() -> None:
+    w = World(manifest(8), {"h1": None, "h2": None}, timeout=30.0, window=2,
+              plan=[("h1", 0, 8)])
+    s = w.session
+    a = s.open_stream(0.0, 0, info("h1"))
+    assert s.next_run(0.0, a, 1 << 20) == [0, 1, 2, 3]  # half: work for the other worker
+    s.landed(0.1, a, 0, 64)
+    assert s.replan(0.1, [(info("h3"), 0, 8)]) == 4  # 4..7 to h3
+    assert s.tally.replans == 1
+    assert s.next_run(0.1, a, 1 << 20) == []  # h1 is the source of nothing pending now
+    assert s.claimed == {1: "h1", 2: "h1", 3: "h1"}  # in flight: they finish at h1
+    s.landed(0.2, a, 1, 64)
+    assert s.tally.planned_bytes == 128  # planned to h1 when claimed
+    assert not s.failed(0.2, a, 2, "not_yet", "")
+    assert s.pick(0.2) == (2, info("h3"))  # back in pending: it follows the new plan,
+    b = s.open_stream(0.2, 2, info("h3"))  # asked before h3 advertises it
+    assert s.next_run(0.2, b, 1 << 20) == [2]  # half the pending share: 2, 4 are no run
+    assert s.pick(0.2) is None  # h3, the source of every pending chunk, has its stream
+    s.landed(0.3, b, 2, 64)
+    s.landed(0.3, a, 3, 64)
+    assert not s.claimed and s.pending == [4, 5, 6, 7]
+    assert not s.stream_ended(0.3, a) and not s.stream_ended(0.3, b)
+    assert s.replan(0.3, [(info("h3"), 4, 6)]) == 2  # 6, 7: planned to no one now
+    assert s.pick(0.3) == (4, info("h3"))
+    c = s.open_stream(0.3, 4, info("h3"))
+    assert s.next_run(0.3, c, 1 << 20) == [4, 5]
+    assert s.pick(0.3) == (6, info("h1"))  # unplanned: any holder (h1 wins the tie)
+
+
 def test_one_stream_per_copy_and_the_publisher_only_for_what_no_copy_serves() -> None:
     # h0 published; h1 holds a whole copy, h2 the first half (still receiving)
     w = World(manifest(16), {"h0": None, "h1": None, "h2": set(range(8))}, timeout=30.0,

@@ -129,6 +129,14 @@ class Fetch:
         self.session.view_changed()
         self._notify()
 
+    def replan(self, plan: Sequence[tuple[PeerInfo, int, int]]) -> int:
+        """The coordinator's newer plan: pending chunks take its sources (see
+        :meth:`TransferSession.replan`); waiting workers look again.  Returns how many
+        pending chunks changed source."""
+        moved = self.session.replan(trio.current_time(), plan)
+        self._notify()
+        return moved
+
     def _notify(self) -> None:
         """Wake every waiting worker.  Only the notifier replaces the event, so a waiter
         can never be left on an event nobody will set."""
