@@ -40,6 +40,7 @@ def two_dcs() -> FixedView:
 
 def ask(coordinator: Coordination, asker: Coordination, view: FixedView) -> CoordReply:
     _, msg, target = asker.request(KEY, view.live_names(), SIZE, CHUNKS)
+    assert target == coordinator.me  # routed to it: no forwarding here
     dest, reply = coordinator.on_request(msg, view)
     assert dest == "reply" and isinstance(reply, CoordReply) and reply.ok, reply
     return reply
