@@ -139,33 +139,35 @@ def test_planned_chunks_go_to_their_planned_source_and_fall_back_when_it_fails()
     assert s.next_run(back, c, 1 << 20) == [1, 2]  # asked before it advertises them
 
 
-def test_a_newer_plan_moves_pending_chunks_and_claimed_ones_finish_where_they_are() -> None:
+def test_a_newer_plan_moves_pending_chunks_and_ends_streams_it_sources_elsewhere() -> None:
     w = World(manifest(8), {"h1": None, "h2": None}, timeout=30.0, window=2,
-              plan=[("h1", 0, 8)])
+              plan=[("h1", 0, 4), ("h2", 4, 8)])
     s = w.session
     a = s.open_stream(0.0, 0, info("h1"))
-    assert s.next_run(0.0, a, 1 << 20) == [0, 1, 2, 3]  # half: work for the other worker
+    assert s.next_run(0.0, a, 1 << 20) == [0, 1, 2, 3]  # the run planned to h1
+    b = s.open_stream(0.0, 4, info("h2"))
+    assert s.next_run(0.0, b, 1 << 20) == [4, 5]  # half of what is pending: work for a
     s.landed(0.1, a, 0, 64)
-    assert s.replan(0.1, [(info("h3"), 0, 8)]) == 4  # 4..7 to h3
+    s.landed(0.1, b, 4, 64)
+    assert s.replan(0.1, [(info("h3"), 0, 6), (info("h2"), 6, 8)]) == 0  # 6, 7: still h2
     assert s.tally.replans == 1
-    assert s.next_run(0.1, a, 1 << 20) == []  # h1 is the source of nothing pending now
-    assert s.claimed == {1: "h1", 2: "h1", 3: "h1"}  # in flight: they finish at h1
-    s.landed(0.2, a, 1, 64)
-    assert s.tally.planned_bytes == 128  # planned to h1 when claimed
-    assert not s.failed(0.2, a, 2, "not_yet", "")
-    assert s.pick(0.2) == (2, info("h3"))  # back in pending: it follows the new plan,
-    b = s.open_stream(0.2, 2, info("h3"))  # asked before h3 advertises it
-    assert s.next_run(0.2, b, 1 << 20) == [2]  # half the pending share: 2, 4 are no run
-    assert s.pick(0.2) is None  # h3, the source of every pending chunk, has its stream
-    s.landed(0.3, b, 2, 64)
-    s.landed(0.3, a, 3, 64)
-    assert not s.claimed and s.pending == [4, 5, 6, 7]
-    assert not s.stream_ended(0.3, a) and not s.stream_ended(0.3, b)
-    assert s.replan(0.3, [(info("h3"), 4, 6)]) == 2  # 6, 7: planned to no one now
-    assert s.pick(0.3) == (4, info("h3"))
-    c = s.open_stream(0.3, 4, info("h3"))
-    assert s.next_run(0.3, c, 1 << 20) == [4, 5]
-    assert s.pick(0.3) == (6, info("h1"))  # unplanned: any holder (h1 wins the tie)
+    # h1's claims are now planned to h3: its stream is to end (the shell closes it);
+    # h2 keeps 5, which the new plan does not give it either
+    assert s.abandon == {"h1", "h2"}
+    assert s.planned[6].name == "h2" and s.planned[1].name == "h3"
+    a.stop = True  # as the shell does for each stream to a source in abandon
+    assert s.stream_ended(0.1, a)  # no failure: nobody benched, the connection closes
+    assert not s.benched and not s.tally.dropped_sources
+    assert s.pending == [1, 2, 3, 6, 7] and s.claimed == {5: "h2"}
+    assert s.pick(0.1) == (1, info("h3"))  # asked before h3 advertises them
+    c = s.open_stream(0.1, 1, info("h3"))
+    assert s.next_run(0.1, c, 1 << 20) == [1, 2, 3]
+    s.landed(0.2, b, 5, 64)  # a claim that landed before its stream ended counts
+    assert s.tally.planned_bytes == 3 * 64  # 0, 4, 5: each from its source when claimed
+    assert s.replan(0.2, [(info("h3"), 0, 6)]) == 2  # 6, 7: planned to no one now
+    assert s.abandon == frozenset()  # h3 is still the planned source of 1, 2, 3
+    assert s.next_run(0.2, b, 1 << 20) == [6]  # unplanned: any holder that has it (one:
+    # half of what is pending)
 
 
 def test_one_stream_per_copy_and_the_publisher_only_for_what_no_copy_serves() -> None:

@@ -11,10 +11,11 @@ it to drain before the caller sees the error.
 A planned fetch asks its coordinator again while it runs (:func:`follow_plan`): the
 coordinator plans each fetcher as it registers, and may make the plan afresh once more
 have registered (``Planner.reconsider``); a newer plan names new sources for the chunks
-not yet claimed.  The first ask comes :data:`REASK_FIRST` after the plan came (every
-fetcher that started with this one has registered by then), then with a doubling
-backoff up to :data:`REASK_MAX`: a handful of asks per fetch, so a fan-out to a thousand
-fetchers costs its coordinator a few thousand cheap answers, not one per chunk.
+not yet claimed.  The first ask comes ``REASK_FIRST`` after the plan came (every fetcher
+that started with this one has registered by then), then with a doubling backoff up to
+``REASK_MAX`` (both in :mod:`~tensorhub.protocol.transfer`): a handful of asks per
+fetch, so a fan-out to a thousand fetchers costs its coordinator a few thousand cheap
+answers, not one per chunk.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..model import PeerInfo, VersionKey
 from ..protocol.refs import Holding
 from ..protocol.ring import Epoch
 from ..protocol.sizing import MIN_CHUNKS
+from ..protocol.transfer import REASK_FIRST, REASK_MAX
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView, first_error
@@ -45,10 +47,6 @@ PlanStamp = tuple[Epoch, int]
 EarlyPlan = tuple[list[tuple[PeerInfo, int, int]], str, float, PlanStamp | None]
 """A plan asked for while the manifest was read: sources, note, seconds it took, stamp."""
 
-REASK_FIRST = 0.2
-"""Seconds from a plan's answer to the fetch's first ask for a newer one."""
-REASK_MAX = 3.2
-"""Longest wait between two asks (each waits twice the one before, up to this)."""
 NOTED_REPLANS = 3
 """Newer plans the fetch report's ``plan`` note lists one by one (the rest: a count)."""
 
@@ -335,8 +333,8 @@ async def _run(peer: Peer, job: Fetch, stamp: PlanStamp | None) -> FetchReport:
 
 
 async def follow_plan(peer: Peer, job: Fetch, stamp: PlanStamp) -> None:
-    """Ask the coordinator again, :data:`REASK_FIRST` from now and then with a doubling
-    backoff up to :data:`REASK_MAX`, until cancelled (the fetch ended); take a plan
+    """Ask the coordinator again, ``REASK_FIRST`` from now and then with a doubling
+    backoff up to ``REASK_MAX``, until cancelled (the fetch ended); take a plan
     whose stamp is newer than ``stamp`` (:meth:`Fetch.replan`) and say so in the
     report's ``plan`` note."""
     started, delay, taken = trio.current_time(), REASK_FIRST, 0

@@ -173,7 +173,10 @@ class Planner:
         self.key, self._size, self._chunks, self._topo = key, float(size), chunks, topology
         self._config, self._epoch = config or PlannerConfig(), epoch
         self._held = {h: _normalize(r or ((0, chunks),), chunks) for h, r in holders.items()}
-        self._fetchers, self._complete = set(fetchers), set[str]()
+        self._rank = {v: i for i, v in enumerate(dict.fromkeys(fetchers))}
+        """Join order: between equal choices, an earlier joiner attaches first (nearer
+        the roots), so a fresh plan keeps earlier joiners where they were."""
+        self._fetchers, self._complete = set(self._rank), set[str]()
         if self._fetchers & self._held.keys():
             raise LocalProtocolError("a peer cannot be both an original holder and a fetcher")
         self._nodes = {n: topology.node(n) for n in (*self._held, *self._fetchers)}
@@ -244,6 +247,7 @@ class Planner:
             raise LocalProtocolError(f"{name!r} already takes part in {self.key}")
         self._nodes[name] = self._topo.node(name)
         self._fetchers.add(name)
+        self._rank[name] = len(self._rank)
         self._load[name] = 0.0
         budget = self._budget_s
         self._attach([*self._refresh(), *((name, j) for j in range(len(self._sb)))])
@@ -394,11 +398,11 @@ class Planner:
         spare0 = {v: self._spare(v, j) for v in self._fetchers}
         best = {v: self._best_parent(v, j, depth) for v in self._fetchers}
         while best:
-            choice = min(((spare0[v] < self._sb[j], b[0][:5], -spare0[v], v, b[1])
-                          for v, b in best.items() if b), default=None)
+            choice = min(((spare0[v] < self._sb[j], b[0][:5], -spare0[v], self._rank[v], v,
+                           b[1]) for v, b in best.items() if b), default=None)
             if choice is None:
                 return False
-            v, p = choice[3], choice[4]
+            v, p = choice[4], choice[5]
             if not self._fits(p, j) or self._key(p, v, j, depth[p]) != best[v][0]:  # type: ignore[index]
                 best[v] = self._best_parent(v, j, depth)  # keys only worsen: lazy Prim
                 continue
