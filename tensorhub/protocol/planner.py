@@ -39,7 +39,10 @@ participant, as the constructor does (same roots, same fetchers), and taken when
 estimate is at least :data:`REBUILD_GAIN` times better.  That is sound mid-transfer:
 the fresh plan is a plan for the same peers, a fetcher skips the chunks it has verified
 whoever its new parent is, chunks in flight finish where they are, and a parent still
-receiving is asked ahead as any planned parent is.  The rebuild's cost (a fresh plan is
+receiving is asked ahead as any planned parent is.  A fresh plan moves as few as it
+can: between equal choices an earlier joiner attaches first (it has pulled longest, and
+its place is kept), and the old seeds stay seeds (one may have pulled across the WAN,
+and may finish before it asks again).  The rebuild's cost (a fresh plan is
 O(n^2) per stripe and budget step) is kept bounded: after a join's try at n fetchers the
 next join's try waits for n/4 more joiners, so those tries together cost a constant times
 one plan of the final size; the joiners in between (in one DC each makes a chain one
@@ -190,6 +193,9 @@ class Planner:
         """Whether :meth:`reconsider` may try once (again after each join's try)."""
         self._rebuilds_last = False
         """Whether the last try replaced the plan."""
+        self._sticky: frozenset[str] = frozenset()
+        """Seeds a rebuild keeps where it can: an old seed may have pulled across the
+        WAN already, and may not ask again before it is done."""
         self._fresh()
 
     # -- public -------------------------------------------------------------------
@@ -353,7 +359,9 @@ class Planner:
         self._rebuild_tries += 1
         self._joined = 0
         before = {a: getattr(self, a) for a in self._STATE}
+        self._sticky = frozenset(self._seed.values())
         self._fresh()
+        self._sticky = frozenset()
         if self._estimate() * REBUILD_GAIN <= estimate:
             self._rebuilds += 1
             self._rebuilds_last = True
@@ -460,7 +468,8 @@ class Planner:
                 if dd == d:
                     carried[x] = carried.get(x, 0.0) + self._sb[j]
             ranked = sorted((m for m in ms if m not in carried),
-                            key=lambda m: (-self._nodes[m].down_bps, m))
+                            key=lambda m: (m not in self._sticky, -self._nodes[m].down_bps,
+                                           self._rank[m], m))
             carried.update(dict.fromkeys(
                 ranked[: min(self._config.seeds_per_dc, len(ms)) - len(carried)], 0.0))
             for j, rd in enumerate(root_dcs):
