@@ -142,8 +142,7 @@ class Fetch:
     def replan(self, plan: Sequence[tuple[PeerInfo, int, int]]) -> int:
         """The coordinator's newer plan: pending chunks take its sources, and streams
         with chunks it sources elsewhere end now (see :meth:`TransferSession.replan`);
-        waiting workers look again.  Returns how many
-        pending chunks changed source."""
+        waiting workers look again.  Returns how many pending chunks changed source."""
         moved = self.session.replan(trio.current_time(), plan)
         for key, (stream, scope) in self._streams.items():
             if stream.source.name in self.session.abandon:
