@@ -269,7 +269,7 @@ def test_first_and_last_landing_times_are_kept() -> None:
 
 
 OPS = ("pick", "run", "land", "end", "time", "pick", "run", "land", "fail", "end", "gossip",
-       "ban")
+       "ban", "replan")
 """Steps of the random sequences, the ones that move chunks more often."""
 
 
@@ -285,9 +285,12 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
                           "holders")}
     wanted = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1), "wanted"))
     verified = data.draw(st.sets(st.sampled_from(wanted)), "verified")
-    plan = [(name, a, b) for name in data.draw(st.lists(st.sampled_from(NAMES), max_size=2,
-                                                         unique=True), "planned")
+    def draw_plan(label: str) -> list[tuple[str, int, int]]:
+        return [(name, a, b) for name in data.draw(
+            st.lists(st.sampled_from(NAMES), max_size=2, unique=True), label)
             for a, b in [sorted(data.draw(st.tuples(st.integers(0, n), st.integers(0, n))))]]
+
+    plan = draw_plan("planned")
     upstream = frozenset(data.draw(st.sets(st.sampled_from(NAMES), max_size=1), "upstream"))
     w = World(m, held, timeout=timeout, window=data.draw(st.integers(1, 3), "window"),
               wanted=wanted, verified=verified, plan=plan, upstream=upstream)
@@ -371,6 +374,15 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
         elif op == "ban":
             name = data.draw(st.sampled_from(NAMES))
             w.bans[name] = Ban(now + data.draw(st.sampled_from([0.5, 10.0])), "bad")
+        elif op == "replan":  # a newer plan; the shell ends the streams in abandon
+            plan = draw_plan("replanned")
+            s.replan(now, [(info(x), a, b) for x, a, b in plan])
+            planned = {c: x for x, a, b in plan for c in range(a, b)}
+            for stream in [x for x in streams if x.source.name in s.abandon]:
+                stream.stop = True
+                assert s.stream_ended(now, stream)  # its connection closes
+                streams.remove(stream)
+            assert all(planned.get(c) == src for c, src in s.claimed.items())
         # every wanted chunk is pending, claimed or verified, exactly once
         claimed = {c: st_.source.name for st_ in streams for c in st_.taken}
         assert s.claimed == claimed
