@@ -139,18 +139,20 @@ class Fetch:
         self.session.view_changed()
         self._notify()
 
-    def replan(self, plan: Sequence[tuple[PeerInfo, int, int]]) -> int:
+    def replan(self, plan: Sequence[tuple[PeerInfo, int, int]]) -> tuple[int, int]:
         """The coordinator's newer plan: pending chunks take its sources, and streams
         with chunks it sources elsewhere end now (see :meth:`TransferSession.replan`);
-        waiting workers look again.  Returns how many pending chunks changed source."""
-        moved = self.session.replan(trio.current_time(), plan)
+        waiting workers look again.  Returns how many pending chunks changed source,
+        and how many streams it ends."""
+        moved, ended = self.session.replan(trio.current_time(), plan), 0
         for key, (stream, scope) in self._streams.items():
-            if stream.source.name in self.session.abandon:
+            if stream.source.name in self.session.abandon and key not in self._abandoned:
                 stream.stop = True  # its connection closes: what it asked is not sent
                 self._abandoned.add(key)
                 scope.cancel()
+                ended += 1
         self._notify()
-        return moved
+        return moved, ended
 
     def _notify(self) -> None:
         """Wake every waiting worker.  Only the notifier replaces the event, so a waiter

@@ -335,8 +335,8 @@ async def _run(peer: Peer, job: Fetch, stamp: PlanStamp | None) -> FetchReport:
 async def follow_plan(peer: Peer, job: Fetch, stamp: PlanStamp) -> None:
     """Ask the coordinator again, ``REASK_FIRST`` from now and then with a doubling
     backoff up to ``REASK_MAX``, until cancelled (the fetch ended); take a plan
-    whose stamp is newer than ``stamp`` (:meth:`Fetch.replan`) and say so in the
-    report's ``plan`` note."""
+    whose stamp is newer than ``stamp`` (:meth:`Fetch.replan`) and, when it changed
+    anything of ours, say so in the report's ``plan`` note."""
     started, delay, taken = trio.current_time(), REASK_FIRST, 0
     base = job.report.plan
     m = job.manifest
@@ -346,14 +346,16 @@ async def follow_plan(peer: Peer, job: Fetch, stamp: PlanStamp) -> None:
         plan, _, new = await ask_plan(peer, m.key, m.total_bytes, m.num_chunks)
         if new is None or new <= stamp:
             continue
-        moved = job.replan(plan)
-        taken += 1
+        moved, ended = job.replan(plan)
         what = (f"plan {new[1]}" if new[0] == stamp[0] else
                 f"{new[0].coordinator} epoch {new[0].term} plan {new[1]}")
         stamp = new
+        if not moved and not ended:
+            continue  # a newer plan, the same sources for what we lack
+        taken += 1
         if taken <= NOTED_REPLANS:
-            base += (f", then {what} at {trio.current_time() - started:.2f} s "
-                     f"({moved} chunks moved)")
+            base += (f", then {what} at {trio.current_time() - started:.2f} s ({moved} "
+                     f"chunks to new sources, {ended} streams ended)")
             job.report.plan = base
         else:
             job.report.plan = f"{base}, then {taken - NOTED_REPLANS} more"
