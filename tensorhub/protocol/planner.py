@@ -28,34 +28,27 @@ incremental: a joiner attaches to the best parent in each tree; a leaver's child
 re-attach, each with its subtree, outside that subtree (no cycle can form); seeds are
 replaced; nobody else moves.
 
-*Rebuilds.*  Joiners arrive one at a time, and attaching each where it fits best then
-depends on the order: the first joiners take the roots' whole fan-out (a remote DC's seed
-that asked first takes the trainer's one copy, and the trainer's own DC must then wait
-for a bigger budget), and in one DC the trees degrade into chains (64 joiners one at a
-time: an estimate 1.97x the bound, against 1.31x planned at once).  So when a join leaves
-the plan suspect -- the budget had to grow, or the estimate is over
-:data:`REBUILD_OVER_BOUND` times the fluid bound -- the plan is made afresh for every
-participant, as the constructor does (same roots, same fetchers), and taken when its
-estimate is at least :data:`REBUILD_GAIN` times better.  That is sound mid-transfer:
-the fresh plan is a plan for the same peers, a fetcher skips the chunks it has verified
-whoever its new parent is (and gives back what it claimed elsewhere, see
-``TransferSession.replan``), and a parent still receiving is asked ahead as any planned
-parent is.  A fresh plan moves as few as it
-can: between equal choices an earlier joiner attaches first (it has pulled longest, and
-its place is kept), and the old seeds stay seeds (one may have pulled across the WAN,
-and may finish before it asks again).  The rebuild's cost (a fresh plan is
-O(n^2) per stripe and budget step) is kept bounded: after a join's try at n fetchers the
-next join's try waits for n/4 more joiners, so those tries together cost a constant times
-one plan of the final size; the joiners in between (in one DC each makes a chain one
-deeper) get one more try when a fetcher asks again (:meth:`Planner.reconsider`; fetchers
-ask again a fraction of a second in, when every concurrent fetcher has registered), once
-per join's try.  With more than ``PlannerConfig.rebuild_max_peers`` participants there
-is none (a fresh plan would take the coordinator's event loop for seconds).  Fetchers
-learn a new plan by asking again (``TransferSession.replan``).  Pure: no clock, no I/O.
+*Rebuilds.*  Planned one joiner at a time, the plan depends on the order: the first
+joiners take the roots' fan-out (a remote DC's seed that asked first takes the trainer's
+one copy, and the budget must double for the trainer's own DC), and in one DC the trees
+become chains (64 joiners: an estimate 1.97x the bound, 1.31x planned at once).  So a
+join that leaves the plan suspect (the budget grew, or the estimate is over
+:data:`REBUILD_OVER_BOUND` x the bound) tries a fresh plan of every participant (same
+roots, same fetchers), kept if :data:`REBUILD_GAIN` x better.  Sound mid-transfer: a
+fetcher skips the chunks it has verified whoever its new parent is, gives back what it
+claimed elsewhere (``TransferSession.replan``), and asks a parent still receiving ahead
+as it does any planned parent.  A fresh plan moves few: between equal choices an
+earlier joiner attaches first, and old seeds stay seeds (one may have crossed the WAN
+and finish before it asks again).  Cost (a fresh plan is O(n^2) per stripe and budget
+step): after a join's try at n fetchers the next waits for n/4 more joiners, so all
+cost a constant times one plan of the final size; the joiners in between get one try
+when a fetcher asks again (:meth:`Planner.reconsider`, once per join's try); none above
+``PlannerConfig.rebuild_max_peers`` participants.  Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -90,8 +83,8 @@ class PlannerConfig:
     """Most stripes tried.  More: shallower trees, but more sources per fetcher."""
     rebuild_max_peers: int = 128
     """Most participants for which a join may rebuild the whole plan (see the module
-    docstring; a fresh plan of 128 peers took 0.5-0.8 s of CPU on a loaded 2-core
-    host, all of a 128-peer fan-out's tries 2.2 s); 0: never."""
+    docstring; a fresh plan of 128 peers took 0.2-0.3 s of CPU on a loaded 2-core
+    host, all of a 128-peer fan-out's joins and tries 1.0 s); 0: never."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.seeds_per_dc <= 64:
@@ -178,26 +171,17 @@ class Planner:
         self.key, self._size, self._chunks, self._topo = key, float(size), chunks, topology
         self._config, self._epoch = config or PlannerConfig(), epoch
         self._held = {h: _normalize(r or ((0, chunks),), chunks) for h, r in holders.items()}
-        self._rank = {v: i for i, v in enumerate(dict.fromkeys(fetchers))}
-        """Join order: between equal choices, an earlier joiner attaches first (nearer
-        the roots), so a fresh plan keeps earlier joiners where they were."""
+        self._rank = {v: i for i, v in enumerate(dict.fromkeys(fetchers))}  # join order
         self._fetchers, self._complete = set(self._rank), set[str]()
         if self._fetchers & self._held.keys():
             raise LocalProtocolError("a peer cannot be both an original holder and a fetcher")
         self._nodes = {n: topology.node(n) for n in (*self._held, *self._fetchers)}
         self._cached: Plan | None = None
         self._rebuilds = self._rebuild_tries = 0
-        self._next_rebuild = 0
-        """Fetchers there must be before a join may try a rebuild."""
-        self._joined = 0
-        """Joins since the last try."""
-        self._catch_up = True
-        """Whether :meth:`reconsider` may try once (again after each join's try)."""
-        self._rebuilds_last = False
-        """Whether the last try replaced the plan."""
-        self._sticky: frozenset[str] = frozenset()
-        """Seeds a rebuild keeps where it can: an old seed may have pulled across the
-        WAN already, and may not ask again before it is done."""
+        self._next_rebuild, self._joined = 0, 0  # joins before a join's try; since a try
+        self._catch_up = True  # whether reconsider() may try (again after a join's try)
+        self._rebuilds_last = False  # whether the last try replaced the plan
+        self._sticky: frozenset[str] = frozenset()  # seeds a rebuild keeps where it can
         self._fresh()
 
     # -- public -------------------------------------------------------------------
@@ -404,27 +388,49 @@ class Planner:
         return all(self._prim(j) for j in range(len(self._stripes)))
 
     def _prim(self, j: int) -> bool:
+        """Grow stripe ``j``'s tree (lazy Prim over a heap).  ``open_``: the attached
+        nodes that may still fit a child (a spare only shrinks while the tree grows, so
+        one that no longer fits never will)."""
         depth = dict.fromkeys(self._roots[j], 0)
+        open_ = {p: 0 for p in depth if self._fits(p, j)}
         spare0 = {v: self._spare(v, j) for v in self._fetchers}
-        best = {v: self._best_parent(v, j, depth) for v in self._fetchers}
+        best = {v: self._best_parent(v, j, open_) for v in self._fetchers}
+        heap: list[tuple[bool, tuple[Locality, bool, bool, int, bool], float, int, str, str,
+                         _Key]] = []
+
+        def push(v: str) -> None:
+            b = best[v]
+            if b is not None:
+                heapq.heappush(heap, (spare0[v] < self._sb[j], b[0][:5], -spare0[v],
+                                      self._rank[v], v, b[1], b[0]))
+
+        for v in best:
+            push(v)
         while best:
-            choice = min(((spare0[v] < self._sb[j], b[0][:5], -spare0[v], self._rank[v], v,
-                           b[1]) for v, b in best.items() if b), default=None)
-            if choice is None:
-                return False
-            v, p = choice[4], choice[5]
-            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != best[v][0]:  # type: ignore[index]
-                best[v] = self._best_parent(v, j, depth)  # keys only worsen: lazy Prim
+            if not heap:
+                return False  # nobody left has a parent that fits
+            *_, v, p, key = heapq.heappop(heap)
+            if best.get(v) != (key, p):
+                continue  # superseded
+            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != key:
+                if not self._fits(p, j):
+                    open_.pop(p, None)
+                best[v] = self._best_parent(v, j, open_)  # keys only worsen: lazy Prim
+                push(v)
                 continue
             self._link(p, v, j)
             depth[v] = depth[p] + 1
             del best[v]
+            if not self._fits(p, j):
+                open_.pop(p, None)
             if self._fits(v, j):
+                open_[v] = depth[v]
                 for u, b in best.items():
                     if self._allowed(v, u, j):
-                        key = self._key(v, u, j, depth[v])
-                        if b is None or key < b[0]:
-                            best[u] = (key, v)
+                        k = self._key(v, u, j, depth[v])
+                        if b is None or k < b[0]:
+                            best[u] = (k, v)
+                            push(u)
         return True
 
     def _apply(self, todo: Iterable[tuple[str, int]]) -> Plan:
