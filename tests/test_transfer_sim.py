@@ -73,7 +73,10 @@ def test_no_run_beats_physics_and_every_reader_gets_every_byte(
         assert res.done[reader] >= size / setup.hosts[int(reader[1:])].down * (1 - 1e-9)
     if plan and dcs and any(h.dc == "dc1" for h in setup.hosts[1:]):
         assert res.bound_s is not None and res.bound_s <= res.end
-        assert res.wan_bytes / size <= 1.05  # the plan crosses the WAN about once
+        # the plan crosses the WAN about once; planned as readers ask, a rebuild may
+        # give a remote DC a faster seed, and an old one that finished before it asked
+        # again (here: runs of a fraction of a second) crossed too
+        assert res.wan_bytes / size <= (2.05 if incremental else 1.05)
 
 
 def test_a_fan_out_with_the_plan_is_near_the_fluid_bound() -> None:
@@ -163,6 +166,7 @@ def test_a_plan_made_as_readers_ask_is_rebuilt_and_followed(hosts: int, dcs: int
     stuck = simulate(replace(at_once, incremental_plan=True, rebuild=False, reask=False))
     for res in (asked, stuck):
         assert not res.failed and set(res.done) == set(at_once.readers)
+        assert res.wan_bytes <= 1.05 * o.size  # the seeds stayed seeds
         assert all(sum(by.values()) == o.size for by in res.bytes_by_source.values())
     assert stuck.end > 1.3 * best.end
     assert asked.end < 1.1 * best.end

@@ -38,12 +38,13 @@ roots, same fetchers), kept if :data:`REBUILD_GAIN` x better.  Sound mid-transfe
 fetcher skips the chunks it has verified whoever its new parent is, gives back what it
 claimed elsewhere (``TransferSession.replan``), and asks a parent still receiving ahead
 as it does any planned parent.  A fresh plan moves few: between equal choices an
-earlier joiner attaches first, and old seeds stay seeds (one may have crossed the WAN
-and finish before it asks again).  Cost (a fresh plan is O(n^2) per stripe and budget
-step): after a join's try at n fetchers the next waits for n/4 more joiners, so all
-cost a constant times one plan of the final size; the joiners in between get one try
-when a fetcher asks again (:meth:`Planner.reconsider`, once per join's try); none above
-``PlannerConfig.rebuild_max_peers`` participants.  Pure: no clock, no I/O.
+earlier joiner attaches first, and at equal downlinks old seeds stay seeds (one may
+have crossed the WAN, and finish before it asks again).  Cost (a fresh plan is O(n^2)
+per stripe and budget step): after a join's try at n fetchers the next waits for n/4
+more joiners, so all cost a constant times one plan of the final size; the joiners in
+between get one try when a fetcher asks again (:meth:`Planner.reconsider`, once per
+join's try); none above ``PlannerConfig.rebuild_max_peers`` participants.  Pure: no
+clock, no I/O.
 """
 
 from __future__ import annotations
@@ -476,7 +477,7 @@ class Planner:
                 if dd == d:
                     carried[x] = carried.get(x, 0.0) + self._sb[j]
             ranked = sorted((m for m in ms if m not in carried),
-                            key=lambda m: (m not in self._sticky, -self._nodes[m].down_bps,
+                            key=lambda m: (-self._nodes[m].down_bps, m not in self._sticky,
                                            self._rank[m], m))
             carried.update(dict.fromkeys(
                 ranked[: min(self._config.seeds_per_dc, len(ms)) - len(carried)], 0.0))
