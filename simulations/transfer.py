@@ -7,12 +7,13 @@ network).
     python -m simulations.transfer --hosts 64 --chunks 64
 
 Scenarios: (a) one DC, a trainer and ``hosts - 1`` readers with the coordinator's plan
-(made with every reader at once, and one reader at a time as the coordinator does when
-each asks; and without a plan, for comparison); (b) a chain of ``depth`` readers, each
-naming the one before it as its source, against one hop; (c) two DCs joined by a WAN
-link, with the plan (and without); (d) scenario (a) with a planned relay killed
-mid-transfer.  Prints a table, then each figure next to its bound; with ``--json``, one
-JSON object as the last line:
+(made with every reader at once; and one reader at a time as each asks, as the
+coordinator does, with its rebuilds and the readers' re-asks, and without them; and
+without a plan, for comparison); (b) a chain of ``depth`` readers, each naming the one
+before it as its source, against one hop; (c) two DCs joined by a WAN link, with the
+plan (at once, as readers ask, and without); (d) scenario (a) with a planned relay
+killed mid-transfer.  Prints a table, then each figure next to its bound; with
+``--json``, one JSON object as the last line:
 ``{"figures": [{"name", "value", "unit", "bound", "better"}, ...], "settings"}``.
 """
 
@@ -74,12 +75,15 @@ def chain(o: Options, depth: int) -> Setup:
 
 
 def two_dc(o: Options, *, plan: bool = True) -> Setup:
-    """Half the hosts in ``dc0`` (the trainer's), half in ``dc1``, one WAN link."""
+    """Half the hosts in ``dc0`` (the trainer's), half in ``dc1``, one WAN link; the
+    coordinator in ``dc1`` (as measured in the emulated cluster: its DC registers
+    first)."""
     base = one_dc(o, plan=plan)
     half = (o.hosts + 1) // 2
     hosts = tuple(replace(h, dc="dc0" if i < half else "dc1")
                   for i, h in enumerate(base.hosts))
-    return replace(base, hosts=hosts, wan={("dc0", "dc1"): (o.wan_mbit * MBIT, o.wan_rtt)})
+    return replace(base, hosts=hosts, wan={("dc0", "dc1"): (o.wan_mbit * MBIT, o.wan_rtt)},
+                   coordinator=hosts[-1].name)
 
 
 def with_kill(setup: Setup, at: float) -> tuple[Setup, str]:
@@ -114,6 +118,19 @@ def sources_note(result: Result, publisher: str, size: int) -> str:
     return f"{others / size:.2f} x size from readers"
 
 
+def incremental(setup: Setup) -> list[tuple[str, Setup]]:
+    """``setup`` planned one reader at a time as each starts, as the coordinator does:
+    with rebuilds and re-asks, and without (each joiner attached, nobody moved)."""
+    return [("plan made as readers ask", replace(setup, incremental_plan=True)),
+            ("... no rebuild, no re-ask", replace(setup, incremental_plan=True,
+                                                  rebuild=False, reask=False))]
+
+
+def incremental_note(res: Result) -> str:
+    return (f"{res.asks} asks, {res.replans} newer plans moved chunks"
+            if res.replans or res.asks > len(res.done) else "nobody moved")
+
+
 def run(o: Options) -> tuple[list[Row], list[dict[str, Any]], dict[str, Any]]:
     rows: list[Row] = []
     figures: list[dict[str, Any]] = []
@@ -125,9 +142,9 @@ def run(o: Options) -> tuple[list[Row], list[dict[str, Any]], dict[str, Any]]:
     rows.append(Row(f"fan-out, 1 DC, {o.hosts} hosts, plan", res.end, bound,
                     f"{sources_note(res, 'h0', size)}; {res.events} events"))
     figures.append(figure("sim_fanout_vs_fluid_bound", res.end / bound, "x", 1.15, "lower"))
-    inc = simulate(replace(fan, incremental_plan=True))
-    rows.append(Row("fan-out, 1 DC, plan made one reader at a time", inc.end, bound,
-                    "as the coordinator plans them when each asks (add_fetcher)"))
+    for what, setup in incremental(fan):
+        inc = simulate(setup)
+        rows.append(Row(f"fan-out, 1 DC, {what}", inc.end, bound, incremental_note(inc)))
     if o.hosts <= BASELINE_HOSTS:
         star = simulate(one_dc(o, plan=False))
         rows.append(Row("fan-out, 1 DC, no plan (gossip only)", star.end, bound,
@@ -156,6 +173,12 @@ def run(o: Options) -> tuple[list[Row], list[dict[str, Any]], dict[str, Any]]:
                           "lower"))
     figures.append(figure("sim_2dc_fanout_vs_fluid_bound", res2.end / bound2, "x", 1.25,
                           "lower"))
+    for i, (what, setup) in enumerate(incremental(dcs)):
+        inc = simulate(setup)
+        rows.append(Row(f"fan-out, 2 DCs, {what}", inc.end, bound2, incremental_note(inc)))
+        if i == 0:  # with rebuilds and re-asks, as the peers run
+            figures.append(figure("sim_2dc_asked_plan_vs_at_once", inc.end / res2.end, "x",
+                                  1.1, "lower"))
     if o.hosts <= BASELINE_HOSTS:
         flat = simulate(two_dc(o, plan=False))
         rows.append(Row("fan-out, 2 DCs, no plan (gossip only)", flat.end, bound2,

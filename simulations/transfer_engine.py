@@ -27,7 +27,11 @@ does.  A reader advertises each chunk as it lands; every other peer sees it
 connections reset (readers see a transport failure half a round trip later), a
 connection to it is refused after one round trip, and the membership drops it from the
 holder view ``detect_delay`` later.  The plan, when planning is on, comes from the real
-:class:`~tensorhub.protocol.planner.Planner`, made once with every reader as a fetcher.
+:class:`~tensorhub.protocol.planner.Planner` (:mod:`simulations.transfer_coord`), made
+once with every reader as a fetcher, or (``incremental_plan``) as each reader asks the
+coordinator (``Setup.coordinator``; an answer takes a round trip) when it starts and
+again while it runs, on the shell's schedule: its workers start with the first answer,
+and a newer plan goes to :meth:`~TransferSession.replan`.
 """
 
 from __future__ import annotations
@@ -42,13 +46,12 @@ from functools import partial
 
 from tensorhub.model import PeerInfo
 from tensorhub.protocol.bans import Ban
-from tensorhub.protocol.planner import Planner
 from tensorhub.protocol.refs import Holding
 from tensorhub.protocol.sizing import MIN_CHUNKS
-from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig
-from tensorhub.protocol.transfer import FailureKind, TransferSession
+from tensorhub.protocol.transfer import REASK_FIRST, REASK_MAX, FailureKind, TransferSession
 
 from .flows import Link, Network
+from .transfer_coord import SimCoordinator
 from .transfer_setup import (
     KEY,
     MAX_EVENTS_PER_CHUNK,
@@ -92,7 +95,7 @@ class Sim:
         self.events = 0
         self.done: dict[str, float] = {}
         self.failed: dict[str, str] = {}
-        self.bound_s: float | None = None
+        self.coordinator = SimCoordinator(setup, self.m.num_chunks)
         self.readers = {name: self._reader(name) for name in setup.readers}
         self.quiet_pokes = setup.socket_window == 0
 
@@ -129,7 +132,8 @@ class Sim:
         return Result(dict(self.done), dict(self.failed), max(live, default=math.inf),
                       wan, sources, sum(r.session.tally.resourced_chunks
                                         for r in self.readers.values()),
-                      self.events, self.trace.hexdigest(), self.bound_s)
+                      self.events, self.trace.hexdigest(), self.coordinator.bound_s,
+                      self.coordinator.asks, sum(r.replans for r in self.readers.values()))
 
     # -- setup --------------------------------------------------------------------------
 
@@ -137,7 +141,8 @@ class Sim:
         setup, cfg = self.setup, self.setup.config
         window = max(1, min(cfg.fetch_window,  # as tensorhub.peer.fetching.window
                             cfg.max_inflight_bytes // (MIN_CHUNKS * self.m.chunk_size)))
-        plan = self.plan_for(name) if setup.plan and name not in setup.upstream else []
+        plan = self.plan_for(name) if setup.plan and name not in setup.upstream \
+            and not setup.incremental_plan else []
         allowed = setup.upstream.get(name)
         session = TransferSession(
             now=0.0, me=name, manifest=self.m, holders=lambda: self.view(name, allowed),
@@ -152,27 +157,38 @@ class Sim:
     def _no_ban(now: float, name: str) -> Ban | None:
         return None
 
-    _planner: Planner | None = None
-
     def plan_for(self, reader: str) -> list[tuple[PeerInfo, int, int]]:
-        if self._planner is None:
-            s = self.setup
-            wan = min((rate for rate, _ in s.wan.values()), default=25e9)
-            topo = Topology(TopologyConfig(wan_bps=wan, cross_dc_bps=wan), tuple(
-                NodeInfo(h.name, h.dc, "", h.name, h.up, h.down) for h in s.hosts
-                if h.name == s.publisher or h.name in s.readers))
-            planned = [r for r in s.readers if r not in s.upstream]
-            if s.incremental_plan and planned:  # as the coordinator: one ask at a time
-                self._planner = Planner(KEY, s.size, self.m.num_chunks, topo,
-                                        {s.publisher: None}, planned[:1])
-                for r in planned[1:]:
-                    self._planner.add_fetcher(r)
-            else:
-                self._planner = Planner(KEY, s.size, self.m.num_chunks, topo,
-                                        {s.publisher: None}, planned)
-            self.bound_s = self._planner.plan.bound_s
+        """``reader``'s part of the plan made once with every reader."""
         return [(self.infos[r.peer], r.first, r.stop)
-                for r in self._planner.plan.sources(reader)]
+                for r in self.coordinator.sources(reader)]
+
+    def ask(self, r: Reader, delay: float | None) -> None:
+        """``r`` asks the coordinator (``delay`` None: its first ask, at its start): the
+        answer is made half a round trip later and lands a whole one later; a newer plan
+        is taken; the next ask follows after ``delay`` doubled, up to ``REASK_MAX``."""
+        rtt, answer = self.rtt(r.name, self.setup.coordinator or self.setup.publisher), []
+        self.at(self.now + rtt / 2, lambda t: answer.append(self.coordinator.ask(r.name)))
+
+        def back(t: float) -> None:
+            if r.dead or r.name in self.done:
+                return
+            sources, epoch = answer[0]
+            if epoch > r.plan_epoch:
+                moved = r.session.replan(t, [(self.infos[x.peer], x.first, x.stop)
+                                             for x in sources])
+                r.replans += r.plan_epoch >= 0 and moved > 0
+                r.plan_epoch = epoch
+                for st in [x for x in r.streams if x.s.source.name in r.session.abandon]:
+                    st.s.stop = True  # its connection closes: what it asked is not sent
+                    self.end(st, None)
+                self.notify(r)
+            if delay is None:
+                for w in range(r.session.window):
+                    self.worker(r, w)
+            if self.setup.reask:
+                wait = REASK_FIRST if delay is None else min(REASK_MAX, 2 * delay)
+                self.at(t + wait, lambda _t: self.ask(r, wait))
+        self.at(self.now + rtt, back)
 
     # -- the holder view ----------------------------------------------------------------
 
@@ -258,6 +274,9 @@ class Sim:
 
     def _start(self, r: Reader, _now: float) -> None:
         self.advertise(r.name, None)  # downstream can find us
+        if self.setup.incremental_plan and self.setup.plan and r.name not in self.setup.upstream:
+            self.ask(r, None)  # the workers start with the answer
+            return
         for w in range(r.session.window):
             self.worker(r, w)
 

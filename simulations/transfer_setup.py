@@ -45,8 +45,17 @@ class Setup:
     chunk_size: int
     plan: bool = True
     incremental_plan: bool = False
-    """Plan the readers one at a time, in order, as the coordinator does when each asks
-    (``Planner.add_fetcher``); False: one plan with every reader as a fetcher."""
+    """Plan the readers one at a time, as the coordinator does: each registers when it
+    starts (``Planner.add_fetcher``); False: one plan with every reader as a fetcher."""
+    reask: bool = True
+    """With ``incremental_plan``: each reader asks again while it runs, as the shell
+    does (``REASK_FIRST``, doubling to ``REASK_MAX``), and takes a newer plan."""
+    coordinator: str | None = None
+    """The host that coordinates the version (answers take a round trip to it); None:
+    the publisher's."""
+    rebuild: bool = True
+    """The planner may make the plan afresh after a join (``PlannerConfig``'s
+    ``rebuild_max_peers`` at its default; False: 0, joins never move anyone)."""
     upstream: dict[str, frozenset[str]] = field(default_factory=dict)
     """Named sources per reader (``fetch(allowed=...)``): they read only from these."""
     rtt: float = 0.0002
@@ -79,6 +88,10 @@ class Result:
     """sha256 over (time, reader, chunk, source) of every landing, in order."""
     bound_s: float | None = None
     """The planner's fluid bound, when planning was on."""
+    asks: int = 0
+    """Asks the coordinator answered (with ``incremental_plan``)."""
+    replans: int = 0
+    """Newer plans readers took while they ran that moved some of their chunks."""
 
 
 def manifest_of(size: int, chunk_size: int) -> Manifest:
@@ -150,6 +163,10 @@ class Reader:
         """A wake-up of the waiting workers is scheduled."""
         self.streams: list[SimStream] = []
         self.dead = False
+        self.plan_epoch = -1
+        """The epoch of the plan it follows (-1: none yet)."""
+        self.replans = 0
+        """Newer plans it took after its first that moved some of its chunks."""
 
 
 def fluid_bound_of(setup: Setup) -> float:

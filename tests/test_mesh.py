@@ -239,7 +239,7 @@ async def test_fetchers_follow_the_coordinators_plan() -> None:
             assert rep.plan.startswith(coordinator), rep.plan
             # the publisher's reference says the size: the plan was asked for while
             # the manifest was read, not one round trip after it
-            assert rep.plan.endswith("(asked while the manifest was read)"), rep.plan
+            assert " (asked while the manifest was read)" in rep.plan, rep.plan
             assert rep.planned_bytes == rep.bytes  # nothing had to leave the plan
             for k in w:
                 np.testing.assert_array_equal(got.tensors[k], w[k])
@@ -248,6 +248,24 @@ async def test_fetchers_follow_the_coordinators_plan() -> None:
         assert sources - {"p0"}
         plan = next(p for p in [pub, *rollouts] if p.info.name == coordinator)
         assert plan.control.coordination.planners  # the coordinator holds the plan
+
+
+async def test_a_fetcher_asking_again_learns_the_newer_plan_over_the_wire() -> None:
+    """What a running fetch's re-ask (fetching.follow_plan) gets: the coordinator's
+    current plan for it, stamped with the plan's epoch, newer after another joined."""
+    async with mesh(3) as (pub, r1, r2):
+        await pub.publish("m", 1, weights(1, 1))
+        with trio.fail_after(10):
+            for r in (r1, r2):
+                await r.wait_for_version("m", None)
+        size, chunks = 1 << 20, 16
+        first = await r1.ask_coordinator("m", 1, size=size, chunks=chunks)
+        assert [s.peer for s in first.sources] == ["p0"]  # alone: from the trainer
+        joined = await r2.ask_coordinator("m", 1, size=size, chunks=chunks)
+        again = await r1.ask_coordinator("m", 1, size=size, chunks=chunks)
+        assert again.epoch == first.epoch  # the same coordinator and term
+        assert again.plan_epoch == joined.plan_epoch > first.plan_epoch  # r2's join
+        assert again.sources and {s.peer for s in again.sources} <= {"p0", r2.info.name}
 
 
 async def test_planning_off_lets_fetchers_choose() -> None:

@@ -139,6 +139,37 @@ def test_planned_chunks_go_to_their_planned_source_and_fall_back_when_it_fails()
     assert s.next_run(back, c, 1 << 20) == [1, 2]  # asked before it advertises them
 
 
+def test_a_newer_plan_moves_pending_chunks_and_ends_streams_it_sources_elsewhere() -> None:
+    w = World(manifest(8), {"h1": None, "h2": None}, timeout=30.0, window=2,
+              plan=[("h1", 0, 4), ("h2", 4, 8)])
+    s = w.session
+    a = s.open_stream(0.0, 0, info("h1"))
+    assert s.next_run(0.0, a, 1 << 20) == [0, 1, 2, 3]  # the run planned to h1
+    b = s.open_stream(0.0, 4, info("h2"))
+    assert s.next_run(0.0, b, 1 << 20) == [4, 5]  # half of what is pending: work for a
+    s.landed(0.1, a, 0, 64)
+    s.landed(0.1, b, 4, 64)
+    assert s.replan(0.1, [(info("h3"), 0, 6), (info("h2"), 6, 8)]) == 0  # 6, 7: still h2
+    assert s.tally.replans == 1
+    # h1's claims are now planned to h3: its stream is to end (the shell closes it);
+    # h2 keeps 5, which the new plan does not give it either
+    assert s.abandon == {"h1", "h2"}
+    assert s.planned[6].name == "h2" and s.planned[1].name == "h3"
+    a.stop = True  # as the shell does for each stream to a source in abandon
+    assert s.stream_ended(0.1, a)  # no failure: nobody benched, the connection closes
+    assert not s.benched and not s.tally.dropped_sources
+    assert s.pending == [1, 2, 3, 6, 7] and s.claimed == {5: "h2"}
+    assert s.pick(0.1) == (1, info("h3"))  # asked before h3 advertises them
+    c = s.open_stream(0.1, 1, info("h3"))
+    assert s.next_run(0.1, c, 1 << 20) == [1, 2, 3]
+    s.landed(0.2, b, 5, 64)  # a claim that landed before its stream ended counts
+    assert s.tally.planned_bytes == 3 * 64  # 0, 4, 5: each from its source when claimed
+    assert s.replan(0.2, [(info("h3"), 0, 6)]) == 2  # 6, 7: planned to no one now
+    assert s.abandon == frozenset()  # h3 is still the planned source of 1, 2, 3
+    assert s.next_run(0.2, b, 1 << 20) == [6]  # unplanned: any holder that has it (one:
+    # half of what is pending)
+
+
 def test_one_stream_per_copy_and_the_publisher_only_for_what_no_copy_serves() -> None:
     # h0 published; h1 holds a whole copy, h2 the first half (still receiving)
     w = World(manifest(16), {"h0": None, "h1": None, "h2": set(range(8))}, timeout=30.0,
@@ -238,7 +269,7 @@ def test_first_and_last_landing_times_are_kept() -> None:
 
 
 OPS = ("pick", "run", "land", "end", "time", "pick", "run", "land", "fail", "end", "gossip",
-       "ban")
+       "ban", "replan")
 """Steps of the random sequences, the ones that move chunks more often."""
 
 
@@ -254,9 +285,12 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
                           "holders")}
     wanted = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1), "wanted"))
     verified = data.draw(st.sets(st.sampled_from(wanted)), "verified")
-    plan = [(name, a, b) for name in data.draw(st.lists(st.sampled_from(NAMES), max_size=2,
-                                                         unique=True), "planned")
+    def draw_plan(label: str) -> list[tuple[str, int, int]]:
+        return [(name, a, b) for name in data.draw(
+            st.lists(st.sampled_from(NAMES), max_size=2, unique=True), label)
             for a, b in [sorted(data.draw(st.tuples(st.integers(0, n), st.integers(0, n))))]]
+
+    plan = draw_plan("planned")
     upstream = frozenset(data.draw(st.sets(st.sampled_from(NAMES), max_size=1), "upstream"))
     w = World(m, held, timeout=timeout, window=data.draw(st.integers(1, 3), "window"),
               wanted=wanted, verified=verified, plan=plan, upstream=upstream)
@@ -340,6 +374,15 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
         elif op == "ban":
             name = data.draw(st.sampled_from(NAMES))
             w.bans[name] = Ban(now + data.draw(st.sampled_from([0.5, 10.0])), "bad")
+        elif op == "replan":  # a newer plan; the shell ends the streams in abandon
+            plan = draw_plan("replanned")
+            s.replan(now, [(info(x), a, b) for x, a, b in plan])
+            planned = {c: x for x, a, b in plan for c in range(a, b)}
+            for stream in [x for x in streams if x.source.name in s.abandon]:
+                stream.stop = True
+                assert s.stream_ended(now, stream)  # its connection closes
+                streams.remove(stream)
+            assert all(planned.get(c) == src for c, src in s.claimed.items())
         # every wanted chunk is pending, claimed or verified, exactly once
         claimed = {c: st_.source.name for st_ in streams for c in st_.taken}
         assert s.claimed == claimed

@@ -73,7 +73,10 @@ def test_no_run_beats_physics_and_every_reader_gets_every_byte(
         assert res.done[reader] >= size / setup.hosts[int(reader[1:])].down * (1 - 1e-9)
     if plan and dcs and any(h.dc == "dc1" for h in setup.hosts[1:]):
         assert res.bound_s is not None and res.bound_s <= res.end
-        assert res.wan_bytes / size <= 1.05  # the plan crosses the WAN about once
+        # the plan crosses the WAN about once; planned as readers ask, a rebuild may
+        # give a remote DC a faster seed, and an old one that finished before it asked
+        # again (here: runs of a fraction of a second) crossed too
+        assert res.wan_bytes / size <= (2.05 if incremental else 1.05)
 
 
 def test_a_fan_out_with_the_plan_is_near_the_fluid_bound() -> None:
@@ -147,3 +150,28 @@ def test_one_connection_is_held_to_its_window_and_the_session_opens_a_second() -
     assert res.end >= setup.size / rate
     # once a stream measured a window's worth in flight, the session streams on two
     assert res.end < one_stream
+
+
+@pytest.mark.parametrize(("hosts", "dcs"), [(8, 2), (24, 1)])
+def test_a_plan_made_as_readers_ask_is_rebuilt_and_followed(hosts: int, dcs: int) -> None:
+    """Readers register one at a time (in 2 DCs the coordinator's DC first, so its seed
+    takes the trainer's one copy, as measured in the emulated cluster).  Without
+    rebuilds and re-asks that costs 1.3-1.8x the plan made at once; with them, a few
+    percent: the coordinator makes the plan afresh and readers take it when they ask
+    again, a handful of asks each."""
+    o = Options(hosts=hosts, chunks=32)
+    at_once = (two_dc if dcs == 2 else one_dc)(o)
+    best = simulate(at_once)
+    asked = simulate(replace(at_once, incremental_plan=True))
+    stuck = simulate(replace(at_once, incremental_plan=True, rebuild=False, reask=False))
+    for res in (asked, stuck):
+        assert not res.failed and set(res.done) == set(at_once.readers)
+        assert res.wan_bytes <= 1.05 * o.size  # the seeds stayed seeds
+        assert all(sum(by.values()) == o.size for by in res.bytes_by_source.values())
+    assert stuck.end > 1.3 * best.end
+    assert asked.end < 1.1 * best.end
+    assert asked.replans >= 1  # readers moved to the newer plan while they ran
+    assert stuck.asks == len(at_once.readers) and stuck.replans == 0  # one ask each
+    # asks at 0.2 s, then doubling to 3.2 s: about log2(end / 0.2) + end / 3.2 each
+    per_reader = 2 + math.log2(asked.end / 0.2 + 1) + asked.end / 3.2
+    assert asked.asks <= per_reader * len(at_once.readers)

@@ -34,7 +34,13 @@ from ..model import PeerInfo, VersionKey
 from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
 from ..protocol.refs import Holding
-from ..protocol.transfer import FailureKind, TransferSession, TransferTally, chunk_size_note
+from ..protocol.transfer import (
+    FailureKind,
+    Stream,
+    TransferSession,
+    TransferTally,
+    chunk_size_note,
+)
 from ..transport.base import Connection, NotServing, Verifier
 from .fetch_report import Fetched as Fetched
 from .fetch_report import FetchReport as FetchReport
@@ -114,6 +120,10 @@ class Fetch:
         self._verify_times: list[float] = []
         """Seconds each digest check took (appended from worker threads)."""
         self.changed = trio.Event()
+        self._streams: dict[int, tuple[Stream, trio.CancelScope]] = {}
+        """Open streams (by id) and their cancel scopes, for :meth:`replan`."""
+        self._abandoned: set[int] = set()
+        """Streams ended by a newer plan (not stalled)."""
 
     @property
     def report(self) -> FetchReport:
@@ -128,6 +138,21 @@ class Fetch:
         """Gossip changed the holder view: wake workers waiting for a source."""
         self.session.view_changed()
         self._notify()
+
+    def replan(self, plan: Sequence[tuple[PeerInfo, int, int]]) -> tuple[int, int]:
+        """The coordinator's newer plan: pending chunks take its sources, and streams
+        with chunks it sources elsewhere end now (see :meth:`TransferSession.replan`);
+        waiting workers look again.  Returns how many pending chunks changed source,
+        and how many streams it ends."""
+        moved, ended = self.session.replan(trio.current_time(), plan), 0
+        for key, (stream, scope) in self._streams.items():
+            if stream.source.name in self.session.abandon and key not in self._abandoned:
+                stream.stop = True  # its connection closes: what it asked is not sent
+                self._abandoned.add(key)
+                scope.cancel()
+                ended += 1
+        self._notify()
+        return moved, ended
 
     def _notify(self) -> None:
         """Wake every waiting worker.  Only the notifier replaces the event, so a waiter
@@ -187,6 +212,8 @@ class Fetch:
         session, name = self.session, peer.name
         stream = session.open_stream(trio.current_time(), chunk, peer)
         failure: tuple[FailureKind, str] | None = None
+        scope = trio.CancelScope()  # its deadline is set once connected
+        self._streams[id(stream)] = (stream, scope)
         try:
             conn = conns.get(name)
             if conn is None:
@@ -198,7 +225,7 @@ class Fetch:
                 return [(c, self.local.buffers(c) if ready.lands_arrays else
                          self.local.segments(c), self._verifier(c, name)) for c in run]
 
-            scope = trio.CancelScope(deadline=trio.current_time() + session.stall_limit(name))
+            scope.deadline = trio.current_time() + session.stall_limit(name)
 
             def landed(c: int, result: int | Exception) -> bool:
                 now = trio.current_time()
@@ -219,13 +246,15 @@ class Fetch:
 
             with scope:
                 await conn.stream_chunks(self.key, take, landed, session.windows[name])
-            if scope.cancelled_caught:
+            if scope.cancelled_caught and id(stream) not in self._abandoned:
                 failure = "stalled", ""
         except FAILURES as exc:
             failure = failure_of(exc)
             if failure[0] == "integrity":
                 self.on_bad_bytes(name, self.key, failure[1])
         finally:
+            del self._streams[id(stream)]
+            self._abandoned.discard(id(stream))
             stop = session.stream_ended(trio.current_time(), stream, *(failure or (None,)))
             self._notify()  # a slot or a source is free again
         if stop:

@@ -7,6 +7,15 @@ in its publisher's layout); resharding (:mod:`.reshard`) reuses :func:`fetch_man
 peer announces the chunks it has verified (so downstream readers find it); a fetch that
 fails or is cancelled, planning included, drops its partial copy and waits for reads of
 it to drain before the caller sees the error.
+
+A planned fetch asks its coordinator again while it runs (:func:`follow_plan`): the
+coordinator plans each fetcher as it registers, and may make the plan afresh once more
+have registered (``Planner.reconsider``); a newer plan names new sources for the chunks
+not yet claimed.  The first ask comes ``REASK_FIRST`` after the plan came (every fetcher
+that started with this one has registered by then), then with a doubling backoff up to
+``REASK_MAX`` (both in :mod:`~tensorhub.protocol.transfer`): a handful of asks per
+fetch, so a fan-out to a thousand fetchers costs its coordinator a few thousand cheap
+answers, not one per chunk.
 """
 
 from __future__ import annotations
@@ -22,17 +31,24 @@ from ..errors import ConsistencyError, RemoteProtocolError, TransportError, Vers
 from ..manifest import Manifest
 from ..model import PeerInfo, VersionKey
 from ..protocol.refs import Holding
+from ..protocol.ring import Epoch
 from ..protocol.sizing import MIN_CHUNKS
+from ..protocol.transfer import REASK_FIRST, REASK_MAX
 from ..transport.base import NotServing
 from .destination import allocate_flat, prepare_destination
-from .fetcher import Fetch, Fetched, HolderView, first_error
+from .fetcher import Fetch, Fetched, FetchReport, HolderView, first_error
 from .store import LocalVersion
 
 if TYPE_CHECKING:
     from .node import Peer
 
-EarlyPlan = tuple[list[tuple[PeerInfo, int, int]], str, float]
-"""A plan asked for while the manifest was read: sources, note, seconds it took."""
+PlanStamp = tuple[Epoch, int]
+"""Which plan: the coordinator's epoch, then the plan's own (newer compares greater)."""
+EarlyPlan = tuple[list[tuple[PeerInfo, int, int]], str, float, PlanStamp | None]
+"""A plan asked for while the manifest was read: sources, note, seconds it took, stamp."""
+
+NOTED_REPLANS = 3
+"""Newer plans the fetch report's ``plan`` note lists one by one (the rest: a count)."""
 
 INLINE_DECODE_BYTES = 64 << 10
 """Manifests up to this size are decoded on the event loop: about 2,000 tensors, well
@@ -129,8 +145,8 @@ def size_hint(peer: Peer, key: VersionKey) -> tuple[int, int] | None:
 async def _plan_into(out: list[EarlyPlan], peer: Peer, key: VersionKey, size: int,
                      chunks: int) -> None:
     asked = trio.current_time()
-    plan, note = await ask_plan(peer, key, size, chunks)
-    out.append((plan, note, trio.current_time() - asked))
+    plan, note, stamp = await ask_plan(peer, key, size, chunks)
+    out.append((plan, note, trio.current_time() - asked, stamp))
 
 
 async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publisher: str,
@@ -158,14 +174,14 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
     try:  # from here on, a failure or a cancellation (planning too) drops it
         plane.announce(local)  # downstream can find us
         plan: list[tuple[PeerInfo, int, int]] = []
-        plan_note, plan_seconds = "planning off", None
+        plan_note, plan_seconds, stamp = "planning off", None, None
         if early is not None:
-            plan, plan_note, plan_seconds = early
+            plan, plan_note, plan_seconds, stamp = early
             plan_note += " (asked while the manifest was read)"
         elif allowed is None and peer.config.planning and key.whole:
             asked = trio.current_time()
-            plan, plan_note = await ask_plan(peer, key, manifest.total_bytes,
-                                             manifest.num_chunks)
+            plan, plan_note, stamp = await ask_plan(peer, key, manifest.total_bytes,
+                                                    manifest.num_chunks)
             plan_seconds = trio.current_time() - asked
         elif not key.whole:
             plan_note = "no plan: shards are fetched from their holders directly"
@@ -178,7 +194,7 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
                     banned=peer.banned, on_bad_bytes=peer.ban)
         job.report.plan, job.report.plan_seconds = plan_note, plan_seconds
         with plane.running(job):
-            report = await job.run()
+            report = await _run(peer, job, stamp)
     except BaseException:
         local.end_receiving()
         peer.withdraw(key)
@@ -282,18 +298,64 @@ async def decode_manifest(peer: Peer, data: bytes, manifest_id: bytes) -> Manife
 
 
 async def ask_plan(peer: Peer, key: VersionKey, size: int, chunks: int
-                   ) -> tuple[list[tuple[PeerInfo, int, int]], str]:
+                   ) -> tuple[list[tuple[PeerInfo, int, int]], str, PlanStamp | None]:
     """Our part of the coordinator's plan for a version of ``size`` bytes in ``chunks``
-    chunks, as (source, first chunk, stop); on any failure no plan (the fetch then
-    picks holders itself) and the reason."""
+    chunks, as (source, first chunk, stop), a note and the plan's stamp; on any failure
+    no plan (the fetch then picks holders itself), the reason and None."""
     try:
         answer = await peer.ask_coordinator(key.model, key.version, size=size,
                                             chunks=chunks)
     except TransportError as exc:
-        return [], f"no plan: {exc}"
+        return [], f"no plan: {exc}", None
     members = peer.control.membership.members()
     plan = [(members[s.peer].info, s.first, s.stop) for s in answer.sources
             if s.peer in members and s.peer != peer.info.name]
     if not plan:
-        return [], f"no plan from {answer.coordinator}: {answer.detail or 'empty'}"
-    return plan, f"{answer.coordinator} epoch {answer.epoch.term}"
+        return [], f"no plan from {answer.coordinator}: {answer.detail or 'empty'}", None
+    return (plan, f"{answer.coordinator} epoch {answer.epoch.term} plan {answer.plan_epoch}",
+            (answer.epoch, answer.plan_epoch))
+
+
+async def _run(peer: Peer, job: Fetch, stamp: PlanStamp | None) -> FetchReport:
+    """Run ``job``; with a plan from a coordinator (``stamp``), follow newer plans
+    while it runs (:func:`follow_plan`)."""
+    if stamp is None:
+        return await job.run()
+    done: list[FetchReport] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow_plan, peer, job, stamp)
+            done.append(await job.run())
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    return done[0]
+
+
+async def follow_plan(peer: Peer, job: Fetch, stamp: PlanStamp) -> None:
+    """Ask the coordinator again, ``REASK_FIRST`` from now and then with a doubling
+    backoff up to ``REASK_MAX``, until cancelled (the fetch ended); take a plan
+    whose stamp is newer than ``stamp`` (:meth:`Fetch.replan`) and, when it changed
+    anything of ours, say so in the report's ``plan`` note."""
+    started, delay, taken = trio.current_time(), REASK_FIRST, 0
+    base = job.report.plan
+    m = job.manifest
+    while True:
+        await trio.sleep(delay)  # a schedule, not a wait for an event
+        delay = min(REASK_MAX, 2 * delay)
+        plan, _, new = await ask_plan(peer, m.key, m.total_bytes, m.num_chunks)
+        if new is None or new <= stamp:
+            continue
+        moved, ended = job.replan(plan)
+        what = (f"plan {new[1]}" if new[0] == stamp[0] else
+                f"{new[0].coordinator} epoch {new[0].term} plan {new[1]}")
+        stamp = new
+        if not moved and not ended:
+            continue  # a newer plan, the same sources for what we lack
+        taken += 1
+        if taken <= NOTED_REPLANS:
+            base += (f", then {what} at {trio.current_time() - started:.2f} s ({moved} "
+                     f"chunks to new sources, {ended} streams ended)")
+            job.report.plan = base
+        else:
+            job.report.plan = f"{base}, then {taken - NOTED_REPLANS} more"

@@ -86,6 +86,9 @@ class CoordReply:
     detail: Text
     sources: Annotated[tuple[SourceRange, ...], MaxLen(1024)] = ()
     """The asker's part of the plan: which chunk ranges to pull from whom."""
+    plan_epoch: U63 = 0
+    """The plan's own epoch under the coordinator's (one more with each change), so
+    that a fetcher asking again while it runs takes only a newer plan."""
 
 
 MESSAGES = (CoordRequest, CoordReply)
@@ -101,6 +104,7 @@ class CoordinatorAnswer:
     fetchers: tuple[str, ...]
     sources: tuple[SourceRange, ...] = ()
     detail: str = ""
+    plan_epoch: int = 0
 
 
 class MeshView(Protocol):
@@ -211,13 +215,23 @@ class Coordination:
         epoch = self.view.register(key, msg.name, None, msg.seen)
         state = self.view.state(key)
         fetchers = tuple(sorted(state.fetchers)) if state is not None else ()
-        sources, detail = self._plan_for(key, msg, mesh) if msg.size > 0 else ((), "")
+        sources, detail, plan_epoch = (self._plan_for(key, msg, mesh) if msg.size > 0
+                                       else ((), "", 0))
         return "reply", CoordReply(msg.req_id, msg.model, msg.version, True, epoch, fetchers,
-                                   detail, sources)
+                                   detail, sources, plan_epoch)
 
     def _plan_for(self, key: VersionKey, msg: CoordRequest, mesh: MeshView
-                  ) -> tuple[tuple[SourceRange, ...], str]:
-        """Plan ``msg.name`` into the version's transfer; () and why when we cannot."""
+                  ) -> tuple[tuple[SourceRange, ...], str, int]:
+        """Plan ``msg.name`` into the version's transfer: its sources, and the plan's
+        epoch; () and why when we cannot.  A fetcher of the plan asking again gets the
+        current plan's sources (after :meth:`Planner.reconsider`: the joins since the
+        last rebuild may make a fresh plan clearly better)."""
+        sources, detail = self._plan_sources(key, msg, mesh)
+        planner = self.planners.get(key)
+        return sources, detail, planner.epoch if planner is not None and sources else 0
+
+    def _plan_sources(self, key: VersionKey, msg: CoordRequest, mesh: MeshView
+                      ) -> tuple[tuple[SourceRange, ...], str]:
         planner = self.planners.get(key)
         try:
             if planner is None:
@@ -236,8 +250,9 @@ class Coordination:
                     return (), f"{msg.name} is not a live member in the coordinator's view"
                 planner.topology.add(info)
                 planner.add_fetcher(msg.name)
-            plan = planner.plan
-            return (plan.sources(msg.name) if msg.name in planner.fetchers else ()), ""
+            elif msg.name in planner.fetchers:
+                planner.reconsider()
+            return (planner.sources(msg.name) if msg.name in planner.fetchers else ()), ""
         except (LocalProtocolError, VersionUnavailable) as exc:
             return (), f"no plan: {exc}"
 
@@ -255,4 +270,5 @@ class Coordination:
             self.answers[msg.req_id] = f"stale epoch {msg.epoch} (have {self.tracker.current(key)})"
             return
         self.answers[msg.req_id] = CoordinatorAnswer(key, msg.epoch.coordinator, msg.epoch,
-                                                     msg.fetchers, msg.sources, msg.detail)
+                                                     msg.fetchers, msg.sources, msg.detail,
+                                                     msg.plan_epoch)

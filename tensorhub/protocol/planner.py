@@ -26,11 +26,30 @@ max(parent load/uplink, size/downlink, pair bytes/link estimate, WAN bytes/WAN);
 fetcher gets a stripe no faster than its parent, one chunk after it.  Changes are
 incremental: a joiner attaches to the best parent in each tree; a leaver's children
 re-attach, each with its subtree, outside that subtree (no cycle can form); seeds are
-replaced; nobody else moves.  Pure: no clock, no I/O.
+replaced; nobody else moves.
+
+*Rebuilds.*  Planned one joiner at a time, the plan depends on the order: the first
+joiners take the roots' fan-out (a remote DC's seed that asked first takes the trainer's
+one copy, and the budget must double for the trainer's own DC), and in one DC the trees
+become chains (64 joiners: an estimate 1.97x the bound, 1.31x planned at once).  So a
+join that leaves the plan suspect (the budget grew, or the estimate is over
+:data:`REBUILD_OVER_BOUND` x the bound) tries a fresh plan of every participant (same
+roots, same fetchers), kept if :data:`REBUILD_GAIN` x better.  Sound mid-transfer: a
+fetcher skips the chunks it has verified whoever its new parent is, gives back what it
+claimed elsewhere (``TransferSession.replan``), and asks a parent still receiving ahead
+as it does any planned parent.  A fresh plan moves few: between equal choices an
+earlier joiner attaches first, and at equal downlinks old seeds stay seeds (one may
+have crossed the WAN, and finish before it asks again).  Cost (a fresh plan is O(n^2)
+per stripe and budget step): after a join's try at n fetchers the next waits for n/4
+more joiners, so all cost a constant times one plan of the final size; the joiners in
+between get one try when a fetcher asks again (:meth:`Planner.reconsider`, once per
+join's try); none above ``PlannerConfig.rebuild_max_peers`` participants.  Pure: no
+clock, no I/O.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -46,6 +65,14 @@ _STEP = 1.03
 _MAX_STEPS = 400  # 1.03**400: far past any budget a star would need
 _EPS = 1e-9
 _Key = tuple[Locality, bool, bool, int, bool, float, str]
+REBUILD_OVER_BOUND = 1.25
+"""A join that leaves the estimate over this many times the fluid bound tries a fresh
+plan (as does one that made the budget grow)."""
+REBUILD_GAIN = 1.05
+"""A fresh plan replaces the incremental one only if its estimate is this much better:
+moving fetchers has a cost (a stream ends, another starts)."""
+REBUILD_SPACING = 4
+"""After a try at n fetchers the next waits for n / this more joiners (at least one)."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +82,18 @@ class PlannerConfig:
     of the stripes.  More seeds put more NICs on the WAN; WAN bytes stay 1x per DC."""
     max_stripes: int = 4
     """Most stripes tried.  More: shallower trees, but more sources per fetcher."""
+    rebuild_max_peers: int = 128
+    """Most participants for which a join may rebuild the whole plan (see the module
+    docstring; a fresh plan of 128 peers took 0.2-0.3 s of CPU on a loaded 2-core
+    host, all of a 128-peer fan-out's joins and tries 1.0 s); 0: never."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.seeds_per_dc <= 64:
             raise ConfigError("seeds_per_dc must be in [1, 64]")
         if not 1 <= self.max_stripes <= 64:
             raise ConfigError("max_stripes must be in [1, 64]")
+        if not 0 <= self.rebuild_max_peers <= 1 << 20:
+            raise ConfigError("rebuild_max_peers must be in [0, 2**20]")
 
 
 @dataclass(frozen=True)
@@ -107,6 +140,9 @@ class PlannerStatistics:
     stripes: int
     budget_s: float
     epoch: int
+    rebuilds: int = 0
+    """Joins after which the plan was made afresh (see the module docstring)."""
+    rebuild_tries: int = 0
 
 
 def _normalize(ranges: ChunkRanges, chunks: int) -> ChunkRanges:
@@ -136,39 +172,51 @@ class Planner:
         self.key, self._size, self._chunks, self._topo = key, float(size), chunks, topology
         self._config, self._epoch = config or PlannerConfig(), epoch
         self._held = {h: _normalize(r or ((0, chunks),), chunks) for h, r in holders.items()}
-        self._fetchers, self._complete = set(fetchers), set[str]()
+        self._rank = {v: i for i, v in enumerate(dict.fromkeys(fetchers))}  # join order
+        self._fetchers, self._complete = set(self._rank), set[str]()
         if self._fetchers & self._held.keys():
             raise LocalProtocolError("a peer cannot be both an original holder and a fetcher")
         self._nodes = {n: topology.node(n) for n in (*self._held, *self._fetchers)}
-        seeds, tries = self._config.seeds_per_dc, []
-        for k in sorted({max(i, seeds) for i in range(1, self._config.max_stripes + 1)}):
-            t = self._reset(k)
-            for _ in range(_MAX_STEPS):
-                if self._build(k, t):
-                    break
-                t *= _STEP
-            else:
-                raise LocalProtocolError(f"{key}: no plan fits any budget (planner bug)")
-            tries.append((self._estimate(), k, t))
-        _, k, t = min(tries)
-        self._build(k, t)
+        self._cached: Plan | None = None
+        self._rebuilds = self._rebuild_tries = 0
+        self._next_rebuild, self._joined = 0, 0  # joins before a join's try; since a try
+        self._catch_up = True  # whether reconsider() may try (again after a join's try)
+        self._rebuilds_last = False  # whether the last try replaced the plan
+        self._sticky: frozenset[str] = frozenset()  # seeds a rebuild keeps where it can
+        self._fresh()
 
     # -- public -------------------------------------------------------------------
 
     @property
     def plan(self) -> Plan:
-        assignments = []
-        for v in sorted(self._fetchers):
-            merged: list[SourceRange] = []
-            for j, (lo, hi) in enumerate(self._stripes):
-                p = self._parent[j][v]
-                if merged and merged[-1].peer == p:
-                    merged[-1] = SourceRange(p, merged[-1].first, hi)
-                else:
-                    merged.append(SourceRange(p, lo, hi))
-            assignments.append(Assignment(v, tuple(merged)))
-        return Plan(self.key.model, self.key.version, self._epoch, tuple(assignments),
-                    self._estimate(), self._bound())
+        if self._cached is not None and self._cached.epoch == self._epoch:
+            return self._cached
+        assignments = tuple(Assignment(v, self._sources(v)) for v in sorted(self._fetchers))
+        self._cached = Plan(self.key.model, self.key.version, self._epoch,
+                            assignments, self._estimate(), self._bound())
+        return self._cached
+
+    def sources(self, fetcher: str) -> tuple[SourceRange, ...]:
+        """``fetcher``'s part of the plan (``plan.sources(fetcher)`` without making the
+        whole plan: a fetcher that asks again costs O(stripes))."""
+        if fetcher not in self._fetchers:
+            raise LocalProtocolError(f"{fetcher!r} is not a fetcher in this plan")
+        return self._sources(fetcher)
+
+    def _sources(self, v: str) -> tuple[SourceRange, ...]:
+        merged: list[SourceRange] = []
+        for j, (lo, hi) in enumerate(self._stripes):
+            p = self._parent[j][v]
+            if merged and merged[-1].peer == p:
+                merged[-1] = SourceRange(p, merged[-1].first, hi)
+            else:
+                merged.append(SourceRange(p, lo, hi))
+        return tuple(merged)
+
+    @property
+    def epoch(self) -> int:
+        """The plan's epoch: one more with every change."""
+        return self._epoch
 
     @property
     def topology(self) -> Topology:
@@ -185,13 +233,35 @@ class Planner:
         return frozenset(self._nodes)
 
     def add_fetcher(self, name: str) -> Plan:
-        """A late joiner: attach it to the best parent in every tree, move nobody else."""
+        """A late joiner: attach it to the best parent in every tree, move nobody else;
+        unless that leaves the plan clearly worse than a fresh one (see the module
+        docstring), which then replaces it."""
         if name in self._nodes:
             raise LocalProtocolError(f"{name!r} already takes part in {self.key}")
         self._nodes[name] = self._topo.node(name)
         self._fetchers.add(name)
+        self._rank[name] = len(self._rank)
         self._load[name] = 0.0
-        return self._apply([*self._refresh(), *((name, j) for j in range(len(self._sb)))])
+        budget = self._budget_s
+        self._attach([*self._refresh(), *((name, j) for j in range(len(self._sb)))])
+        self._joined += 1
+        n = len(self._fetchers)
+        if n >= self._next_rebuild and self._rebuild(grew=self._budget_s > budget):
+            self._next_rebuild = n + max(1, n // REBUILD_SPACING)
+            self._catch_up = True
+        self._epoch += 1
+        return self.plan
+
+    def reconsider(self) -> Plan:
+        """A fetcher asks again: the joins that came since the last rebuild was tried
+        (too soon after it to try one) get one try now, if the plan is suspect.  Once
+        per join's try, so the tries stay within twice the joins' (see the module
+        docstring); the coordinator calls it when a fetcher of the plan asks again."""
+        if self._catch_up and self._joined and self._rebuild(grew=False):
+            self._catch_up = False
+            if self._rebuilds_last:
+                self._epoch += 1
+        return self.plan
 
     def mark_complete(self, name: str) -> Plan:
         """``name`` holds every chunk verified: it stops pulling and becomes a root."""
@@ -238,9 +308,54 @@ class Planner:
 
     def statistics(self) -> PlannerStatistics:
         return PlannerStatistics(len(self._fetchers), len(self._complete), len(self._held),
-                                 len(self._stripes), self._budget_s, self._epoch)
+                                 len(self._stripes), self._budget_s, self._epoch,
+                                 self._rebuilds, self._rebuild_tries)
 
     # -- building -----------------------------------------------------------------
+
+    _STATE = ("_stripes", "_sb", "_roots", "_held_bytes", "_parent", "_kids", "_load",
+              "_seed", "_exports", "_budget_s", "_seed_stripes", "_surplus")
+    """What a build makes (each a new object: a snapshot is a copy of the references)."""
+
+    def _fresh(self) -> None:
+        """Plan every participant from scratch: K = 1..max_stripes, each at the least
+        budget that fits; keep the K the fluid model finishes first."""
+        seeds, tries = self._config.seeds_per_dc, []
+        for k in sorted({max(i, seeds) for i in range(1, self._config.max_stripes + 1)}):
+            t = self._reset(k)
+            for _ in range(_MAX_STEPS):
+                if self._build(k, t):
+                    break
+                t *= _STEP
+            else:
+                raise LocalProtocolError(f"{self.key}: no plan fits any budget (planner bug)")
+            tries.append((self._estimate(), k, t))
+        _, k, t = min(tries)
+        self._build(k, t)
+
+    def _rebuild(self, grew: bool) -> bool:
+        """Try a fresh plan if this one is suspect (``grew``: the last join made the
+        budget grow; or the estimate is over the bound), and keep it when clearly better
+        (see the module docstring).  Returns whether it was tried."""
+        self._rebuilds_last = False
+        if len(self._nodes) > self._config.rebuild_max_peers:
+            return False
+        estimate = self._estimate()
+        if not grew and estimate <= REBUILD_OVER_BOUND * self._bound():
+            return False
+        self._rebuild_tries += 1
+        self._joined = 0
+        before = {a: getattr(self, a) for a in self._STATE}
+        self._sticky = frozenset(self._seed.values())
+        self._fresh()
+        self._sticky = frozenset()
+        if self._estimate() * REBUILD_GAIN <= estimate:
+            self._rebuilds += 1
+            self._rebuilds_last = True
+        else:
+            for a, v in before.items():
+                setattr(self, a, v)
+        return True
 
     def _reset(self, k: int) -> float:
         """Cut ``k`` stripes and forget all edges; returns the fluid bound."""
@@ -274,32 +389,59 @@ class Planner:
         return all(self._prim(j) for j in range(len(self._stripes)))
 
     def _prim(self, j: int) -> bool:
+        """Grow stripe ``j``'s tree (lazy Prim over a heap).  ``open_``: the attached
+        nodes that may still fit a child (a spare only shrinks while the tree grows, so
+        one that no longer fits never will)."""
         depth = dict.fromkeys(self._roots[j], 0)
+        open_ = {p: 0 for p in depth if self._fits(p, j)}
         spare0 = {v: self._spare(v, j) for v in self._fetchers}
-        best = {v: self._best_parent(v, j, depth) for v in self._fetchers}
+        best = {v: self._best_parent(v, j, open_) for v in self._fetchers}
+        heap: list[tuple[bool, tuple[Locality, bool, bool, int, bool], float, int, str, str,
+                         _Key]] = []
+
+        def push(v: str) -> None:
+            b = best[v]
+            if b is not None:
+                heapq.heappush(heap, (spare0[v] < self._sb[j], b[0][:5], -spare0[v],
+                                      self._rank[v], v, b[1], b[0]))
+
+        for v in best:
+            push(v)
         while best:
-            choice = min(((spare0[v] < self._sb[j], b[0][:5], -spare0[v], v, b[1])
-                          for v, b in best.items() if b), default=None)
-            if choice is None:
-                return False
-            v, p = choice[3], choice[4]
-            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != best[v][0]:  # type: ignore[index]
-                best[v] = self._best_parent(v, j, depth)  # keys only worsen: lazy Prim
+            if not heap:
+                return False  # nobody left has a parent that fits
+            *_, v, p, key = heapq.heappop(heap)
+            if best.get(v) != (key, p):
+                continue  # superseded
+            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != key:
+                if not self._fits(p, j):
+                    open_.pop(p, None)
+                best[v] = self._best_parent(v, j, open_)  # keys only worsen: lazy Prim
+                push(v)
                 continue
             self._link(p, v, j)
             depth[v] = depth[p] + 1
             del best[v]
+            if not self._fits(p, j):
+                open_.pop(p, None)
             if self._fits(v, j):
+                open_[v] = depth[v]
                 for u, b in best.items():
                     if self._allowed(v, u, j):
-                        key = self._key(v, u, j, depth[v])
-                        if b is None or key < b[0]:
-                            best[u] = (key, v)
+                        k = self._key(v, u, j, depth[v])
+                        if b is None or k < b[0]:
+                            best[u] = (k, v)
+                            push(u)
         return True
 
     def _apply(self, todo: Iterable[tuple[str, int]]) -> Plan:
-        """Re-attach each ``(fetcher, stripe)``, seeds first so that their DC can follow;
-        then publish the plan under a new epoch."""
+        """:meth:`_attach`, then publish the plan under a new epoch."""
+        self._attach(todo)
+        self._epoch += 1
+        return self.plan
+
+    def _attach(self, todo: Iterable[tuple[str, int]]) -> None:
+        """Re-attach each ``(fetcher, stripe)``, seeds first so that their DC can follow."""
         def seeds_first(item: tuple[str, int]) -> tuple[bool, int, str]:
             v, j = item
             return self._seed.get((self._nodes[v].dc, j)) != v, j, v
@@ -315,8 +457,6 @@ class Planner:
                 self._refresh()
             else:
                 raise LocalProtocolError(f"{self.key}: no source for {v!r} (planner bug)")
-        self._epoch += 1
-        return self.plan
 
     def _refresh(self) -> list[tuple[str, int]]:
         """Give each remote (DC, stripe) one seed and recount surpluses.  Returns who
@@ -337,7 +477,8 @@ class Planner:
                 if dd == d:
                     carried[x] = carried.get(x, 0.0) + self._sb[j]
             ranked = sorted((m for m in ms if m not in carried),
-                            key=lambda m: (-self._nodes[m].down_bps, m))
+                            key=lambda m: (-self._nodes[m].down_bps, m not in self._sticky,
+                                           self._rank[m], m))
             carried.update(dict.fromkeys(
                 ranked[: min(self._config.seeds_per_dc, len(ms)) - len(carried)], 0.0))
             for j, rd in enumerate(root_dcs):
