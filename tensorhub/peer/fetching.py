@@ -21,7 +21,7 @@ answers, not one per chunk.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -56,21 +56,30 @@ under a millisecond, less than handing the work to a thread and back."""
 
 
 def holder_view(peer: Peer, allowed: frozenset[str] | None) -> HolderView:
-    """Who holds a key in the peer's current view, limited to ``allowed`` names."""
+    """Who holds a key in the peer's current view, limited to ``allowed`` names; a named
+    source not advertising it yet is listed holding nothing (it is asked all the same)."""
     def view(k: VersionKey) -> list[tuple[PeerInfo, Holding]]:
         every = peer.control.holders(k)
         if allowed is None:
             return every
         found = [(p, h) for p, h in every if p.name in allowed]
-        missing = allowed - {p.name for p, _ in found} - {peer.info.name}
-        ref = next((h for p, h in every if p.name == h.publisher), None) \
-            if missing else None
-        if ref is not None:  # a named source not advertising yet: asked all the same
+        ref, waiting = not_advertising(peer, allowed, every, {p.name for p, _ in found})
+        if ref is not None and waiting:
             nothing = replace(ref, bitmap=bytes((ref.num_chunks + 7) // 8))
-            found += [(info, nothing) for info in peer.control.membership.live_members()
-                      if info.name in missing]
+            found += [(info, nothing) for info in waiting]
         return found
     return view
+
+
+def not_advertising(peer: Peer, allowed: frozenset[str],
+                    every: list[tuple[PeerInfo, Holding]], known: Collection[str]
+                    ) -> tuple[Holding | None, list[PeerInfo]]:
+    """The publisher's own reference of a key (what the version is), and the live named
+    sources that are neither this peer nor in ``known`` (not advertising it yet)."""
+    ref = next((h for p, h in every if p.name == h.publisher), None)
+    return ref, [info for info in peer.control.membership.live_members()
+                 if info.name in allowed and info.name not in known
+                 and info.name != peer.info.name]
 
 
 def window(peer: Peer, manifest: Manifest) -> int:
@@ -212,7 +221,8 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
                           ) -> tuple[Manifest, str]:
     def candidates() -> list[tuple[PeerInfo, Holding]]:
         found = []
-        for p, h in peer.control.holders(key):
+        every = peer.control.holders(key)
+        for p, h in every:
             if p.name == peer.info.name or (allowed is not None and p.name not in allowed):
                 continue
             ban = peer.banned(p.name)
@@ -221,12 +231,10 @@ async def fetch_manifest(peer: Peer, key: VersionKey, allowed: frozenset[str] | 
             else:
                 banned[p.name] = f"banned here ({ban.reason})"
         if allowed is not None:  # named sources are asked before they advertise it
-            ref = next((h for p, h in peer.control.holders(key) if p.name == h.publisher),
-                       None)
-            known = {p.name for p, _ in found} | banned.keys() | {peer.info.name}
-            for info in peer.control.membership.live_members():
-                if ref is not None and info.name in allowed and info.name not in known \
-                        and peer.banned(info.name) is None:
+            ref, waiting = not_advertising(peer, allowed, every,
+                                           {p.name for p, _ in found} | banned.keys())
+            for info in waiting:
+                if ref is not None and peer.banned(info.name) is None:
                     found.append((info, ref))
                     early.add(info.name)
         return found
