@@ -524,14 +524,17 @@ class Peer:
                               chunks: int = 0) -> CoordinatorAnswer:
         """Register as a fetcher with the coordinator of ``model@version``, routed through
         the mesh to whoever coordinates it; returns its name, epoch and fetchers.
-        Retries while views settle; raises :class:`TransportError` if none answers."""
+        Retries while views settle, at once when the coordinator asked leaves the view;
+        raises :class:`TransportError` if none answers."""
         key = VersionKey(check_model_name(model), check_version(version))
         last = "no answer"
         for _attempt in range(3):
             req_id, out = self.control.ask_coordinator(key, size, chunks)
             self._send(out)
+            asked = self.control.coordinator(key)
             with trio.move_on_after(self.config.connect_timeout):
-                while req_id not in self.control.coordination.answers:
+                while req_id not in self.control.coordination.answers \
+                        and self.control.coordinator(key) == asked:
                     await self._changed.wait()
             answer = self.control.coordination.answers.pop(req_id, None)
             if isinstance(answer, CoordinatorAnswer):
