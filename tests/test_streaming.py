@@ -129,6 +129,7 @@ async def test_a_fetch_streams_runs_and_reports_its_windows() -> None:
     assert report.chunks == report.chunks_received == 24
     assert report.reads < report.chunks  # runs of several chunks at a time
     assert set(report.windows) == {"h0"} and "MiB" in report.windows["h0"]
+    assert report.windows["h0"].endswith("; 1 stream at most")  # one link, in order
     assert report.chunk_size.startswith("1 MiB chosen by the publisher: its PeerConfig")
     # stage timings (issue 15): first verified chunk, last one, digest checks summed
     assert 0 < report.first_byte_seconds <= report.transfer_seconds <= report.seconds

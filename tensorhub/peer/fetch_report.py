@@ -53,7 +53,8 @@ class FetchReport:
     automatic choice for its size (:func:`~tensorhub.protocol.sizing.choose_chunk_size`)."""
     windows: dict[str, str] = field(default_factory=dict)
     """Per source: the window kept in flight on each stream from it, and why (rate x
-    round trip measured on that source, the floor or the cap)."""
+    round trip measured on that source, the floor or the cap), and the most streams
+    open to it at once."""
     first_byte_seconds: float = 0.0
     """From the start of the fetch to its first verified chunk."""
     transfer_seconds: float = 0.0

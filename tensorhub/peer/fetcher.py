@@ -175,7 +175,9 @@ class Fetch:
             report.first_byte_seconds = max(0.0, tally.first_landed - start)
             report.transfer_seconds = max(0.0, tally.last_landed - start)
         report.verify_seconds = sum(self._verify_times)
-        report.windows = {name: w.why() for name, w in self.session.windows.items()}
+        most = self.session.most_streams
+        report.windows = {name: f"{w.why()}; {_streams(most.get(name, 0))}"
+                          for name, w in self.session.windows.items()}
         return report
 
     async def _worker(self) -> None:
@@ -287,6 +289,10 @@ class Fetch:
                                      source=source)
 
         return verify
+
+
+def _streams(n: int) -> str:
+    return f"{n} stream{'s' * (n != 1)} at most"
 
 
 async def _close(conn: Connection) -> None:

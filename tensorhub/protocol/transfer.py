@@ -198,6 +198,8 @@ class TransferSession:
         (their bytes count as planned, whatever a newer plan says)."""
         self.load: dict[str, int] = {}
         """Streams open per source."""
+        self.most_streams: dict[str, int] = {}
+        """The most streams open at once per source (for the report)."""
         self.benched: dict[str, float] = {}
         """Sources not to use until the given time (``inf``: not for this fetch)."""
         self.failures: dict[str, int] = {}
@@ -310,6 +312,7 @@ class TransferSession:
         if name not in self.windows:
             self.windows[name] = StreamWindow(self.manifest.chunk_size, self.window_cap)
         self.load[name] = self.load.get(name, 0) + 1
+        self.most_streams[name] = max(self.most_streams.get(name, 0), self.load[name])
         return Stream(source, chunk, now)
 
     def next_run(self, now: float, stream: Stream, budget: int) -> list[int]:
