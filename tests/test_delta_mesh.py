@@ -4,11 +4,15 @@ chunks come in full from another; a plan's remote seed pulls the deltas across."
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
 import numpy as np
 import trio
 from test_mesh import mesh
 
-from tensorhub import VersionKey
+import tensorhub
+from tensorhub import PeerConfig, VersionKey
 from tensorhub.manifest import digest_of
 
 
@@ -69,3 +73,79 @@ async def test_a_reader_with_the_last_version_gets_the_next_as_deltas() -> None:
         served = pub.statistics().delta
         assert served["served_chunks"] == r.delta_chunks
         assert served["served_delta_bytes"] == r.delta_bytes
+
+
+async def test_wrong_deltas_ban_their_holder_and_the_chunks_come_in_full() -> None:
+    async with mesh(3, planning=False, delta="always") as (pub, relay, reader):
+        w1 = weights()
+        await pub.publish("m", 1, w1)
+        await wait_complete(reader, VersionKey("m", 1), 1)
+        kept = await relay.fetch("m", 1)
+        await reader.fetch("m", 1)
+        w2 = step(w1, 0.02, 2)
+        await pub.publish("m", 2, w2)
+        await wait_complete(relay, VersionKey("m", 2), 1)
+        await relay.fetch("m", 2)
+        await wait_complete(reader, VersionKey("m", 2), 2)
+        # The relay's copy of version 1 rots in memory: every delta it encodes from it
+        # now makes wrong chunks (its full chunks of version 2 are still right).
+        for name in ("a", "b"):
+            kept.tensors[name].view(np.uint8)[:: 1 << 20] ^= 0xFF
+        got = await reader.fetch("m", 2)
+        r = got.report
+        assert r.delta["failed"]["p1"].startswith("integrity"), r.delta
+        assert r.integrity_failures.get("p1", 0) >= 1
+        assert r.verified and r.bytes > 0 and set(r.bytes_by_source) == {"p0"}
+        same_bytes(got.tensors, w2)
+        assert "p1" in reader.statistics().bans
+        assert reader.statistics().delta["fallbacks"] == 1
+
+
+@asynccontextmanager
+async def labelled_mesh(dcs: str, **cfg: object) -> AsyncIterator[list[tensorhub.Peer]]:
+    """Peers ``p0``, ``p1``, ... in the DCs ``dcs`` names, one letter each."""
+    async with AsyncExitStack() as stack:
+        peers: list[tensorhub.Peer] = []
+        for i, dc in enumerate(dcs):
+            join = (peers[0].info.control.removeprefix("tcp://"),) if peers else ()
+            peers.append(await stack.enter_async_context(tensorhub.open_peer(
+                PeerConfig.local(f"p{i}", join=join, labels=(("dc", dc),),
+                                 chunk_size=1 << 20, **cfg))))
+        with trio.fail_after(10):
+            while any(len(p.control.membership.live_members()) < len(dcs) for p in peers):
+                await trio.sleep(0.02)
+        yield peers
+
+
+async def test_a_planned_remote_seed_pulls_one_delta_across_and_its_dc_fans_it_out() -> None:
+    async with labelled_mesh("abb", delta="always") as (pub, s1, s2):
+        w1 = weights()
+        await pub.publish("m", 1, w1)
+        for p in (s1, s2):
+            await wait_complete(p, VersionKey("m", 1), 1)
+            await p.fetch("m", 1)
+        served = pub.statistics().delta["served_chunks"]
+        w2 = step(w1, 0.01, 3)
+        await pub.publish("m", 2, w2)
+        for p in (s1, s2):
+            await wait_complete(p, VersionKey("m", 2), 1)
+        got: dict[str, tensorhub.Fetched] = {}
+
+        async def fetch(p: tensorhub.Peer) -> None:
+            got[p.info.name] = await p.fetch("m", 2)
+
+        async with trio.open_nursery() as nursery:
+            for p in (s1, s2):
+                nursery.start_soon(fetch, p)
+        notes = {n: f.report.delta["note"] for n, f in got.items()}
+        for f in got.values():
+            assert f.report.verified and f.report.delta_chunks > 0, f.report.delta
+            assert f.report.bytes == 0 and "epoch" in f.report.plan, f.report.to_dict()
+            same_bytes(f.tensors, w2)
+        # One of DC b pulled the deltas across from p0 (the seed), the other took them
+        # from the seed: the publisher encoded each changed chunk once.
+        seed = next(n for n, note in notes.items() if "from p0" in note)
+        other = ({"p1", "p2"} - {seed}).pop()
+        assert f"from {seed}" in notes[other], notes
+        assert pub.statistics().delta["served_chunks"] - served == \
+            got[seed].report.delta_chunks
