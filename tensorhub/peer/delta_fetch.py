@@ -172,7 +172,7 @@ def _apply(base: LocalVersion, local: LocalVersion, chunk: int, payload: bytes
         out = apply_chunk(b"".join(base.segments(chunk)), payload)
     except RemoteProtocolError as exc:
         return f"integrity: {exc}", time.thread_time() - began
-    data = memoryview(out)
+    data = out.data
     if digest_of(m.digest_algo, [data]) != m.chunk_digests[chunk]:
         return (f"integrity: chunk {chunk} of {m.key} made from a delta failed its digest",
                 time.thread_time() - began)
