@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, torchbench, transfer
+    from .bench import chain, chaos, cluster_cli, delta, flip, rounds, rtt, torchbench, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     flip.add_options(bsub.add_parser("flip", help="the staged flip's pause with readers "
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     rounds.add_options(bsub.add_parser("rounds", help="model-parallel groups switching "
                                        "under a fast trainer on a busy host; aborts counted"))
     torchbench.add_options(bsub.add_parser("torch", help="a bf16 torch state_dict vs numpy"))
+    delta.add_options(bsub.add_parser("delta", help="RL-like steps as chunk deltas across "
+                                      "an emulated 2-DC cluster vs full (needs root)"))
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
@@ -231,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return chaos.run_cli(args)
             if args.bench == "rounds":
                 return rounds.run_cli(args)
+            if args.bench == "delta":
+                from .bench import delta
+
+                return delta.run_cli(args)
             return transfer.run_cli(args)
         if args.command == "status":
             if not args.join:
