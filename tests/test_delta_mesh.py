@@ -14,6 +14,9 @@ from test_mesh import mesh
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
 from tensorhub.manifest import digest_of
+from tensorhub.peer.delta_fetch import book
+from tensorhub.protocol.dataplane import NOT_HELD, DeltaReply
+from tensorhub.transport.delta_client import delta_run
 
 
 def step(w: dict[str, np.ndarray], fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -149,3 +152,39 @@ async def test_a_planned_remote_seed_pulls_one_delta_across_and_its_dc_fans_it_o
         assert f"from {seed}" in notes[other], notes
         assert pub.statistics().delta["served_chunks"] - served == \
             got[seed].report.delta_chunks
+
+
+async def test_where_the_link_outruns_encoding_auto_sends_full_chunks() -> None:
+    async with mesh(2, planning=False, delta="auto") as (pub, reader):
+        w1 = weights()
+        await pub.publish("m", 1, w1)
+        await wait_complete(reader, VersionKey("m", 1), 1)
+        await reader.fetch("m", 1)
+        assert book(reader).links["p0"] > 0  # measured by that full fetch
+        book(reader).links["p0"] = 1e12  # as if the link were a terabyte a second
+        w2 = step(w1, 0.01, 4)
+        w2["frozen"] = w1["frozen"]
+        await pub.publish("m", 2, w2)
+        await wait_complete(reader, VersionKey("m", 2), 1)
+        got = await reader.fetch("m", 2)
+        r = got.report
+        assert "faster than encoding" in r.delta["skipped"]["p0"], r.delta
+        assert r.delta_chunks == 0 and r.unchanged_chunks == 1 and r.bytes > 0
+        assert pub.statistics().delta["served_chunks"] == 0
+        same_bytes(got.tensors, w2)
+
+
+async def test_a_holder_without_the_base_answers_each_chunk_not_held() -> None:
+    async with mesh(1) as (pub,):
+        await pub.publish("m", 2, weights())
+        answers: list[tuple[int, int]] = []
+
+        async def handle(chunk: int, reply: DeltaReply, payload: bytes) -> bool:
+            answers.append((chunk, reply.status))
+            assert payload == b""
+            return True
+
+        await delta_run(pub.info.data, "p0", 2.0, None, VersionKey("m", 2), 1, [0, 1, 3],
+                        lambda c: 1 << 21, handle)
+        assert answers == [(0, NOT_HELD), (1, NOT_HELD), (3, NOT_HELD)]
+        assert pub.statistics().delta["served_chunks"] == 0
