@@ -269,9 +269,10 @@ async def _from_source(peer: Peer, base: LocalVersion, local: LocalVersion,
         return stop - first + MAX_DELTA_OVERHEAD
 
     async def handle(chunk: int, reply: DeltaReply, payload: bytes) -> bool:
-        if reply.status != OK:
-            tally.failed.setdefault(name, f"status {reply.status}: {reply.detail}")
-            return True  # that chunk comes in full; the others may still come
+        if reply.status != OK:  # it lacks a version, or the chunk in time: all in full
+            tally.failed[name] = f"status {reply.status}: {reply.detail}"
+            nursery.cancel_scope.cancel()
+            return False
         await send.send((chunk, reply, payload))
         return True
 
@@ -288,6 +289,7 @@ async def _from_source(peer: Peer, base: LocalVersion, local: LocalVersion,
                 size = sum(map(len, local.segments(chunk)))
                 local.mark_verified(chunk)
                 progress()
+                nursery.cancel_scope.deadline = trio.current_time() + stall
                 kind = delta_format(payload)
                 tally.formats[kind] = tally.formats.get(kind, 0) + 1
                 tally.raw_chunks += payload[0] == RAW
@@ -308,15 +310,21 @@ async def _from_source(peer: Peer, base: LocalVersion, local: LocalVersion,
         async with send:
             try:
                 await delta_run(source.data, name, peer.config.connect_timeout,
-                                peer.data_plane().data_auth, key, base.manifest.key.version, chunks,
-                                limit, handle)
+                                peer.data_plane().data_auth, key, base.manifest.key.version,
+                                chunks, limit, handle)
             except RemoteProtocolError as exc:
-                tally.failed[name] = f"integrity: {exc}"
-                peer.ban(name, key, str(exc))
+                tally.failed[name] = f"remote_protocol: {exc}"
                 nursery.cancel_scope.cancel()
             except (TransportError, OSError) as exc:
                 tally.failed[name] = f"transport: {exc}"
 
+    # A holder still receiving answers each chunk when it lands: no chunk for
+    # ``stall_timeout`` (the wait a holder allows itself) ends the stream as stalled.
+    stall = peer.config.stall_timeout + peer.config.connect_timeout
     async with trio.open_nursery() as nursery:
+        nursery.cancel_scope.deadline = trio.current_time() + stall
         nursery.start_soon(applier)
         nursery.start_soon(receiver)
+    if nursery.cancel_scope.cancelled_caught and name not in tally.failed \
+            and name not in tally.skipped:
+        tally.failed[name] = f"stalled: no chunk for {stall:.1f} s"
