@@ -8,15 +8,18 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import numpy as np
+import pytest
 import trio
 from test_mesh import mesh
 
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
+from tensorhub.errors import RemoteProtocolError
 from tensorhub.manifest import digest_of
 from tensorhub.peer.delta_fetch import book
-from tensorhub.protocol.dataplane import NOT_HELD, DeltaReply
+from tensorhub.protocol.dataplane import NOT_HELD, OK, DeltaReply, DeltaRunRequest
 from tensorhub.transport.delta_client import delta_run
+from tensorhub.transport.frames import recv_frame, send_frame
 
 
 def step(w: dict[str, np.ndarray], fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -188,3 +191,33 @@ async def test_a_holder_without_the_base_answers_each_chunk_not_held() -> None:
                         lambda c: 1 << 21, handle)
         assert answers == [(0, NOT_HELD), (1, NOT_HELD), (3, NOT_HELD)]
         assert pub.statistics().delta["served_chunks"] == 0
+
+
+async def test_a_rogue_holders_oversized_or_out_of_turn_answers_are_its_fault() -> None:
+    """A holder that declares a delta larger than its chunk may take, or answers another
+    chunk than asked: the reader refuses before reading a payload byte."""
+    for reply in (DeltaReply(1, 0, OK, 1 << 40), DeltaReply(1, 7, OK, 10)):
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        async def rogue(listener: trio.socket.SocketType = listener,
+                        answer: DeltaReply = reply) -> None:
+            conn, _ = await listener.accept()
+            with conn:
+                assert isinstance(await recv_frame(conn), DeltaRunRequest)
+                await send_frame(conn, answer)
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rogue)
+            with pytest.raises(RemoteProtocolError, match=r"at most|out of turn"):
+                await delta_run(f"127.0.0.1:{port}", "rogue", 2.0, None, VersionKey("m", 2),
+                                1, [0], lambda c: 1 << 20, _never)
+            nursery.cancel_scope.cancel()
+        listener.close()
+
+
+async def _never(chunk: int, reply: DeltaReply, payload: bytes) -> bool:
+    raise AssertionError("no answer of a rogue holder reaches the caller")
