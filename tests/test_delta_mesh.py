@@ -72,6 +72,7 @@ async def test_a_reader_with_the_last_version_gets_the_next_as_deltas() -> None:
         assert r.unchanged_chunks >= 1  # the frozen tensor's chunk: not sent
         assert r.delta_chunks == 4 and r.bytes == 0, r.to_dict()
         assert 0 < r.delta_bytes < 0.05 * sum(v.nbytes for v in w2.values())
+        assert r.delta["bytes_by_source"] == {"p0": r.delta_bytes}
         assert r.delta_encode_seconds > 0 and r.delta_apply_seconds > 0
         same_bytes(got.tensors, w2)
         stats = reader.statistics().delta

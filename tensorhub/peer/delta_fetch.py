@@ -295,6 +295,7 @@ async def _from_source(peer: Peer, base: LocalVersion, local: LocalVersion,
                 tally.raw_chunks += payload[0] == RAW
                 tally.delta_chunks += 1
                 tally.delta_bytes += len(payload)
+                tally.bytes_by_source[name] = tally.bytes_by_source.get(name, 0) + len(payload)
                 tally.chunk_bytes += size
                 encode = reply.encode_us / 1e6
                 tally.encode_seconds += encode

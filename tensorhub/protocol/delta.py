@@ -235,6 +235,8 @@ class DeltaTally:
     skipped: dict[str, str] = field(default_factory=dict)
     """Sources not asked for deltas because full chunks were faster, and why."""
     formats: dict[str, int] = field(default_factory=dict)
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    """Delta bytes per holder."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"base": self.base, "note": self.note, "delta_bytes": self.delta_bytes,
@@ -242,4 +244,4 @@ class DeltaTally:
                 "chunk_bytes": self.chunk_bytes, "unchanged_chunks": self.unchanged_chunks,
                 "encode_seconds": self.encode_seconds, "apply_seconds": self.apply_seconds,
                 "failed": dict(self.failed), "skipped": dict(self.skipped),
-                "formats": dict(self.formats)}
+                "formats": dict(self.formats), "bytes_by_source": dict(self.bytes_by_source)}
