@@ -241,6 +241,14 @@ async def fetch_deltas(peer: Peer, local: LocalVersion, plan: Plan,
     return tally, seconds
 
 
+RATE_GAIN = 0.3
+"""Weight of a new encode or apply rate sample (one chunk's CPU time is noisy)."""
+
+
+def _smooth(old: float | None, sample: float) -> float:
+    return sample if old is None else old + (sample - old) * RATE_GAIN
+
+
 def _pays(peer: Peer, mode: str, name: str, tally: DeltaTally) -> bool:
     """Whether ``name`` is to be asked for deltas now (``auto``: by the rates)."""
     if mode == "always":
@@ -300,9 +308,9 @@ async def _from_source(peer: Peer, base: LocalVersion, local: LocalVersion,
                 encode = reply.encode_us / 1e6
                 tally.encode_seconds += encode
                 if encode > 0:
-                    b.encode[name] = size / encode
+                    b.encode[name] = _smooth(b.encode.get(name), size / encode)
                 if cpu > 0:
-                    b.apply_bps = size / cpu
+                    b.apply_bps = _smooth(b.apply_bps, size / cpu)
                 if not _pays(peer, peer.config.delta, name, tally):
                     nursery.cancel_scope.cancel()
                     return
