@@ -222,3 +222,22 @@ async def test_a_rogue_holders_oversized_or_out_of_turn_answers_are_its_fault() 
 
 async def _never(chunk: int, reply: DeltaReply, payload: bytes) -> bool:
     raise AssertionError("no answer of a rogue holder reaches the caller")
+
+
+async def test_when_our_own_base_rotted_the_holder_is_not_blamed() -> None:
+    async with mesh(2, planning=False, delta="always") as (pub, reader):
+        w1 = weights()
+        await pub.publish("m", 1, w1)
+        await wait_complete(reader, VersionKey("m", 1), 1)
+        mine = await reader.fetch("m", 1)
+        w2 = step(w1, 0.01, 5)
+        await pub.publish("m", 2, w2)
+        await wait_complete(reader, VersionKey("m", 2), 1)
+        mine.tensors["a"].view(np.uint8)[::4096] ^= 0xFF  # our copy, not the holder's
+        got = await reader.fetch("m", 2)
+        r = got.report
+        assert r.delta["failed"]["p0"].startswith("local: our copy"), r.delta
+        assert not r.integrity_failures and "p0" not in reader.statistics().bans
+        assert r.verified and r.bytes == 2 << 20  # tensor a's two chunks, in full
+        assert r.delta_chunks == 3  # the others still came as deltas
+        same_bytes(got.tensors, w2)

@@ -165,19 +165,23 @@ def _copy_unchanged(base: LocalVersion, local: LocalVersion, chunks: Sequence[in
 
 def _apply(base: LocalVersion, local: LocalVersion, chunk: int, payload: bytes
            ) -> tuple[str, float]:
-    """Apply, check, then write chunk ``chunk``: ("" or why it failed, CPU seconds)."""
+    """Apply, check, then write chunk ``chunk``: ("" or why it failed, CPU seconds).
+    A failure is the holder's (``integrity: ...``) unless our own copy of the base chunk
+    no longer matches its digest (``local: ...``)."""
     began = time.thread_time()
-    m = local.manifest
+    m, bm = local.manifest, base.manifest
+    old = b"".join(base.segments(chunk))
     try:
-        out = apply_chunk(b"".join(base.segments(chunk)), payload)
+        data = apply_chunk(old, payload).data
+        why = "" if digest_of(m.digest_algo, [data]) == m.chunk_digests[chunk] else \
+            f"integrity: chunk {chunk} of {m.key} made from a delta failed its digest"
     except RemoteProtocolError as exc:
-        return f"integrity: {exc}", time.thread_time() - began
-    data = out.data
-    if digest_of(m.digest_algo, [data]) != m.chunk_digests[chunk]:
-        return (f"integrity: chunk {chunk} of {m.key} made from a delta failed its digest",
-                time.thread_time() - began)
-    _scatter(local.segments(chunk), data)
-    return "", time.thread_time() - began
+        why = f"integrity: {exc}"
+    if why and digest_of(bm.digest_algo, [memoryview(old)]) != bm.chunk_digests[chunk]:
+        why = f"local: our copy of chunk {chunk} of {bm.key} no longer matches its digest"
+    if not why:
+        _scatter(local.segments(chunk), data)
+    return why, time.thread_time() - began
 
 
 async def fetch_deltas(peer: Peer, local: LocalVersion, plan: Plan,
@@ -289,6 +293,9 @@ async def _from_source(peer: Peer, base: LocalVersion, local: LocalVersion,
             async for chunk, reply, payload in receive:
                 why, cpu = await trio.to_thread.run_sync(_apply, base, local, chunk, payload)
                 tally.apply_seconds += cpu
+                if why.startswith("local"):  # that chunk in full; the holder is fine
+                    tally.failed.setdefault(name, why)
+                    continue
                 if why:
                     tally.failed[name] = why
                     peer.ban(name, key, why)
