@@ -37,7 +37,7 @@ def _config(args: argparse.Namespace, name: str) -> PeerConfig:
         extra["security"] = load(args.keys, name)
     if args.insecure:
         extra["allow_insecure"] = True
-    return PRESETS[args.preset](name, listen=args.listen, join=seeds,
+    return PRESETS[args.preset](name, listen=args.listen, join=seeds, delta=args.delta,
                                 labels=parse_labels(args.label or []), **extra)
 
 
@@ -104,6 +104,9 @@ def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
                    help="join with this peer's keys from DIR (made by tensorhub keygen)")
     p.add_argument("--insecure", action="store_true",
                    help="allow running without --keys on a non-loopback address")
+    p.add_argument("--delta", choices=("off", "auto", "always"), default="off",
+                   help="chunk deltas against an older version held here "
+                        "(PeerConfig.delta; default off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
