@@ -54,24 +54,44 @@ async def delta_run(address: str, peer: str, timeout: float, auth: DataAuth | No
     await dial(sock, (host, int(port)), peer, timeout, auth,
                f"cannot connect to {peer} at {address}")
     ids = itertools.count(1)
-    with sock:
-        asked = []
-        for first, count in runs(chunks):
-            req = DeltaRunRequest(next(ids), key.model, key.version, base, first, count,
-                                  key.shard, key.layout)
+    asked = []
+    for first, count in runs(chunks):
+        req = DeltaRunRequest(next(ids), key.model, key.version, base, first, count,
+                              key.shard, key.layout)
+        asked.append(req)
+
+    async def send_all() -> None:  # beside the replies: a holder's answers never wait
+        for req in asked:
             await send_frame(sock, req)
-            asked += [(req.req_id, c) for c in range(first, first + count)]
-        for req_id, chunk in asked:
-            reply = await recv_frame(sock)
-            if not isinstance(reply, DeltaReply) or reply.req_id != req_id \
-                    or reply.chunk != chunk:
-                raise RemoteProtocolError(f"{peer} answered a delta run out of turn")
-            payload = b""
-            if reply.status == OK:
-                if reply.length > limit(chunk):
-                    raise RemoteProtocolError(
-                        f"{peer} sent a {reply.length}-byte delta for chunk {chunk}, "
-                        f"at most {limit(chunk)} expected")
-                payload = await recv_body(sock, reply.length)
-            if not await handle(chunk, reply, payload):
-                return
+
+    with sock:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all)
+                for req in asked:
+                    for chunk in range(req.first, req.first + req.count):
+                        if not await _answer(sock, peer, req.req_id, chunk, limit, handle):
+                            nursery.cancel_scope.cancel()
+                            return
+                nursery.cancel_scope.cancel()  # every answer is in: so were the requests
+        except BaseExceptionGroup as group:  # one error, as callers expect it
+            found = group.subgroup(lambda e: not isinstance(e, trio.Cancelled)) or group
+            while isinstance(found, BaseExceptionGroup):
+                found = found.exceptions[0]
+            raise found from None
+
+
+async def _answer(sock: trio.socket.SocketType, peer: str, req_id: int, chunk: int,
+                  limit: Callable[[int], int], handle: Handler) -> bool:
+    """Read the answer for ``chunk`` and hand it on; False: the caller is done."""
+    reply = await recv_frame(sock)
+    if not isinstance(reply, DeltaReply) or reply.req_id != req_id or reply.chunk != chunk:
+        raise RemoteProtocolError(f"{peer} answered a delta run out of turn")
+    payload = b""
+    if reply.status == OK:
+        if reply.length > limit(chunk):
+            raise RemoteProtocolError(
+                f"{peer} sent a {reply.length}-byte delta for chunk {chunk}, "
+                f"at most {limit(chunk)} expected")
+        payload = await recv_body(sock, reply.length)
+    return await handle(chunk, reply, payload)
