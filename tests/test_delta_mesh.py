@@ -18,7 +18,7 @@ from tensorhub.errors import RemoteProtocolError
 from tensorhub.manifest import digest_of
 from tensorhub.peer.delta_fetch import book
 from tensorhub.protocol.dataplane import NOT_HELD, OK, DeltaReply, DeltaRunRequest
-from tensorhub.transport.delta_client import delta_run
+from tensorhub.transport.deltas import delta_run
 from tensorhub.transport.frames import recv_frame, send_frame
 
 
@@ -106,6 +106,10 @@ async def test_wrong_deltas_ban_their_holder_and_the_chunks_come_in_full() -> No
         same_bytes(got.tensors, w2)
         assert "p1" in reader.statistics().bans
         assert reader.statistics().delta["fallbacks"] == 1
+        # The reader left the relay's run midway: a reader gone, not bad input.
+        served = relay.statistics()
+        assert served.malformed_dropped == 0 and served.internal_errors == 0
+        assert served.data_server is not None and served.data_server.bad_frames == 0
 
 
 @asynccontextmanager

@@ -50,7 +50,7 @@ from ..protocol.delta import (
     pick_sources,
     unchanged_chunks,
 )
-from ..transport.delta_client import delta_run
+from ..transport.deltas import delta_run
 from .fetch_report import FetchReport
 from .store import LocalVersion
 

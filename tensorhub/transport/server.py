@@ -52,7 +52,7 @@ from .admission import (
     ServerStats,
 )
 from .base import NotServing, Provider
-from .delta_serve import DeltaServed, serve_delta
+from .deltas import DeltaServed, serve_delta
 from .frames import encode_frame, recv_rest_of_frame, send_all, send_frame
 from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
@@ -83,7 +83,7 @@ class TcpServer:
         self.port = 0
         self._admission = Admission(self.limits)
         self.delta = DeltaServed()
-        """What delta runs (:mod:`.delta_serve`) cost and sent."""
+        """What delta runs (:mod:`.deltas`) cost and sent."""
         # Not a method of ours: a server in a reference cycle would keep its provider's
         # arrays, and their memory files, until the cyclic collector ran.
         self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._admission.revoked)
