@@ -162,7 +162,8 @@ def test_with_a_plan_deltas_come_only_from_each_chunks_planned_source() -> None:
 
 
 def test_a_delta_pays_only_where_encoding_and_applying_outrun_the_link() -> None:
-    assert delta_pays(None, 1e6, None)  # nothing measured: try it
+    assert delta_pays(12.5e6, 1e9, None)  # applying not measured yet: as encoding
+    assert not delta_pays(1.25e9, 1e9, None)  # 10 Gbit
     assert delta_pays(12.5e6, 1e9, 2e9)  # 100 Mbit
     assert delta_pays(50e6, 1e9, 2e9)  # 400 Mbit
     assert not delta_pays(3e9, 1e9, 2e9)  # loopback

@@ -16,7 +16,8 @@ import tensorhub
 from tensorhub import PeerConfig, VersionKey
 from tensorhub.errors import RemoteProtocolError
 from tensorhub.manifest import digest_of
-from tensorhub.peer.delta_fetch import book
+from tensorhub.model import PeerInfo
+from tensorhub.peer.delta_fetch import _link_bps, book
 from tensorhub.protocol.dataplane import NOT_HELD, OK, DeltaReply, DeltaRunRequest
 from tensorhub.transport.deltas import delta_run
 from tensorhub.transport.frames import recv_frame, send_frame
@@ -245,3 +246,16 @@ async def test_when_our_own_base_rotted_the_holder_is_not_blamed() -> None:
         assert r.verified and r.bytes == 2 << 20  # tensor a's two chunks, in full
         assert r.delta_chunks == 3  # the others still came as deltas
         same_bytes(got.tensors, w2)
+
+
+async def test_before_any_measurement_the_link_is_what_the_nic_labels_say() -> None:
+    async with tensorhub.open_peer(PeerConfig.local(
+            "r", labels=(("nic_bps", "50e6"),), delta="auto")) as reader:
+        labelled = PeerInfo("h", "tcp://127.0.0.1:1", "127.0.0.1:2", (("nic_bps", "1e9"),))
+        plain = PeerInfo("p", "tcp://127.0.0.1:1", "127.0.0.1:2")
+        garbled = PeerInfo("g", "tcp://127.0.0.1:1", "127.0.0.1:2", (("nic_bps", "x"),))
+        assert _link_bps(reader, labelled) == 50e6  # 400 Mbit here: a delta pays
+        assert _link_bps(reader, plain) == 50e6
+        assert _link_bps(reader, garbled) == reader.config.nic_bps
+        book(reader).links["h"] = 3e9  # measured since: that counts
+        assert _link_bps(reader, labelled) == 3e9

@@ -19,14 +19,13 @@ digest (the holder is banned, as for bad full bytes), a broken connection -- sta
 pending and the ordinary fetch brings it in full from another holder.  With
 ``delta="auto"`` a source is asked for deltas only where that is faster than full
 chunks (:func:`~tensorhub.protocol.delta.delta_pays`: the holder's measured encode rate
-and our apply rate against the link rate measured by earlier fetches from it), checked
-again after every chunk.  Costs go to the fetch report (``delta_*``) and to
+and our apply rate against the link rate measured by the last fetch from it, or before
+any the NIC labels), checked again after every chunk.  Costs go to the fetch report (``delta_*``) and to
 ``statistics().delta``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import RemoteProtocolError, TransportError
+from ..errors import LocalProtocolError, RemoteProtocolError, TransportError
 from ..manifest import Manifest, digest_of
 from ..model import PeerInfo, VersionKey
 from ..protocol.dataplane import OK, DeltaReply
@@ -50,6 +49,7 @@ from ..protocol.delta import (
     pick_sources,
     unchanged_chunks,
 )
+from ..protocol.topology import NodeInfo
 from ..transport.deltas import delta_run
 from .fetch_report import FetchReport
 from .store import LocalVersion
@@ -223,7 +223,7 @@ async def fetch_deltas(peer: Peer, local: LocalVersion, plan: Plan,
         notes = []
         async with trio.open_nursery() as nursery:
             for name, chunks in by_source.items():
-                if not _pays(peer, mode, name, tally):
+                if not _pays(peer, mode, infos[name], tally):
                     continue
                 notes.append(f"{len(chunks)} chunks from {name}")
                 nursery.start_soon(_from_source, peer, base, local, infos[name], chunks,
@@ -253,16 +253,31 @@ def _smooth(old: float | None, sample: float) -> float:
     return sample if old is None else old + (sample - old) * RATE_GAIN
 
 
-def _pays(peer: Peer, mode: str, name: str, tally: DeltaTally) -> bool:
-    """Whether ``name`` is to be asked for deltas now (``auto``: by the rates)."""
+def _link_bps(peer: Peer, source: PeerInfo) -> float:
+    """Bytes/s from ``source`` as measured by the last fetch from it, else as the two
+    NIC labels say (``nic_bps``, or ``PeerConfig.nic_bps``): the planner's numbers."""
+    measured = book(peer).links.get(source.name)
+    if measured is not None:
+        return measured
+    try:
+        ours, theirs = (NodeInfo.from_peer(p, peer.config.nic_bps)
+                        for p in (peer.info, source))
+    except LocalProtocolError:  # a malformed label: as if unlabelled
+        return peer.config.nic_bps
+    return min(ours.down_bps, theirs.up_bps)
+
+
+def _pays(peer: Peer, mode: str, source: PeerInfo, tally: DeltaTally) -> bool:
+    """Whether ``source`` is to be asked for deltas now (``auto``: by the rates)."""
     if mode == "always":
         return True
-    b = book(peer)
-    link, encode = b.links.get(name), b.encode.get(name, DEFAULT_ENCODE_BPS)
+    b, name = book(peer), source.name
+    link, encode = _link_bps(peer, source), b.encode.get(name, DEFAULT_ENCODE_BPS)
     if delta_pays(link, encode, b.apply_bps):
         return True
     apply = "?" if b.apply_bps is None else f"{b.apply_bps / 1e6:.0f}"
-    tally.skipped[name] = (f"link {(link or math.inf) / 1e6:.0f} MB/s is faster than "
+    how = "measured" if name in b.links else "from the NIC labels"
+    tally.skipped[name] = (f"link {link / 1e6:.0f} MB/s ({how}) is faster than "
                            f"encoding {encode / 1e6:.0f} / applying {apply} MB/s")
     return False
 
@@ -318,7 +333,7 @@ async def _from_source(peer: Peer, base: LocalVersion, local: LocalVersion,
                     b.encode[name] = _smooth(b.encode.get(name), size / encode)
                 if cpu > 0:
                     b.apply_bps = _smooth(b.apply_bps, size / cpu)
-                if not _pays(peer, peer.config.delta, name, tally):
+                if not _pays(peer, peer.config.delta, source, tally):
                     nursery.cancel_scope.cancel()
                     return
 

@@ -175,12 +175,10 @@ def delta_format(delta: bytes) -> str:
     return FORMATS.get(delta[0], "?") if delta else "?"
 
 
-def delta_pays(link_bps: float | None, encode_bps: float, apply_bps: float | None) -> bool:
-    """Whether a delta stream beats full chunks on a link of ``link_bps`` (None: not
-    measured yet, so try the delta): encoding and applying must each outrun the link by
-    :data:`MARGIN` (see the module docstring)."""
-    if link_bps is None:
-        return True
+def delta_pays(link_bps: float, encode_bps: float, apply_bps: float | None) -> bool:
+    """Whether a delta stream beats full chunks on a link of ``link_bps``: encoding and
+    applying (None: not measured yet, taken as fast as encoding) must each outrun the
+    link by :data:`MARGIN` (see the module docstring)."""
     slowest = min(encode_bps, apply_bps if apply_bps is not None else encode_bps)
     return slowest > link_bps * MARGIN
 
