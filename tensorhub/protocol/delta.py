@@ -70,13 +70,14 @@ than the XOR's zeros."""
 MARGIN = 1.25
 """A delta pays only where encoding and applying beat the link by this factor."""
 DEFAULT_ENCODE_BPS = 400e6
-"""Chunk bytes a holder encodes per second until it has said (half the slowest measured
-rate at 1-2% changed: a guess that errs towards trying the delta)."""
+"""Chunk bytes a holder encodes per second until it has said (under half the rate
+measured at 1-2% changed, module table: a guess that errs towards full chunks)."""
 MAX_DELTA_OVERHEAD = 64
 """Bytes a delta payload may exceed its chunk by (a RAW payload is the chunk plus one)."""
 
 _COUNT = struct.Struct("<I")
 _WORD = 2
+_XOR_HEAD = bytes((XOR,))
 
 
 def encode_chunk(base: Any, new: Any) -> bytes:
@@ -102,9 +103,6 @@ def encode_chunk(base: Any, new: Any) -> bytes:
     if len(out) > n:
         return bytes((RAW,)) + new_b.tobytes()
     return out
-
-
-_XOR_HEAD = bytes((XOR,))
 
 
 def _compress(data: Any) -> bytes:
