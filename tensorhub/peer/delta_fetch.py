@@ -20,8 +20,8 @@ pending and the ordinary fetch brings it in full from another holder.  With
 ``delta="auto"`` a source is asked for deltas only where that is faster than full
 chunks (:func:`~tensorhub.protocol.delta.delta_pays`: the holder's measured encode rate
 and our apply rate against the link rate measured by the last fetch from it, or before
-any the NIC labels), checked again after every chunk.  Costs go to the fetch report (``delta_*``) and to
-``statistics().delta``.
+any the NIC labels), checked again after every chunk.  Costs go to the fetch report
+(``delta_*``) and to ``statistics().delta``.
 """
 
 from __future__ import annotations
