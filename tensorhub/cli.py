@@ -37,7 +37,7 @@ def _config(args: argparse.Namespace, name: str) -> PeerConfig:
         extra["security"] = load(args.keys, name)
     if args.insecure:
         extra["allow_insecure"] = True
-    return PRESETS[args.preset](name, listen=args.listen, join=seeds,
+    return PRESETS[args.preset](name, listen=args.listen, join=seeds, delta=args.delta,
                                 labels=parse_labels(args.label or []), **extra)
 
 
@@ -104,6 +104,9 @@ def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
                    help="join with this peer's keys from DIR (made by tensorhub keygen)")
     p.add_argument("--insecure", action="store_true",
                    help="allow running without --keys on a non-loopback address")
+    p.add_argument("--delta", choices=("off", "auto", "always"), default="off",
+                   help="chunk deltas against an older version held here "
+                        "(PeerConfig.delta; default off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chain, chaos, cluster_cli, flip, rounds, rtt, torchbench, transfer
+    from .bench import chain, chaos, cluster_cli, delta, flip, rounds, rtt, torchbench, transfer
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     flip.add_options(bsub.add_parser("flip", help="the staged flip's pause with readers "
@@ -154,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     rounds.add_options(bsub.add_parser("rounds", help="model-parallel groups switching "
                                        "under a fast trainer on a busy host; aborts counted"))
     torchbench.add_options(bsub.add_parser("torch", help="a bf16 torch state_dict vs numpy"))
+    delta.add_options(bsub.add_parser("delta", help="RL-like steps as chunk deltas across "
+                                      "an emulated 2-DC cluster vs full (needs root)"))
 
     s = sub.add_parser("status", help="print members and versions of a mesh")
     _add_peer_options(s, "127.0.0.1:0")
@@ -231,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return chaos.run_cli(args)
             if args.bench == "rounds":
                 return rounds.run_cli(args)
+            if args.bench == "delta":
+                from .bench import delta
+
+                return delta.run_cli(args)
             return transfer.run_cli(args)
         if args.command == "status":
             if not args.join:

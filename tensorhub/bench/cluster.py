@@ -98,7 +98,8 @@ class _Worker(WorkerClient):
     """One bench worker peer inside a host's namespace, spoken to in JSON lines."""
 
     def __init__(self, cluster: Cluster, host: Host, name: str, port: int, join: str,
-                 expect: int, chunk: int, plan: bool, keys: str | None = None) -> None:
+                 expect: int, chunk: int, plan: bool, keys: str | None = None,
+                 extra: Sequence[str] = ()) -> None:
         self.name = name
         self.host = host
         self.control = f"{host.ip}:{port}"
@@ -112,6 +113,7 @@ class _Worker(WorkerClient):
                 "--planning", "on" if plan else "off",
                 "--stall-timeout", str(_STALL_TIMEOUT_S)]  # fmt: skip
         argv += ["--keys", keys] if keys else []
+        argv += extra
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
         with self.log.open("w") as log:
             process: subprocess.Popen[str] = cluster.run(
@@ -167,13 +169,15 @@ class Mesh:
     """A TensorHub peer on every host of a cluster; made by :func:`open_mesh`."""
 
     def __init__(self, cluster: Cluster, chunk: int, plan: bool, port: int = _PORT,
-                 keys: str | None = None) -> None:
+                 keys: str | None = None, extra: Sequence[str] = ()) -> None:
         self.cluster = cluster
         self.chunk = chunk
         self.plan = plan
         self.port = port
         self.keys = keys
         """A directory of keys (:func:`~tensorhub.security.write_keys`) or None: keyless."""
+        self.extra = tuple(extra)
+        """More worker options (``--delta auto``)."""
         self.workers: dict[str, _Worker] = {}
         self.seed = f"{cluster.hosts[0].ip}:{port}"
 
@@ -189,7 +193,8 @@ class Mesh:
         started = []
         for host, name, port in hosts:
             self.workers[name] = worker = _Worker(self.cluster, host, name, port, self.seed,
-                                                  expect, self.chunk, self.plan, self.keys)
+                                                  expect, self.chunk, self.plan, self.keys,
+                                                  self.extra)
             started.append(worker)
         for worker in started:
             worker.expect("ready", _SETUP_TIMEOUT_S)
@@ -237,12 +242,12 @@ class Mesh:
 
 @contextmanager
 def open_mesh(cluster: Cluster, chunk: int = 8 << 20, plan: bool = True, port: int = _PORT,
-              keys: str | None = None) -> Iterator[Mesh]:
+              keys: str | None = None, extra: Sequence[str] = ()) -> Iterator[Mesh]:
     """Start a TensorHub peer on every host (``trainer`` on ``h0``, rollouts named after
     their hosts; ``plan``: they follow the coordinator's plans; ``keys``: a directory made
     by :func:`mesh_keys`), yield the :class:`Mesh`, and end the peers on the way out. If
     the block fails, the tail of every peer's log is printed to stderr first."""
-    mesh = Mesh(cluster, chunk, plan, port, keys)
+    mesh = Mesh(cluster, chunk, plan, port, keys, extra)
     try:
         mesh._start([(h, TRAINER if i == 0 else h.name, port)
                      for i, h in enumerate(cluster.hosts)], expect=len(cluster.hosts))

@@ -13,6 +13,10 @@ line, answering each with one JSON line on stdout:
 * ``{"cmd": "fetch", "model", "version", "sources": [...] | null, "into": bool}`` fetches
   and reports the fetch report, monotonic start / end times, the CPU seconds this
   process spent meanwhile (every thread) and the peak RSS.
+* ``{"cmd": "publish_step", "model", "version", "size", "base": int | null,
+  "fraction", "seed"}`` publishes bf16 weights (:mod:`.rlstep`): fresh ones without
+  ``base``, else an RL-like step of the version ``base`` it published (kept until it is
+  unpublished).
 * ``{"cmd": "wait_holders", "model", "version", "count", "timeout"}`` waits until
   ``count`` other live peers hold the version completely and names them.
 * ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
@@ -53,6 +57,7 @@ from ..peer.rollout import Committed, Rollout, Staged
 from ..security import load as load_keys
 from ..transport.samehost.memory_files import shared_empty
 from .netns import read_line
+from .rlstep import bf16_weights, rl_step
 
 
 def rss_mib() -> tuple[float, float]:
@@ -176,6 +181,8 @@ class Worker:
             return {"event": "published", "rss_before_mib": before,
                     "rss_after_mib": rss_mib()[0], "seconds": t1 - t0,
                     "checksum": checksum(arrays)}
+        if kind == "publish_step":
+            return await self.publish_step(cmd)
         if kind == "prepare":
             like = cmd.get("like")
             self.buffers[f"into:{cmd['model']}"] = self.buffers[f"into:{like}"] if like \
@@ -206,6 +213,17 @@ class Worker:
                     "bytes_by_transport": st.bytes_by_transport, "members": st.members,
                     "security": st.security, "digest": st.digest}
         raise ValueError(f"unknown command {kind!r}")
+
+    async def publish_step(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The ``publish_step`` command (see the module docstring)."""
+        model, base = cmd["model"], cmd.get("base")
+        arrays = bf16_weights(cmd["size"], cmd["seed"]) if base is None else \
+            rl_step(self.buffers[f"pub:{model}@{base}"], cmd["fraction"], cmd["seed"])
+        t0 = time.monotonic()
+        await self.peer.publish(model, cmd["version"], arrays)
+        self.buffers[f"pub:{model}@{cmd['version']}"] = arrays
+        return {"event": "published", "seconds": time.monotonic() - t0,
+                "checksum": checksum(arrays)}
 
     async def flip(self, kind: str, model: str, version: int | None) -> dict[str, Any]:
         """The staged flip's commands (see the module docstring)."""
@@ -274,7 +292,7 @@ async def main(args: argparse.Namespace) -> None:
                            chunk_size=args.chunk or None,
                            transports=tuple(args.transports.split(",")),
                            labels=(("host", args.host), *parse_labels(args.label)),
-                           planning=args.planning == "on",
+                           planning=args.planning == "on", delta=args.delta,
                            security=load_keys(args.keys, args.name) if args.keys else None,
                            allow_insecure=True,  # without --keys: emulated hosts on a
                            **stall)              # private bridge, or loopback
@@ -321,6 +339,8 @@ if __name__ == "__main__":
                    help="topology label besides host (dc, rack, ...); repeatable")
     p.add_argument("--planning", choices=("on", "off"), default="on",
                    help="ask the coordinator for a plan (off: fetchers pick holders)")
+    p.add_argument("--delta", choices=("off", "auto", "always"), default="off",
+                   help="chunk deltas against an older version held here (PeerConfig.delta)")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="run with the keys of --name in DIR (tensorhub keygen)")
     p.add_argument("--stall-timeout", type=float, default=None,

@@ -66,6 +66,21 @@ class FetchReport:
     cast: dict[str, str] = field(default_factory=dict)
     """Tensors cast after verification (``fetch(cast=...)``): name -> ``from->to``."""
     cast_seconds: float = 0.0
+    delta_bytes: int = 0
+    """Bytes received as chunk deltas (``bytes`` counts those received in full); see
+    ``delta`` for the rest of the delta phase."""
+    delta_chunks: int = 0
+    """Chunks made from a delta (applied to an older version held here, verified)."""
+    unchanged_chunks: int = 0
+    """Chunks copied from that older version (same digest): not sent at all."""
+    delta_encode_seconds: float = 0.0
+    """CPU seconds the holders spent encoding this fetch's deltas (as they said)."""
+    delta_apply_seconds: float = 0.0
+    """CPU seconds spent here applying deltas and copying unchanged chunks."""
+    delta: dict[str, Any] = field(default_factory=dict)
+    """The delta phase (``PeerConfig.delta``): the base version, a note (sources, or
+    why none), formats, sources that fell back to full chunks and why, sources skipped
+    because full chunks were faster; empty with deltas off."""
     served_arrays: bool = False
     """True when the fetch found the version already held here complete and returned
     the very arrays this peer serves it from (the caller's published arrays, or those of
@@ -113,6 +128,10 @@ class FetchReport:
             "chunk_size": self.chunk_size, "windows": dict(self.windows),
             "first_byte_seconds": self.first_byte_seconds,
             "transfer_seconds": self.transfer_seconds, "verify_seconds": self.verify_seconds,
+            "delta_bytes": self.delta_bytes, "delta_chunks": self.delta_chunks,
+            "unchanged_chunks": self.unchanged_chunks,
+            "delta_encode_seconds": self.delta_encode_seconds,
+            "delta_apply_seconds": self.delta_apply_seconds, "delta": dict(self.delta),
         }
 
 

@@ -35,6 +35,7 @@ from ..protocol.ring import Epoch
 from ..protocol.sizing import MIN_CHUNKS
 from ..protocol.transfer import REASK_FIRST, REASK_MAX
 from ..transport.base import NotServing
+from .delta_fetch import add_to_report, fetch_deltas, remember_links
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView, first_error
 from .store import LocalVersion
@@ -194,6 +195,7 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
             plan_seconds = trio.current_time() - asked
         elif not key.whole:
             plan_note = "no plan: shards are fetched from their holders directly"
+        delta, delta_seconds = await fetch_deltas(peer, local, plan, allowed, progress)
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
                     upstream=allowed or frozenset(), plan=plan,
                     connect=plane.connect, release=plane.release,
@@ -204,6 +206,8 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
         job.report.plan, job.report.plan_seconds = plan_note, plan_seconds
         with plane.running(job):
             report = await _run(peer, job, stamp)
+        add_to_report(report, delta, delta_seconds)
+        remember_links(peer, job)
     except BaseException:
         local.end_receiving()
         peer.withdraw(key)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..model import PeerInfo, VersionKey
 from ..transport.base import Connection
+from ..transport.handshake import DataAuth
 from .fetch_report import FetchReport
 from .stats import account, count_integrity
 from .store import LocalVersion
@@ -35,6 +36,12 @@ class DataPlane:
     async def connect(self, holder: PeerInfo) -> Connection:
         """A data connection to ``holder``: a kept one, or a new one."""
         return await self._peer._pool.connect(holder)
+
+    @property
+    def data_auth(self) -> DataAuth | None:
+        """How this peer proves itself on a data connection it opens itself (a delta
+        run, :mod:`.delta_fetch`); None without keys."""
+        return self._peer._data_auth
 
     async def release(self, conn: Connection) -> None:
         """Hand back a connection a read is done with (kept if it is in step)."""

@@ -9,6 +9,7 @@ import trio
 
 from ..manifest import TRUSTED_ONLY
 from ..transport.admission import ServerStats
+from .delta_fetch import book
 
 if TYPE_CHECKING:
     from .fetch_report import FetchReport
@@ -68,6 +69,14 @@ class PeerStats:
     """Fetches that cast a tensor on the way (``fetch(cast=...)``)."""
     cast_seconds: float = 0.0
     """Seconds those casts took, summed (each one: ``FetchReport.cast_seconds``)."""
+    delta: dict[str, float] = field(default_factory=dict)
+    """Chunk deltas (:mod:`tensorhub.peer.delta_fetch`), as a reader: fetches that had a
+    delta phase, delta payload bytes received and the bytes of the chunks they made
+    (what they would have cost in full: compare ``bytes_fetched``, the bytes received
+    in full), delta chunks, chunks copied unchanged from a base, CPU seconds the holders
+    spent encoding them and we spent applying them, sources that fell back to full
+    chunks; as a holder (``served_*``): chunks encoded, sent whole, their bytes, delta
+    bytes sent and CPU seconds encoding."""
     chunking: str = ""
     """How this peer cuts what it publishes into chunks (automatic, or
     ``PeerConfig.chunk_size``), and what its last publish chose and why.  Each fetch
@@ -92,6 +101,14 @@ def _refused(peer: Peer) -> dict[str, int]:
         out["sender name"] = peer._sender_mismatch
     return out
 
+
+
+def _delta(peer: Peer) -> dict[str, float]:
+    served = peer._server.delta
+    return {**book(peer).totals, "served_chunks": served.chunks,
+            "served_raw_chunks": served.raw_chunks, "served_chunk_bytes": served.chunk_bytes,
+            "served_delta_bytes": served.delta_bytes,
+            "served_encode_seconds": served.encode_seconds}
 
 
 def peer_statistics(peer: Peer) -> PeerStats:
@@ -122,7 +139,7 @@ def peer_statistics(peer: Peer) -> PeerStats:
         ban_notices=dict(peer.bans.notices),
         reports=tuple(peer._reports), data_server=peer._server.statistics(),
         switches=peer._switches, switch_seconds=peer._switch_seconds,
-        casts=peer._casts, cast_seconds=peer._cast_seconds,
+        casts=peer._casts, cast_seconds=peer._cast_seconds, delta=_delta(peer),
         chunking=("automatic (about 64 chunks a version, 4 to 64 MiB)"
                   if peer.config.chunk_size is None else
                   f"{peer.config.chunk_size} bytes (PeerConfig.chunk_size)")

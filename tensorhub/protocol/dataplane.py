@@ -273,3 +273,40 @@ class ChunkReply:
 
 
 MESSAGES_4 = (ChunkRunRequest, ChunkReply)
+
+
+# -- chunk deltas (fifth id block; see :mod:`tensorhub.protocol.delta`) ------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaRunRequest:
+    """Stream chunks ``first`` .. ``first + count - 1`` of ``version`` as deltas against
+    the same chunks of ``base``, which the reader holds: one :class:`DeltaReply` each,
+    in order, as soon as the holder has the chunk.  A holder without ``base`` answers
+    each chunk ``NOT_HELD`` (the reader then fetches them in full)."""
+
+    req_id: U63
+    model: ModelName
+    version: U63
+    base: U63
+    first: U32
+    count: Annotated[int, Range(1, MAX_RUN_CHUNKS)]
+    shard: Rank = 0
+    layout: LayoutId = b""
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaReply:
+    """The answer for chunk ``chunk`` of delta run ``req_id``: followed by ``length``
+    bytes of delta payload (:func:`tensorhub.protocol.delta.apply_chunk`) when
+    ``status == OK``; ``encode_us`` is the holder's CPU time encoding it."""
+
+    req_id: U63
+    chunk: U32
+    status: U8
+    length: U64
+    encode_us: U32 = 0
+    detail: Text = ""
+
+
+MESSAGES_5 = (DeltaRunRequest, DeltaReply)

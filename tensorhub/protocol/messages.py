@@ -30,6 +30,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (100, dataplane.MESSAGES_3), # 100..109: data plane, continued (authentication)
     (110, opstatus.MESSAGES),    # 110..119: status queries (tensorhub status)
     (120, dataplane.MESSAGES_4), # 120..129: data plane, continued (streamed runs)
+    (130, dataplane.MESSAGES_5), # 130..139: data plane, continued (chunk deltas)
 )
 
 

@@ -35,6 +35,7 @@ from ..protocol.dataplane import (
     ChunkReply,
     ChunkRequest,
     ChunkRunRequest,
+    DeltaRunRequest,
     ManifestRequest,
     Reply,
     ShmChunkRequest,
@@ -51,6 +52,7 @@ from .admission import (
     ServerStats,
 )
 from .base import NotServing, Provider
+from .deltas import DeltaServed, serve_delta
 from .frames import encode_frame, recv_rest_of_frame, send_all, send_frame
 from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
@@ -80,6 +82,8 @@ class TcpServer:
         self.limits = limits or ServerLimits()
         self.port = 0
         self._admission = Admission(self.limits)
+        self.delta = DeltaServed()
+        """What delta runs (:mod:`.deltas`) cost and sent."""
         # Not a method of ours: a server in a reference cycle would keep its provider's
         # arrays, and their memory files, until the cyclic collector ran.
         self._terms = LeaseTerms(self.limits.lease_timeout, on_sent, self._admission.revoked)
@@ -253,7 +257,7 @@ class _ServerConn:
                 req = await self.next_request()
                 if req is None:
                     return
-                cost = req.count if isinstance(req, ChunkRunRequest) else 1
+                cost = req.count if isinstance(req, ChunkRunRequest | DeltaRunRequest) else 1
                 wait = rate.delay(trio.current_time(), cost)
                 if wait:
                     self.counts["throttled"] += 1
@@ -323,6 +327,8 @@ class _ServerConn:
             await self.send_chunk(req)
         elif isinstance(req, ChunkRunRequest):
             await self.send_run(req)
+        elif isinstance(req, DeltaRunRequest):
+            await serve_delta(self, req, self.server.delta)
         elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
             if not self.local:  # a remote client never gets a lease on our memory
                 self.counts["shm_over_tcp"] += 1
