@@ -104,9 +104,9 @@ def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
                    help="join with this peer's keys from DIR (made by tensorhub keygen)")
     p.add_argument("--insecure", action="store_true",
                    help="allow running without --keys on a non-loopback address")
-    p.add_argument("--delta", choices=("off", "auto", "always"), default="off",
+    p.add_argument("--delta", choices=("off", "auto", "always"), default="auto",
                    help="chunk deltas against an older version held here "
-                        "(PeerConfig.delta; default off)")
+                        "(PeerConfig.delta; default auto: where they beat the link)")
 
 
 def build_parser() -> argparse.ArgumentParser:

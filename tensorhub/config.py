@@ -180,13 +180,15 @@ class PeerConfig:
     """Off: ``unpublish`` of the last copy of a retained version raises RetentionError
     instead of copying it (for hosts without memory to spare)."""
 
-    delta: str = "off"
+    delta: str = "auto"
     """Chunk deltas against an older version of the model held here (see
-    :mod:`tensorhub.peer.delta_fetch`): ``"off"``; ``"auto"``: ask a holder of both
+    :mod:`tensorhub.peer.delta_fetch`).  ``"auto"`` (the default): ask a holder of both
     versions for what changed where encoding and applying beat the link measured to it
-    (unchanged chunks are always copied, never sent); ``"always"``: whatever the link.
-    Costs the holder CPU (about 1 GB/s of chunk per core at 1% changed) and saves the
-    link what did not change: on for links slower than that (across DCs)."""
+    (so across DCs and on slow links, not on a fast LAN or loopback), and copy chunks
+    that did not change from the older version instead of fetching them; ``"always"``:
+    deltas whatever the link; ``"off"``: every chunk in full.  Costs the holder CPU
+    (about 1 GB/s of chunk per core at 1% changed) and saves the link what did not
+    change."""
 
     transports: tuple[str, ...] = ("shm", "tcp")
     """Data-plane transports in order of preference. ``shm`` is used only between peers

@@ -340,7 +340,8 @@ if __name__ == "__main__":
     p.add_argument("--planning", choices=("on", "off"), default="on",
                    help="ask the coordinator for a plan (off: fetchers pick holders)")
     p.add_argument("--delta", choices=("off", "auto", "always"), default="off",
-                   help="chunk deltas against an older version held here (PeerConfig.delta)")
+                   help="chunk deltas against an older version held here (PeerConfig.delta;"
+                        " off here: benchmarks measure full transfers unless told)")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="run with the keys of --name in DIR (tensorhub keygen)")
     p.add_argument("--stall-timeout", type=float, default=None,
