@@ -8,7 +8,7 @@ once, :meth:`Store.wait_drained` returns when the last in-flight lease has ended
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -132,6 +132,9 @@ class Store:
         """Longest a reader's request waits for a chunk we are still receiving."""
         self.expected: dict[VersionKey, trio.Event] = {}
         """Versions a fetch here is about to add (see :meth:`expecting`)."""
+        self.on_dropped: list[Callable[[LocalVersion], None]] = []
+        """Called with each version (or a swapped-out memory of one) once it is no longer
+        served and its reads have drained: one-sided backends revoke its keys."""
 
     def add(self, local: LocalVersion) -> None:
         self.versions[local.manifest.key] = local
@@ -230,6 +233,7 @@ class Store:
             old.hidden = True
             old.end_receiving()
             await old.drained.wait()
+            self._dropped(old)
 
     async def wait_drained(self, key: VersionKey) -> None:
         local = self.versions.get(key)
@@ -238,3 +242,8 @@ class Store:
         await local.drained.wait()
         if self.versions.get(key) is local:
             del self.versions[key]
+            self._dropped(local)
+
+    def _dropped(self, local: LocalVersion) -> None:
+        for hook in self.on_dropped:
+            hook(local)

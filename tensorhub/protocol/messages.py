@@ -14,6 +14,7 @@ from . import (
     dataplane,
     groups,
     membership,
+    onesided,
     opstatus,
     retention,
 )
@@ -31,6 +32,7 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (110, opstatus.MESSAGES),    # 110..119: status queries (tensorhub status)
     (120, dataplane.MESSAGES_4), # 120..129: data plane, continued (streamed runs)
     (130, dataplane.MESSAGES_5), # 130..139: data plane, continued (chunk deltas)
+    (140, onesided.MESSAGES),    # 140..149: one-sided data plane (RDMA READ, CUDA IPC)
 )
 
 

@@ -4,6 +4,9 @@
 - :mod:`.server` -- the holder's data server (TCP, and a Unix socket for same-host readers).
 - :mod:`.tcp` -- the reader over TCP; :mod:`.sockio` its payload calls in threads.
 - :mod:`.samehost` -- the same-host transport: copies straight from the holder's memory.
+- :mod:`.onesided` -- RDMA READ and CUDA IPC: the reader reads the holder's registered
+  memory itself (:mod:`.rdma`, :mod:`.cuda_ipc` the real backends); :mod:`.dial` which
+  transports this host can use.
 - :mod:`.memory` -- reader and holder in one process, for protocol tests.
 - :mod:`.frames` -- the framing every connection speaks; :mod:`.handshake` the mutual
   authentication that opens one; :mod:`.admission` what a server lets a reader have;

@@ -42,6 +42,7 @@ from ..protocol.dataplane import (
     ShmHello,
     ShmVersionRequest,
 )
+from ..protocol.onesided import OneSidedChunkRequest, OneSidedHello
 from .admission import (
     ACCEPT_BACKOFF_MAX,
     ACCEPT_PRESSURE,
@@ -56,6 +57,7 @@ from .deltas import DeltaServed, serve_delta
 from .frames import encode_frame, recv_rest_of_frame, send_all, send_frame
 from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
+from .onesided.holder import LinkSlot, OneSidedHost, serve_onesided
 from .samehost.holder import LeaseTerms, serve_shm
 from .sockio import send_segments, tune
 
@@ -73,8 +75,11 @@ class TcpServer:
 
     def __init__(self, provider: Provider, on_sent: Callable[[str, int], None],
                  on_bad: Callable[[str], None], limits: ServerLimits | None = None,
-                 auth: DataAuth | None = None) -> None:
+                 auth: DataAuth | None = None, onesided: OneSidedHost | None = None
+                 ) -> None:
         self.provider = provider
+        self.onesided = onesided or OneSidedHost(())
+        """The one-sided backends served (RDMA READ, CUDA IPC; :mod:`.onesided`)."""
         self.auth = auth
         """Set: every connection must prove a member identity first (:mod:`.handshake`)."""
         self.on_sent = on_sent
@@ -225,8 +230,11 @@ class _ServerConn:
         self.counts = server._admission.counts
         self.limits = server.limits
         self._plain: socket.socket | None = None
+        self.slot = LinkSlot()
+        """The one-sided link this reader opened, if any (closed with the connection)."""
 
     def close(self) -> None:
+        self.slot.close()
         if self._plain is not None:
             self._plain.close()
 
@@ -336,6 +344,9 @@ class _ServerConn:
                                              "requests are answered on the local socket only"))
                 return
             await serve_shm(sock, self.peer, provider, req, self.server._terms)
+        elif isinstance(req, OneSidedHello | OneSidedChunkRequest):
+            await serve_onesided(sock, self.peer, provider, self.server.onesided, self.slot,
+                                 req, self.local, self.server._terms)
         else:
             await send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
             raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
