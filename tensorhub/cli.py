@@ -37,6 +37,8 @@ def _config(args: argparse.Namespace, name: str) -> PeerConfig:
         extra["security"] = load(args.keys, name)
     if args.insecure:
         extra["allow_insecure"] = True
+    if args.transports:
+        extra["transports"] = tuple(t for t in args.transports.split(",") if t)
     return PRESETS[args.preset](name, listen=args.listen, join=seeds, delta=args.delta,
                                 labels=parse_labels(args.label or []), **extra)
 
@@ -53,7 +55,8 @@ async def _run_peer(config: PeerConfig, keys: str | None = None,
         async with open_peer(config) as peer, AsyncExitStack() as stack:
             print(json.dumps({"event": "ready", "name": peer.info.name,
                               "control": peer.info.control, "data": peer.info.data,
-                              "security": peer.statistics().security}), flush=True)
+                              "security": peer.statistics().security,
+                              "transports": peer.statistics().transports}), flush=True)
             for role in roles:
                 await role(peer, stack)
             async for signum in signals:
@@ -107,6 +110,10 @@ def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
     p.add_argument("--delta", choices=("off", "auto", "always"), default="auto",
                    help="chunk deltas against an older version held here "
                         "(PeerConfig.delta; default auto: where they beat the link)")
+    p.add_argument("--transports", default=None, metavar="LIST",
+                   help="data-plane transports in order of preference, e.g. rdma,shm,tcp "
+                        "(PeerConfig.transports; default shm,tcp); each is detected at "
+                        "start and one named but not usable here is an error")
 
 
 def build_parser() -> argparse.ArgumentParser:

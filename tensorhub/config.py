@@ -20,6 +20,9 @@ from .limits import MAX_MANIFEST_BYTES, MAX_MODEL_NAME, ManifestLimits
 from .manifest import DIGEST_ALGOS
 from .security import Security
 
+TRANSPORTS = ("rdma", "cuda-ipc", "shm", "tcp", "rdma-standin", "cuda-ipc-standin")
+"""Every transport ``PeerConfig.transports`` may name (:mod:`tensorhub.transport.dial`)."""
+
 MAX_RETAIN_RULES = 1024
 """``PeerConfig.retain`` rules (each model's lookup tries them in order)."""
 
@@ -191,8 +194,15 @@ class PeerConfig:
     change."""
 
     transports: tuple[str, ...] = ("shm", "tcp")
-    """Data-plane transports in order of preference. ``shm`` is used only between peers
-    on the same host (same ``host`` label and same kernel); ``tcp`` works everywhere."""
+    """Data-plane transports in order of preference (the dial; see
+    ``docs/transports.md``): ``rdma`` (RDMA READ, pyverbs), ``cuda-ipc`` (device to
+    device on one host, cupy), ``shm`` (one copy from another process's memory on one
+    host), ``tcp`` (everywhere); ``rdma-standin`` and ``cuda-ipc-standin`` are in-process
+    stand-ins for tests.  Same-host transports are tried only with a holder of the same
+    ``host`` label.  Each is detected at start: ``rdma`` or ``cuda-ipc`` named and not
+    usable here fails the start with the reason (no silent fallback); a holder that
+    refuses one is read over the next, and the reason shows in ``statistics()``.
+    Without ``tcp`` a holder no listed transport reaches is not read from."""
 
     stall_timeout: float = 10.0
     """A source that makes no progress for this long is abandoned and its chunks re-sourced."""
@@ -317,9 +327,10 @@ class PeerConfig:
                      "lease_timeout"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be > 0 and finite")
-        if not self.transports or not set(self.transports) <= {"shm", "tcp"} \
-                or "tcp" not in self.transports:
-            raise ConfigError("transports must name 'tcp' and optionally 'shm'")
+        if not self.transports or not set(self.transports) <= set(TRANSPORTS) \
+                or len(set(self.transports)) != len(self.transports):
+            raise ConfigError("transports must name, once each and in order of "
+                              f"preference, some of {', '.join(TRANSPORTS)}")
         if self.digest_algo not in DIGEST_ALGOS:
             raise ConfigError(f"digest_algo must be one of {', '.join(DIGEST_ALGOS)}")
         if self.security is not None and not isinstance(self.security, Security):

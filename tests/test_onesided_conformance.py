@@ -27,11 +27,15 @@ DIALS = ("rdma-standin", "cuda-ipc-standin", "rdma", "cuda-ipc")
 
 
 @asynccontextmanager
-async def onesided_holder(make: Callable[[], Backend]) -> AsyncIterator[Holder]:
-    """A TcpServer serving one-sided reads with a backend from ``make()``; readers use
-    another backend instance from it (one registration cache for all of them)."""
+async def onesided_holder(make: Callable[[], Backend], hosts: list[OneSidedHost] | None = None
+                          ) -> AsyncIterator[Holder]:
+    """A TcpServer serving one-sided reads with a backend from ``make()`` (its
+    :class:`OneSidedHost` appended to ``hosts``); readers use another backend instance
+    from it (one registration cache for all of them)."""
     store, sent, bad = Store(), list[int](), list[str]()
     host = OneSidedHost([make()])
+    if hosts is not None:
+        hosts.append(host)
     store.on_dropped.append(host.dropped)
     server = TcpServer(store, lambda _peer, n: sent.append(n), bad.append, onesided=host)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"

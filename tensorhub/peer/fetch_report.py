@@ -26,6 +26,9 @@ class FetchReport:
     lease asks for several neighbouring chunks at once."""
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     transport_by_source: dict[str, str] = field(default_factory=dict)
+    transport_refusals: dict[str, str] = field(default_factory=dict)
+    """Per source: the transports preferred over the one used and skipped, and why
+    (``PeerConfig.transports``; :mod:`tensorhub.peer.dialing`)."""
     integrity_failures: dict[str, int] = field(default_factory=dict)
     dropped_sources: dict[str, str] = field(default_factory=dict)
     banned_sources: dict[str, str] = field(default_factory=dict)
@@ -101,6 +104,7 @@ class FetchReport:
         for name, n in other.stall_retries.items():
             self.stall_retries[name] = self.stall_retries.get(name, 0) + n
         self.transport_by_source.update(other.transport_by_source)
+        self.transport_refusals.update(other.transport_refusals)
         self.windows.update(other.windows)
         self.dropped_sources.update(other.dropped_sources)
         self.banned_sources.update(other.banned_sources)
@@ -116,6 +120,7 @@ class FetchReport:
             "chunks_received": self.chunks_received, "reads": self.reads,
             "bytes_by_source": dict(self.bytes_by_source),
             "transport_by_source": dict(self.transport_by_source),
+            "transport_refusals": dict(self.transport_refusals),
             "integrity_failures": dict(self.integrity_failures),
             "dropped_sources": dict(self.dropped_sources),
             "banned_sources": dict(self.banned_sources),

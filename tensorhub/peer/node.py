@@ -65,12 +65,11 @@ from ..torch import Into, destination
 from ..transport.admission import ServerLimits
 from ..transport.base import Connection
 from ..transport.handshake import DataAuth
-from ..transport.samehost.reader import ShmConnection, shm_available
 from ..transport.server import TcpServer
-from ..transport.tcp import TcpConnection
 from . import keys
 from .conflicts import Explainer
 from .connections import ConnectionPool
+from .dialing import Dialer
 from .fetcher import Fetch, Fetched, FetchReport
 from .operations import Operations, operation
 from .opstatus import StatusDesk
@@ -92,6 +91,8 @@ class Peer:
 
     def __init__(self, config: PeerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.config = config
+        self.dialer = Dialer(config.transports)  # fails first if a transport is missing
+        """Which transport reads each holder, and why not the others (:mod:`.dialing`)."""
         host, port = parse_hostport(config.listen)
         port = port or free_ports(1, host)[0]
         sec = config.security
@@ -124,7 +125,9 @@ class Peer:
         self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
             config.data_max_connections, config.data_max_connections_per_address,
             config.data_idle_timeout, config.data_frame_timeout,
-            config.data_requests_per_second, config.lease_timeout), self._data_auth)
+            config.data_requests_per_second, config.lease_timeout), self._data_auth,
+            self.dialer.host)
+        self.store.on_dropped.append(self.dialer.host.dropped)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
         try:
@@ -155,8 +158,6 @@ class Peer:
         self.bans = BanTable(config.ban_seconds)
         self._reports: list[dict[str, Any]] = []
         self.bad_inputs: list[str] = []
-        self._shm = shm_available() if "shm" in config.transports else (False, "not enabled")
-        self._shm_refused: dict[str, str] = {}
         self._resharding: set[VersionKey] = set()
         self.retention = Retention(self)
         self.conflicts = Explainer(self)  # which tensors ranks disagree on
@@ -197,6 +198,7 @@ class Peer:
         await self.operations.close(self.config.stall_timeout)
         self._closed = True
         self._pool.close()
+        self.dialer.close()
         self._send(self.control.leave(trio.current_time()))
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
 
@@ -498,19 +500,10 @@ class Peer:
                 await self._changed.wait()
 
     async def _connect(self, peer: PeerInfo) -> Connection:
-        """Same host (same ``host`` label) and shm allowed: cross-memory copies, checked
-        by a handshake that proves we can read the holder's memory; otherwise, or when
-        that fails (the reason is kept in statistics), TCP."""
-        timeout = self.config.connect_timeout
-        host = self.info.label("host")
-        if ("shm" in self.config.transports and self._shm[0] and host is not None
-                and peer.label("host") == host and peer.name not in self._shm_refused):
-            try:
-                return await ShmConnection.connect(peer.data, peer.name, timeout,
-                                                   self._data_auth)
-            except TransportError as exc:
-                self._shm_refused[peer.name] = str(exc)
-        return await TcpConnection.connect(peer.data, peer.name, timeout, self._data_auth)
+        """A data connection to ``peer`` over the first of ``config.transports`` that
+        works for it; the others' reasons are kept for statistics (:mod:`.dialing`)."""
+        return await self.dialer.connect(self.info, peer, self.config.connect_timeout,
+                                         self._data_auth)
 
     # -- coordinators ----------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -44,6 +44,16 @@ class PeerStats:
     """Whether the same-host transport is usable here, and if not why."""
     shm_fallbacks: dict[str, str]
     """Same-host peers read over TCP instead, and why."""
+    transports: dict[str, str] = field(default_factory=dict)
+    """Each transport of ``PeerConfig.transports``, in order of preference: available
+    here and what was found, or why not (:mod:`tensorhub.peer.dialing`)."""
+    transport_chosen: dict[str, str] = field(default_factory=dict)
+    """Per holder read from: the transport of the last connection to it."""
+    transport_refusals: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per holder: each transport preferred over the chosen one and skipped, and why."""
+    registrations: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per one-sided transport served: buffers registered, reused, keys granted and
+    revoked (:mod:`tensorhub.transport.onesided.registry`)."""
     security: str = INSECURE
     """``"keys: ..."`` (members, key rotation state) or why this peer is insecure."""
     refused: dict[str, int] = field(default_factory=dict)
@@ -103,6 +113,11 @@ def _refused(peer: Peer) -> dict[str, int]:
 
 
 
+def _shm(peer: Peer) -> str:
+    ok, why = peer.dialer.found.get("shm", (False, "not enabled"))
+    return "available" if ok else f"unavailable: {why}"
+
+
 def _delta(peer: Peer) -> dict[str, float]:
     served = peer._server.delta
     return {**book(peer).totals, "served_chunks": served.chunks,
@@ -128,8 +143,12 @@ def peer_statistics(peer: Peer) -> PeerStats:
         control_received=rs.received, control_sent=rs.sent,
         internal_errors=peer._internal_errors,
         internal_error_texts=tuple(peer._internal_texts),
-        shm="available" if peer._shm[0] else f"unavailable: {peer._shm[1]}",
-        shm_fallbacks=dict(peer._shm_refused),
+        shm=_shm(peer),
+        shm_fallbacks={h: r["shm"] for h, r in peer.dialer.refusals.items() if "shm" in r},
+        transports=peer.dialer.describe(), transport_chosen=dict(peer.dialer.chosen),
+        transport_refusals={h: dict(r) for h, r in peer.dialer.refusals.items() if r},
+        registrations={name: asdict(st) for name, st in
+                       peer.dialer.host.statistics().items()},
         security=_security_text(peer), refused=_refused(peer),
         digest=peer.config.digest_algo + (
             " (trusted fleet only: a holder can forge chunks that pass)"
@@ -161,6 +180,9 @@ def account(peer: Peer, report: FetchReport) -> None:
         peer._by_source[src] = peer._by_source.get(src, 0) + n
         tr = report.transport_by_source.get(src, "?")
         peer._by_transport[tr] = peer._by_transport.get(tr, 0) + n
+        why = peer.dialer.refusals_of(src)
+        if why:
+            report.transport_refusals[src] = why
     count_integrity(peer, report)
     peer._reports = [*peer._reports[-63:], report.to_dict()]
 

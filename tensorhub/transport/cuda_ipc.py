@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 import struct
+from contextlib import suppress
 from typing import Any
 
 from ..errors import TransportError
@@ -167,8 +168,6 @@ class _CopyLink:
 
     def close(self) -> None:
         for ptr in self._opened.values():
-            try:
+            with suppress(Exception):  # the context may be gone at exit
                 self.backend._rt.ipcCloseMemHandle(ptr)
-            except Exception:  # the context may be gone at exit  # noqa: S110
-                pass
         self._opened.clear()

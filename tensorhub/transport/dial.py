@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..config import TRANSPORTS
 from .onesided.backend import Backend
 from .onesided.standin import StandinBackend
 
 ONE_SIDED = ("rdma", "cuda-ipc", "rdma-standin", "cuda-ipc-standin")
-TRANSPORTS = ("rdma", "cuda-ipc", "shm", "tcp", "rdma-standin", "cuda-ipc-standin")
-"""Every dial name ``PeerConfig.transports`` accepts."""
 SAME_HOST = frozenset({"shm", "cuda-ipc", "cuda-ipc-standin"})
 """Transports tried only with a holder on this host (the same ``host`` label)."""
 
@@ -36,7 +35,8 @@ def probe_backend(name: str) -> tuple[BackendFactory | None, str]:
     if name == "cuda-ipc":
         from . import cuda_ipc
         return cuda_ipc.probe()
-    raise ValueError(f"{name!r} is not a one-sided transport")
+    raise ValueError(f"{name!r} is not a one-sided transport (transports: "
+                     f"{', '.join(TRANSPORTS)})")
 
 
 def detect(name: str) -> tuple[bool, str]:

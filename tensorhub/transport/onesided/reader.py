@@ -36,8 +36,8 @@ from ..base import Landed, NotServing, Take, Verifier, read_each, stream_each
 from ..frames import recv_frame, send_frame
 from ..handshake import DataAuth
 from ..local import local_name
-from ..tcp import TcpConnection, dial
 from ..sockio import tune
+from ..tcp import TcpConnection, dial
 from .backend import Backend, Link, Region, pair_up, read_ranges
 from .registry import Registrations
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ class RegistrationStats:
 def owner_of(piece: Any) -> Any:
     """The object that owns ``piece``'s memory: a view's exporter, followed through
     array bases."""
-    obj = piece.obj if isinstance(piece, memoryview) else piece
+    obj: Any = piece.obj if isinstance(piece, memoryview) else piece
     while getattr(obj, "base", None) is not None and not isinstance(obj, memoryview):
         obj = obj.base
     return obj
@@ -62,7 +63,7 @@ def whole(owner: Any) -> Any:
     """An owner's whole allocation, as a backend registers it: a byte view, or the
     device array itself."""
     if isinstance(owner, np.ndarray):
-        return memoryview(owner.reshape(-1).view(np.uint8))
+        return memoryview(owner.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     if hasattr(owner, "__cuda_array_interface__"):
         return owner
     return memoryview(owner).cast("B")
@@ -83,8 +84,8 @@ class Registrations:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._regions: dict[int, tuple[Region, Any]] = {}
-        """id(owner) -> (region, weak (or, for one use, strong) reference)."""
+        self._regions: dict[int, tuple[Region, weakref.ref[Any]]] = {}
+        """id(owner) -> (region, weak reference to the owner)."""
         self._users: dict[int, set[object]] = {}
         """id(owner) -> the published versions granted in it."""
         self._by_user: dict[object, set[int]] = {}
@@ -97,13 +98,12 @@ class Registrations:
     def _region(self, piece: Any, transient: list[Region]) -> Region:
         owner = owner_of(piece)
         entry = self._regions.get(id(owner))
-        if entry is not None and (entry[1]() if isinstance(entry[1], weakref.ref)
-                                  else entry[1]) is owner:
+        if entry is not None and entry[1]() is owner:
             self._counts["reused"] += 1
             return entry[0]
         region = self.backend.register(whole(owner))  # which must not keep it alive
         try:
-            ref: Any = weakref.ref(owner, lambda _r, oid=id(owner): self._forget(oid))
+            ref = weakref.ref(owner, partial(self._forget, id(owner)))
         except TypeError:
             transient.append(region)
             self._counts["transient"] += 1
@@ -112,7 +112,7 @@ class Registrations:
         self._counts["registered"] += 1
         return region
 
-    def _forget(self, oid: int) -> None:
+    def _forget(self, oid: int, _ref: object = None) -> None:
         """The owner was freed: deregister its memory (its key dies with it)."""
         entry = self._regions.pop(oid, None)
         users = self._users.pop(oid, set())

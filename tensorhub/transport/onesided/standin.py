@@ -77,7 +77,7 @@ class StandinBackend:
     def accept(self, endpoint: bytes) -> tuple[Link, bytes]:
         if len(endpoint) != _ENDPOINT.size:
             raise ValueError("malformed stand-in endpoint")
-        reader_backend, link_id = _ENDPOINT.unpack(endpoint)
+        _reader, link_id = _ENDPOINT.unpack(endpoint)
         link = _HolderLink(self, link_id)
         self._links[link_id] = link
         return link, _ENDPOINT.pack(self.id, link_id)

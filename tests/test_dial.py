@@ -1,0 +1,131 @@
+"""The transport dial: ``PeerConfig.transports`` in order, each detected at start; one
+asked for and unavailable is an error; the transport chosen per holder, and every
+refusal, show in ``statistics()`` and the fetch report."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import trio
+from test_mesh import mesh, weights
+
+import tensorhub
+from tensorhub import ConfigError, PeerConfig
+from tensorhub.transport.dial import detect, probe_backend
+
+HOST = (("host", "h1"),)
+
+
+def test_unknown_or_repeated_transports_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="once each"):
+        PeerConfig.local("a", transports=("tcp", "carrier-pigeon"))
+    with pytest.raises(ConfigError, match="once each"):
+        PeerConfig.local("a", transports=("tcp", "tcp"))
+    with pytest.raises(ConfigError):
+        PeerConfig.local("a", transports=())
+    assert PeerConfig.local("a", transports=("rdma", "cuda-ipc", "shm", "tcp")).transports
+
+
+@pytest.mark.parametrize("name", ["rdma", "cuda-ipc"])
+async def test_a_transport_asked_for_and_unavailable_fails_the_start(name: str) -> None:
+    ok, why = detect(name)
+    if ok:
+        pytest.skip(f"{name} is usable on this machine: {why}")
+    config = PeerConfig.local("a", transports=(name, "tcp"))
+    with pytest.raises(ConfigError, match=re.escape(f"{name}: {why}")):
+        async with tensorhub.open_peer(config):
+            pass
+
+
+def test_the_real_backends_say_why_they_are_missing() -> None:
+    for name in ("rdma", "cuda-ipc"):
+        factory, why = probe_backend(name)
+        print(f"{name}: {'available' if factory else 'unavailable'}: {why}")
+        assert why
+
+
+async def test_a_fetch_over_the_rdma_stand_in_shows_its_transport() -> None:
+    async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
+        w = weights(1, mib=2)
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", 0)
+        got = await reader.fetch("m", 1)
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+        assert got.report.transport_by_source == {"p0": "rdma-standin"}
+        assert got.report.transport_refusals == {}
+        stats = reader.statistics()
+        assert stats.transports["rdma-standin"].startswith("available")
+        assert stats.transport_chosen == {"p0": "rdma-standin"}
+        assert stats.bytes_by_transport == {"rdma-standin": got.report.bytes}
+        served = pub.statistics().registrations["rdma-standin"]
+        assert served["registered"] == len(w) and served["granted"] == len(w)
+        # The next version in the same arrays: nothing registered again, v1's keys revoked
+        await pub.unpublish("m", 1)
+        for a in w.values():
+            a += 1
+        await pub.publish("m", 2, w)
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", 1)
+        got = await reader.fetch("m", 2)
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+        served = pub.statistics().registrations["rdma-standin"]
+        assert served["registered"] == len(w) and served["revoked"] == len(w)
+        assert served["granted"] == 2 * len(w)
+
+
+async def test_every_refusal_shows_and_the_next_transport_is_used() -> None:
+    """The reader prefers CUDA IPC, then RDMA; the holder serves neither and sits on
+    another host: both are skipped, with their reasons, and TCP reads."""
+    async with trio.open_nursery():
+        holder_cfg = PeerConfig.local("p0", transports=("tcp",), chunk_size=1 << 20,
+                                      planning=False, labels=(("host", "h0"),))
+        async with tensorhub.open_peer(holder_cfg) as pub:
+            seed = pub.info.control.removeprefix("tcp://")
+            reader_cfg = PeerConfig.local(
+                "p1", join=(seed,), chunk_size=1 << 20, planning=False, labels=HOST,
+                transports=("cuda-ipc-standin", "rdma-standin", "tcp"))
+            async with tensorhub.open_peer(reader_cfg) as reader:
+                w = weights(1, mib=1)
+                await pub.publish("m", 1, w)
+                with trio.fail_after(10):
+                    await reader.wait_for_version("m", 0)
+                got = await reader.fetch("m", 1)
+                assert got.report.transport_by_source == {"p0": "tcp"}
+                why = got.report.transport_refusals["p0"]
+                assert "cuda-ipc-standin: p0 is on another host" in why
+                assert "rdma-standin: p0 does not serve rdma-standin" in why
+                refusals = reader.statistics().transport_refusals["p0"]
+                assert set(refusals) == {"cuda-ipc-standin", "rdma-standin"}
+
+
+async def test_same_host_peers_read_over_the_cuda_ipc_stand_in() -> None:
+    async with mesh(2, transports=("cuda-ipc-standin", "shm", "tcp"), labels=HOST,
+                    planning=False) as (pub, reader):
+        w = weights(1, mib=1)
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", 0)
+        got = await reader.fetch("m", 1)
+        assert got.report.transport_by_source == {"p0": "cuda-ipc-standin"}
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+
+
+async def test_without_tcp_a_holder_no_transport_reaches_is_not_read() -> None:
+    async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, _):
+        seed = pub.info.control.removeprefix("tcp://")
+        cfg = PeerConfig.local("p9", join=(seed,), transports=("cuda-ipc-standin",),
+                               stall_timeout=1.0, planning=False)
+        async with tensorhub.open_peer(cfg) as reader:
+            await pub.publish("m", 1, weights(1, mib=1))
+            with trio.fail_after(10):
+                await reader.wait_for_version("m", 0)
+            with pytest.raises(tensorhub.VersionUnavailable):
+                await reader.fetch("m", 1)
+            assert "another host" in reader.statistics().transport_refusals["p0"][
+                "cuda-ipc-standin"]
