@@ -5,6 +5,7 @@ cleanly, the failure paths, and the grant decoder (fuzzed)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -124,7 +125,7 @@ def test_pair_up_covers_both_sides_exactly(data: st.DataObject) -> None:
         """``(offset, length)`` pieces of ``[0, total)``."""
         points = sorted(data.draw(st.sets(st.integers(1, max(1, total - 1)), max_size=6)))
         bounds = [0, *[p for p in points if p < total], total]
-        return [(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [(a, b - a) for a, b in pairwise(bounds)]
 
     region = Region(0, total, None)
     local = [(region, at, n) for at, n in cuts()]
