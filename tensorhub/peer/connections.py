@@ -10,8 +10,9 @@ both``).  Now a read hands its connection back here when it is done with it, and
 next read from the same holder (the fetch's chunks after its manifest, the next fetch,
 the next version of a small model) takes it instead of opening one.
 
-Only connections that are certainly in step are kept: TCP ones (a same-host connection
-may hold a version lease), nothing in flight, the socket open with no byte waiting and
+Only connections that are certainly in step are kept: TCP and one-sided ones (a
+one-sided connection holds a lease only during a read, and keeping it keeps its queue
+pair; a same-host ``shm`` connection may hold a version lease), nothing in flight, the socket open with no byte waiting and
 not closed by the holder.  Nothing is weakened: each kept connection was authenticated
 when it was opened, and all of them are closed when the keyring changes (a rotation or
 a removal, ``Keyring.generation``), so a new read never uses a handshake made under
@@ -28,9 +29,11 @@ import trio
 
 from ..model import PeerInfo
 from ..transport.base import Connection
+from ..transport.onesided.reader import OneSidedConnection
 from ..transport.tcp import TcpConnection
 
 Opener = Callable[[PeerInfo], Awaitable[Connection]]
+_KEPT = (TcpConnection, OneSidedConnection)
 
 
 class ConnectionPool:
@@ -67,7 +70,8 @@ class ConnectionPool:
         """Keep ``conn`` for a later read from the same holder, or close it."""
         self._expire()
         # Same-host connections (a subclass) are closed: they may hold a version lease.
-        if self._closed or type(conn) is not TcpConnection or not conn.reusable():
+        if self._closed or type(conn) not in _KEPT or not isinstance(conn, TcpConnection) \
+                or not conn.reusable():
             await conn.aclose()
             return
         idle = self._idle.setdefault(conn.peer, [])

@@ -121,17 +121,21 @@ class _Dialing:
     def connect(self, holder_endpoint: bytes) -> Link:
         if len(holder_endpoint) != _ENDPOINT.size:
             raise TransportError("malformed CUDA IPC endpoint from the holder")
-        return _CopyLink(self.backend)
+        pid, _device = _ENDPOINT.unpack(holder_endpoint)
+        return _CopyLink(self.backend, same_process=pid == os.getpid())
 
     def close(self) -> None:
         pass
 
 
 class _CopyLink:
-    """Copies on one stream; a poll waits for all of them."""
+    """Copies on one stream; a poll waits for all of them.  A holder in this very
+    process (CUDA refuses to open a handle where it was made) is read at its own
+    addresses."""
 
-    def __init__(self, backend: CudaIpcBackend) -> None:
+    def __init__(self, backend: CudaIpcBackend, same_process: bool) -> None:
         self.backend = backend
+        self.same_process = same_process
         self.stream = backend._cp.cuda.Stream(non_blocking=True)
         self._opened: dict[bytes, int] = {}
         self._posted: list[int] = []
@@ -139,6 +143,8 @@ class _CopyLink:
 
     def _open(self, key: bytes) -> int:
         ptr = self._opened.get(key)
+        if ptr is None and self.same_process:
+            return int(_BASE.unpack(key[_HANDLE:])[0])
         if ptr is None:
             ptr = int(self.backend._rt.ipcOpenMemHandle(key[:_HANDLE]))
             self._opened[key] = ptr

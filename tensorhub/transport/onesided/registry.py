@@ -70,10 +70,12 @@ def whole(owner: Any) -> Any:
 
 
 def extent(memory: Any) -> tuple[int, int]:
-    """``(address, length)`` of what a backend is asked to register: a byte view, or a
-    device array (``__cuda_array_interface__``)."""
+    """``(address, length)`` of what a backend is asked to register: a byte view, a
+    host array, or a device array (``__cuda_array_interface__``)."""
     if isinstance(memory, memoryview):
         return (address_of(memory) if memory.nbytes else 0), memory.nbytes
+    if isinstance(memory, np.ndarray):
+        return int(memory.__array_interface__["data"][0]), memory.nbytes
     return int(memory.__cuda_array_interface__["data"][0]), int(memory.nbytes)
 
 
