@@ -133,3 +133,21 @@ async def test_without_tcp_a_holder_no_transport_reaches_is_not_read() -> None:
                 await reader.fetch("m", 1)
             assert "another host" in reader.statistics().transport_refusals["p0"][
                 "cuda-ipc-standin"]
+
+
+async def test_a_chunk_the_holder_cannot_serve_one_sided_is_read_over_the_next() -> None:
+    """A version in memory a one-sided backend cannot keep registered (here: arrays
+    over ``bytes``; over CUDA IPC: host memory) is refused chunk by chunk; the reader
+    skips that transport for the holder from then on, and reads over TCP."""
+    async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
+        w = {k: np.frombuffer(v.tobytes(), v.dtype).reshape(v.shape)
+             for k, v in weights(1, mib=1).items()}  # read-only, over bytes objects
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", 0)
+        got = await reader.fetch("m", 1)
+        for k in w:
+            np.testing.assert_array_equal(got.tensors[k], w[k])
+        assert got.report.transport_by_source == {"p0": "tcp"}
+        assert "cannot be weakly referenced" in got.report.transport_refusals["p0"]
+        assert "rdma-standin" in reader.statistics().transport_refusals["p0"]

@@ -12,13 +12,13 @@ the next version of a small model) takes it instead of opening one.
 
 Only connections that are certainly in step are kept: TCP and one-sided ones (a
 one-sided connection holds a lease only during a read, and keeping it keeps its queue
-pair; a same-host ``shm`` connection may hold a version lease), nothing in flight, the socket open with no byte waiting and
-not closed by the holder.  Nothing is weakened: each kept connection was authenticated
-when it was opened, and all of them are closed when the keyring changes (a rotation or
-a removal, ``Keyring.generation``), so a new read never uses a handshake made under
-keys no longer listed.  A connection stays idle here at most ``max_idle`` seconds (the
-holder closes idle ones itself after its ``data_idle_timeout``); at most ``per_holder``
-are kept for one holder.
+pair; a same-host ``shm`` connection may hold a version lease), nothing in flight, the
+socket open with no byte waiting and not closed by the holder.  Nothing is weakened:
+each kept connection was authenticated when it was opened, and all of them are closed
+when the keyring changes (a rotation or a removal, ``Keyring.generation``), so a new
+read never uses a handshake made under keys no longer listed.  A connection stays idle
+here at most ``max_idle`` seconds (the holder closes idle ones itself after its
+``data_idle_timeout``); at most ``per_holder`` are kept for one holder.
 """
 
 from __future__ import annotations

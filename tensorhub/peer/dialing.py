@@ -6,7 +6,8 @@ here is a :class:`~tensorhub.errors.ConfigError` -- the peer does not start.  Th
 each holder a read connects to, the transports are tried in order: one that needs the
 same host is skipped for a holder on another (its ``host`` label differs), one the
 holder refuses (it does not serve it, the same-host handshake fails, a queue pair
-cannot be set up) is skipped from then on for that holder; each reason is kept and
+cannot be set up, a chunk lies in memory it cannot serve that way) is skipped from then
+on for that holder; each reason is kept and
 shown (``statistics().transports`` and ``transport_refusals``, the fetch report's
 ``transport_refusals``).  ``tcp``, when named, is the last resort and its failure is
 the read's failure.  The peer serves every one-sided transport it names.
@@ -79,7 +80,7 @@ class Dialer:
                 continue
             else:
                 try:
-                    conn = await self._open(name, peer, timeout, auth)
+                    conn = await self._open(name, peer, timeout, auth, refused)
                 except TransportError as exc:
                     refused[name] = str(exc)
                     continue
@@ -89,11 +90,15 @@ class Dialer:
             f"{name}: {refused.get(name, '?')}" for name in self.transports))
 
     async def _open(self, name: str, peer: PeerInfo, timeout: float,
-                    auth: DataAuth | None) -> Connection:
+                    auth: DataAuth | None, refused: dict[str, str]) -> Connection:
         if name == "shm":
             return await ShmConnection.connect(peer.data, peer.name, timeout, auth)
+
+        def later(why: str) -> None:  # a chunk it cannot serve so: skip it from now on
+            refused[name] = why
+
         return await OneSidedConnection.open(peer.data, peer.name, timeout,
-                                             self._readers[name], auth)
+                                             self._readers[name], auth, later)
 
     def refusals_of(self, holder: str) -> str:
         """The transports skipped for ``holder``, and why, as one line ("" if none)."""

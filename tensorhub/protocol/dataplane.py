@@ -34,6 +34,9 @@ BAD_REQUEST = 3
 """The request names a chunk outside the manifest or is otherwise invalid."""
 UNAUTHORIZED = 4
 """The reader did not prove a member identity (see :class:`AuthHello`): nothing is served."""
+WRONG_TRANSPORT = 5
+"""The chunk's memory cannot be served over this connection's one-sided backend (host
+memory over CUDA IPC): the reader asks over its next transport."""
 
 ChunkIndex = Annotated[int, Range(-(2**31), 2**32 - 1)]
 """A chunk index as asked: a negative one still decodes, and is answered BAD_REQUEST."""

@@ -23,7 +23,7 @@ import trio
 
 from ...errors import RemoteProtocolError, TransportError
 from ...model import VersionKey
-from ...protocol.dataplane import BAD_REQUEST, Reply
+from ...protocol.dataplane import BAD_REQUEST, WRONG_TRANSPORT, Reply
 from ...protocol.onesided import (
     OneSidedChunkRequest,
     OneSidedDone,
@@ -126,8 +126,8 @@ async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provid
         try:
             ranges = reg.remote_ranges(segments, user)
         except (TypeError, TransportError) as exc:
-            await send_frame(sock, Reply(req.req_id, BAD_REQUEST, 0, f"cannot serve "
-                                         f"chunk {req.chunk} of {key} one-sided: {exc}"))
+            await send_frame(sock, Reply(req.req_id, WRONG_TRANSPORT, 0, f"cannot serve "
+                                         f"chunk {req.chunk} of {key} so: {exc}"))
             return
         total = sum(n for _, n, _ in ranges)
         done: Any = None

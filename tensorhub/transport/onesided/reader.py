@@ -14,13 +14,13 @@ lease (``OneSidedDone``).  The reads and the check run in one worker-thread call
 from __future__ import annotations
 
 import select
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
 from ...errors import LocalProtocolError, RemoteProtocolError, TransportError
 from ...model import VersionKey
-from ...protocol.dataplane import OK, Reply
+from ...protocol.dataplane import OK, WRONG_TRANSPORT, Reply
 from ...protocol.onesided import (
     OneSidedChunkRequest,
     OneSidedDone,
@@ -68,22 +68,26 @@ class OneSidedConnection(TcpConnection):
     batch_bytes = 0
 
     def __init__(self, sock: trio.socket.SocketType, peer: str, backend: Backend,
-                 registrations: Registrations) -> None:
+                 registrations: Registrations,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         super().__init__(sock, peer)
         self.transport = backend.name
         self._backend = backend
         self._reg = registrations
+        self._on_refused = on_refused
         self._link: Link | None = None
         self._poll: select.poll | None = None
 
     @classmethod
     async def open(cls, address: str, peer: str, timeout: float,
-                   registrations: Registrations,
-                   auth: DataAuth | None = None) -> OneSidedConnection:
+                   registrations: Registrations, auth: DataAuth | None = None,
+                   on_refused: Callable[[str], None] | None = None) -> OneSidedConnection:
         """Connect to the data server of ``peer`` at ``address`` (its same-host socket
         for a same-host backend), authenticate as over TCP, and open a link with
         ``registrations.backend``; fails with a :class:`TransportError` naming the
-        reason when the holder does not serve it."""
+        reason when the holder does not serve it.  ``on_refused(why)`` is called when
+        the holder later says a chunk cannot be read this way (the read then fails
+        with a :class:`TransportError`: read it over another transport)."""
         backend = registrations.backend
         if backend.same_host:
             sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
@@ -95,7 +99,7 @@ class OneSidedConnection(TcpConnection):
             where = (host, int(port))
         await dial(sock, where, peer, timeout, auth,
                    f"cannot connect to {peer} at {address} for {backend.name}")
-        conn = cls(sock, peer, backend, registrations)
+        conn = cls(sock, peer, backend, registrations, on_refused)
         try:
             with trio.fail_after(timeout):
                 await conn._hello()
@@ -130,7 +134,12 @@ class OneSidedConnection(TcpConnection):
         while True:
             msg = await recv_frame(self._sock)
             if isinstance(msg, Reply) and msg.req_id == req_id and msg.status != OK:
-                raise NotServing(msg.status, msg.detail or f"status {msg.status}")
+                if msg.status != WRONG_TRANSPORT:
+                    raise NotServing(msg.status, msg.detail or f"status {msg.status}")
+                why = f"{self.peer} {msg.detail}"
+                if self._on_refused is not None:
+                    self._on_refused(why)
+                raise TransportError(why)
             if not isinstance(msg, OneSidedGrant) or msg.req_id != req_id:
                 raise RemoteProtocolError(f"{self.peer} answered out of turn")
             try:
