@@ -18,6 +18,18 @@ from tensorhub.transport.dial import detect, probe_backend
 HOST = (("host", "h1"),)
 
 
+async def publish_and_fetch(pub: tensorhub.Peer, reader: tensorhub.Peer,
+                            w: dict[str, np.ndarray], version: int) -> tensorhub.Fetched:
+    """``pub`` publishes ``w`` as ``m@version``; ``reader`` fetches it, checked."""
+    await pub.publish("m", version, w)
+    with trio.fail_after(10):
+        await reader.wait_for_version("m", version - 1)
+    got = await reader.fetch("m", version)
+    for k in w:
+        np.testing.assert_array_equal(got.tensors[k], w[k])
+    return got
+
+
 def test_unknown_or_repeated_transports_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="once each"):
         PeerConfig.local("a", transports=("tcp", "carrier-pigeon"))
@@ -49,12 +61,7 @@ def test_the_real_backends_say_why_they_are_missing() -> None:
 async def test_a_fetch_over_the_rdma_stand_in_shows_its_transport() -> None:
     async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
         w = weights(1, mib=2)
-        await pub.publish("m", 1, w)
-        with trio.fail_after(10):
-            await reader.wait_for_version("m", 0)
-        got = await reader.fetch("m", 1)
-        for k in w:
-            np.testing.assert_array_equal(got.tensors[k], w[k])
+        got = await publish_and_fetch(pub, reader, w, 1)
         assert got.report.transport_by_source == {"p0": "rdma-standin"}
         assert got.report.transport_refusals == {}
         stats = reader.statistics()
@@ -67,12 +74,7 @@ async def test_a_fetch_over_the_rdma_stand_in_shows_its_transport() -> None:
         await pub.unpublish("m", 1)
         for a in w.values():
             a += 1
-        await pub.publish("m", 2, w)
-        with trio.fail_after(10):
-            await reader.wait_for_version("m", 1)
-        got = await reader.fetch("m", 2)
-        for k in w:
-            np.testing.assert_array_equal(got.tensors[k], w[k])
+        got = await publish_and_fetch(pub, reader, w, 2)
         served = pub.statistics().registrations["rdma-standin"]
         assert served["registered"] == len(w) and served["revoked"] == len(w)
         assert served["granted"] == 2 * len(w)
@@ -85,39 +87,28 @@ async def test_a_fetch_over_the_rdma_stand_in_shows_its_transport() -> None:
 async def test_every_refusal_shows_and_the_next_transport_is_used() -> None:
     """The reader prefers CUDA IPC, then RDMA; the holder serves neither and sits on
     another host: both are skipped, with their reasons, and TCP reads."""
-    async with trio.open_nursery():
-        holder_cfg = PeerConfig.local("p0", transports=("tcp",), chunk_size=1 << 20,
-                                      planning=False, labels=(("host", "h0"),))
-        async with tensorhub.open_peer(holder_cfg) as pub:
-            seed = pub.info.control.removeprefix("tcp://")
-            reader_cfg = PeerConfig.local(
-                "p1", join=(seed,), chunk_size=1 << 20, planning=False, labels=HOST,
-                transports=("cuda-ipc-standin", "rdma-standin", "tcp"))
-            async with tensorhub.open_peer(reader_cfg) as reader:
-                w = weights(1, mib=1)
-                await pub.publish("m", 1, w)
-                with trio.fail_after(10):
-                    await reader.wait_for_version("m", 0)
-                got = await reader.fetch("m", 1)
-                assert got.report.transport_by_source == {"p0": "tcp"}
-                why = got.report.transport_refusals["p0"]
-                assert "cuda-ipc-standin: p0 is on another host" in why
-                assert "rdma-standin: p0 does not serve rdma-standin" in why
-                refusals = reader.statistics().transport_refusals["p0"]
-                assert set(refusals) == {"cuda-ipc-standin", "rdma-standin"}
+    holder_cfg = PeerConfig.local("p0", transports=("tcp",), chunk_size=1 << 20,
+                                  planning=False, labels=(("host", "h0"),))
+    async with tensorhub.open_peer(holder_cfg) as pub:
+        reader_cfg = PeerConfig.local(
+            "p1", join=(pub.info.control.removeprefix("tcp://"),), chunk_size=1 << 20,
+            planning=False, labels=HOST, transports=("cuda-ipc-standin", "rdma-standin",
+                                                     "tcp"))
+        async with tensorhub.open_peer(reader_cfg) as reader:
+            got = await publish_and_fetch(pub, reader, weights(1, mib=1), 1)
+            assert got.report.transport_by_source == {"p0": "tcp"}
+            why = got.report.transport_refusals["p0"]
+            assert "cuda-ipc-standin: p0 is on another host" in why
+            assert "rdma-standin: p0 does not serve rdma-standin" in why
+            refusals = reader.statistics().transport_refusals["p0"]
+            assert set(refusals) == {"cuda-ipc-standin", "rdma-standin"}
 
 
 async def test_same_host_peers_read_over_the_cuda_ipc_stand_in() -> None:
     async with mesh(2, transports=("cuda-ipc-standin", "shm", "tcp"), labels=HOST,
                     planning=False) as (pub, reader):
-        w = weights(1, mib=1)
-        await pub.publish("m", 1, w)
-        with trio.fail_after(10):
-            await reader.wait_for_version("m", 0)
-        got = await reader.fetch("m", 1)
+        got = await publish_and_fetch(pub, reader, weights(1, mib=1), 1)
         assert got.report.transport_by_source == {"p0": "cuda-ipc-standin"}
-        for k in w:
-            np.testing.assert_array_equal(got.tensors[k], w[k])
 
 
 async def test_without_tcp_a_holder_no_transport_reaches_is_not_read() -> None:
@@ -142,12 +133,7 @@ async def test_a_chunk_the_holder_cannot_serve_one_sided_is_read_over_the_next()
     async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
         w = {k: np.frombuffer(v.tobytes(), v.dtype).reshape(v.shape)
              for k, v in weights(1, mib=1).items()}  # read-only, over bytes objects
-        await pub.publish("m", 1, w)
-        with trio.fail_after(10):
-            await reader.wait_for_version("m", 0)
-        got = await reader.fetch("m", 1)
-        for k in w:
-            np.testing.assert_array_equal(got.tensors[k], w[k])
+        got = await publish_and_fetch(pub, reader, w, 1)
         assert got.report.transport_by_source == {"p0": "tcp"}
         assert "cannot be weakly referenced" in got.report.transport_refusals["p0"]
         assert "rdma-standin" in reader.statistics().transport_refusals["p0"]

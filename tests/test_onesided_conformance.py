@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import trio
 from transport_conformance import *  # noqa: F403
-from transport_conformance import Holder, OpenHolder
+from transport_conformance import Holder, OpenHolder, running
 
 from tensorhub.model import VersionKey
 from tensorhub.peer.store import LocalVersion, Store
@@ -48,22 +47,9 @@ async def onesided_holder(make: Callable[[], Backend], hosts: list[OneSidedHost]
                        onesided=host)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
     reader = Registrations(make())
-    scope, stopped = trio.CancelScope(), trio.Event()
-
-    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with scope:
-            await server.serve(task_status=task_status)
-        stopped.set()
-
-    async def kill() -> None:
-        scope.cancel()
-        await stopped.wait()
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(run)
+    async with running(server) as kill:
         yield Holder(store, lambda: OneSidedConnection.open(address, "holder", 5, reader),
                      kill, address, sent, bad)
-        scope.cancel()
     reader.close()
     host.close()
 

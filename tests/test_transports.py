@@ -35,6 +35,7 @@ from transport_conformance import (
     publish,
     read_into,
     rng_for,
+    running,
 )
 
 from tensorhub import shared_empty
@@ -118,23 +119,10 @@ async def tcp_holder(connection: type[TcpConnection], auth: bool = False, corrup
     server = TcpServer(served, lambda _peer, n: sent.append(n), bad.append,
                        auth=member("holder") if auth else None)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
-    scope, stopped = trio.CancelScope(), trio.Event()
-
-    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with scope:
-            await server.serve(task_status=task_status)
-        stopped.set()
-
-    async def kill() -> None:
-        scope.cancel()
-        await stopped.wait()
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(run)
+    async with running(server) as kill:
         reader = member("reader") if auth else None
         yield Holder(store, lambda: connection.connect(address, "holder", 5, reader), kill,
                      address if not auth else None, sent, bad)
-        scope.cancel()
 
 
 HOLDERS: dict[str, Callable[[], Any]] = {

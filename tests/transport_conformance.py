@@ -67,6 +67,7 @@ from tensorhub.protocol.dataplane import (
 from tensorhub.protocol.messages import register_all
 from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.transport.base import Connection, NotServing, Verifier
+from tensorhub.transport.server import TcpServer
 
 register_all()
 RUN_ID = {cls: i for i, cls in codec.registered().items()}[ChunkRunRequest]
@@ -94,6 +95,27 @@ class Holder:
 
 
 OpenHolder = Callable[[], AbstractAsyncContextManager[Holder]]
+
+
+@asynccontextmanager
+async def running(server: TcpServer) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Serve ``server`` (bound) in a task until the block ends; yields ``kill()``, which
+    stops it at once, as a holder that dies."""
+    scope, stopped = trio.CancelScope(), trio.Event()
+
+    async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await server.serve(task_status=task_status)
+        stopped.set()
+
+    async def kill() -> None:
+        scope.cancel()
+        await stopped.wait()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run)
+        yield kill
+        scope.cancel()
 
 
 @dataclass

@@ -23,10 +23,10 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -63,6 +63,7 @@ from .sockio import NBYTES, bytes_of, recv_scattered, tune
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 _THREAD_TIMEOUT = 120.0  # a safety net; stalls are detected by the caller's deadline
 _MAX_MANIFEST = MAX_MANIFEST_BYTES  # the limits table's bound
+_C = TypeVar("_C", bound="TcpConnection")
 
 
 def _dup(sock: trio.socket.SocketType) -> socket.socket:
@@ -427,6 +428,23 @@ async def dial(sock: trio.socket.SocketType, where: Any, peer: str, timeout: flo
         if isinstance(exc, OSError | trio.TooSlowError):
             raise TransportError(f"{failed}: {str(exc) or 'timed out'}") from None
         raise
+
+
+async def greeted(conn: _C, hello: Callable[[], Awaitable[None]], timeout: float,
+                  what: str) -> _C:
+    """``conn`` once ``hello()`` (its handshake after :func:`dial`) finished within
+    ``timeout``; otherwise ``conn`` is closed and the failure raised (a timeout as a
+    :class:`TransportError` saying ``what`` did not happen)."""
+    try:
+        with trio.fail_after(timeout):
+            await hello()
+    except trio.TooSlowError:
+        await conn.aclose()
+        raise TransportError(f"{what} within {timeout}s") from None
+    except BaseException:
+        await conn.aclose()
+        raise
+    return conn
 
 
 def _check_manifest_length(peer: str, reply: Reply) -> None:

@@ -37,7 +37,7 @@ from ..frames import recv_frame, send_frame
 from ..handshake import DataAuth
 from ..local import local_name
 from ..sockio import tune
-from ..tcp import TcpConnection, dial
+from ..tcp import TcpConnection, dial, greeted
 from .backend import Backend, Link, Region, pair_up, read_ranges
 from .registry import Registrations
 
@@ -100,17 +100,8 @@ class OneSidedConnection(TcpConnection):
         await dial(sock, where, peer, timeout, auth,
                    f"cannot connect to {peer} at {address} for {backend.name}")
         conn = cls(sock, peer, backend, registrations, on_refused)
-        try:
-            with trio.fail_after(timeout):
-                await conn._hello()
-        except trio.TooSlowError:
-            await conn.aclose()
-            raise TransportError(f"{peer} did not open a {backend.name} link within "
-                                 f"{timeout}s") from None
-        except BaseException:
-            await conn.aclose()
-            raise
-        return conn
+        return await greeted(conn, conn._hello, timeout,
+                             f"{peer} did not open a {backend.name} link")
 
     async def _hello(self) -> None:
         req_id = next(self._ids)

@@ -84,7 +84,7 @@ from ..base import Landed, NotServing, Take, Verifier, read_each, stream_each
 from ..frames import recv_frame, send_frame
 from ..handshake import DataAuth
 from ..local import credentials, local_name, same_user
-from ..tcp import TcpConnection, dial
+from ..tcp import TcpConnection, dial, greeted
 from .memory_files import MappedFiles, Pieces
 from .process_vm import Iovecs, iovecs_of, readv_all, shm_available
 
@@ -166,17 +166,8 @@ class ShmConnection(TcpConnection):
                     f"no same-host connection to {peer} (on another host or in another "
                     "network namespace?)")
         conn = cls(sock, peer)
-        try:
-            with trio.fail_after(timeout):
-                await conn._hello()
-        except trio.TooSlowError:
-            await conn.aclose()
-            raise TransportError(f"{peer} did not answer the shared-memory handshake "
-                                 f"within {timeout}s") from None
-        except BaseException:
-            await conn.aclose()
-            raise
-        return conn
+        return await greeted(conn, conn._hello, timeout,
+                             f"{peer} did not answer the shared-memory handshake")
 
     async def _hello(self) -> None:
         req_id = next(self._ids)
