@@ -250,3 +250,37 @@ async def test_a_holder_refuses_a_backend_it_does_not_serve_or_one_off_its_socke
         tcp.backend.same_host = False  # type: ignore[misc]
         with pytest.raises(TransportError, match="same-host socket only"):
             await OneSidedConnection.open(holder.address, "holder", 5, tcp)
+
+
+def test_the_pyverbs_api_the_rdma_backend_uses_exists() -> None:
+    """Without a device nothing can be registered or connected, but every pyverbs name
+    :mod:`tensorhub.transport.rdma` uses can be checked where pyverbs is installed (run
+    with the system's ``dist-packages`` on the path)."""
+    from tensorhub.transport import rdma
+    try:
+        v = rdma._verbs()
+    except ImportError as exc:
+        pytest.skip(f"pyverbs not importable here: {exc}")
+    e = v["enums"]
+    for name in ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ", "IBV_QPT_RC",
+                 "IBV_REREG_MR_CHANGE_ACCESS", "IBV_MTU_1024", "IBV_WR_RDMA_READ",
+                 "IBV_SEND_SIGNALED", "IBV_WC_SUCCESS"):
+        assert hasattr(e, name), name
+    assert all(hasattr(v["mr"].MR, m) for m in ("rereg", "close"))
+    assert hasattr(v["qp"].QP, "to_rts") and hasattr(v["cq"].CQ, "poll")
+    assert hasattr(v["device"].Context, "query_device")
+    attr = v["qp"].QPAttr(port_num=1)
+    gid = v["addr"].GID("fe80:0000:0000:0000:0000:0000:0000:0001")
+    attr.ah_attr = v["addr"].AHAttr(gr=v["addr"].GlobalRoute(dgid=gid, sgid_index=0),
+                                    is_global=1, dlid=3, port_num=1)
+    attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.path_mtu = 7, 1, 2, e.IBV_MTU_1024
+    attr.max_rd_atomic = attr.max_dest_rd_atomic = 4
+    attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
+    v["qp"].QPCap(max_send_wr=16, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+    sge = v["wr"].SGE(0x1000, 10, 5)
+    wr = v["wr"].SendWR(wr_id=1, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge],
+                        send_flags=e.IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(7, 0x2000)
+    factory, why = rdma.probe()
+    print(f"rdma probe: {why}")
+    assert factory is not None or why.startswith("no RDMA device")

@@ -90,8 +90,10 @@ class RdmaBackend:
         self.ctx = v["device"].Context(name=device)
         self.pd = v["pd"].PD(self.ctx)
         self.lid = int(self.ctx.query_port(self.port).lid)
-        self.gid = ipaddress.IPv6Address(str(self.ctx.query_gid(self.port, self.gid_index))
+        self.gid = ipaddress.IPv6Address(self.ctx.query_gid(self.port, self.gid_index).gid
                                          ).packed
+        self.rd_atomic = max(1, min(16, int(self.ctx.query_device().max_qp_rd_atom)))
+        """RDMA READs in flight per queue pair, as both ends allow (the device's cap)."""
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -158,7 +160,7 @@ class RdmaBackend:
         attr.rq_psn = rpsn
         attr.sq_psn = psn
         attr.path_mtu = e.IBV_MTU_1024
-        attr.max_rd_atomic = attr.max_dest_rd_atomic = 16
+        attr.max_rd_atomic = attr.max_dest_rd_atomic = self.rd_atomic
         attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
         attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
         qp.to_rts(attr)
