@@ -22,10 +22,13 @@ from tensorhub.protocol.onesided import (
     GRANT_ROWS,
     MAX_KEY,
     ROW,
+    OneSidedChunkRequest,
     OneSidedGrant,
     grant_frames,
     granted_ranges,
 )
+from tensorhub.transport.admission import ServerLimits
+from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.onesided.backend import MAX_READ, Region, pair_up, read_ranges
 from tensorhub.transport.onesided.holder import OneSidedHost
 from tensorhub.transport.onesided.reader import OneSidedConnection
@@ -233,6 +236,31 @@ async def test_unpublish_revokes_and_a_republish_in_the_same_arrays_registers_no
         assert np.array_equal(buf, pub.chunk(0))
         (stats,) = hosts[0].statistics().values()
         assert stats.registered == 3 and stats.granted == 4  # a new key, nothing pinned
+        await conn.aclose()
+
+
+async def test_a_reader_that_never_ends_its_lease_is_cut_off_and_its_key_revoked() -> None:
+    """A reader that takes a grant and never says ``OneSidedDone`` loses the lease after
+    ``lease_timeout``: its connection is shut down and its link closed before the lease
+    ends, so unpublish returns; then the key is revoked too."""
+    rng = rng_for("onesided-hang")
+    limits = ServerLimits(lease_timeout=0.3)
+    async with onesided_holder(standin, limits=limits) as holder:
+        pub = publish(holder.store, rng, [50_000], chunk_size=50_000)
+        key = pub.local.manifest.key
+        conn = await holder.connect()
+        assert isinstance(conn, OneSidedConnection) and conn._link is not None
+        await send_frame(conn._sock, OneSidedChunkRequest(99, key.model, key.version, 0))
+        grant = await recv_frame(conn._sock)
+        assert isinstance(grant, OneSidedGrant) and pub.local.inflight == 1
+        holder.store.hide(key)
+        with trio.fail_after(5):
+            await holder.store.wait_drained(key)  # within about lease_timeout
+        with pytest.raises(TransportError):
+            await recv_frame(conn._sock)  # cut off
+        ranges = granted_ranges(grant, 50_000, 0)
+        with pytest.raises(TransportError, match=r"gone|not granted"):
+            read(conn._link, conn._reg, ranges, 50_000)
         await conn.aclose()
 
 

@@ -20,6 +20,7 @@ from transport_conformance import Holder, OpenHolder, running
 
 from tensorhub.model import VersionKey
 from tensorhub.peer.store import LocalVersion, Store
+from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import Provider
 from tensorhub.transport.dial import probe_backend
 from tensorhub.transport.onesided.backend import Backend
@@ -33,8 +34,8 @@ DIALS = ("rdma-standin", "cuda-ipc-standin", "rdma", "cuda-ipc")
 
 @asynccontextmanager
 async def onesided_holder(make: Callable[[], Backend], hosts: list[OneSidedHost] | None = None,
-                          serve: Callable[[Store], Provider] = lambda store: store
-                          ) -> AsyncIterator[Holder]:
+                          serve: Callable[[Store], Provider] = lambda store: store,
+                          limits: ServerLimits | None = None) -> AsyncIterator[Holder]:
     """A TcpServer serving ``serve(store)`` one-sided with a backend from ``make()`` (its
     :class:`OneSidedHost` appended to ``hosts``); readers use another backend instance
     from it (one registration cache for all of them)."""
@@ -43,7 +44,7 @@ async def onesided_holder(make: Callable[[], Backend], hosts: list[OneSidedHost]
     if hosts is not None:
         hosts.append(host)
     store.on_dropped.append(host.dropped)
-    server = TcpServer(serve(store), lambda _peer, n: sent.append(n), bad.append,
+    server = TcpServer(serve(store), lambda _peer, n: sent.append(n), bad.append, limits,
                        onesided=host)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
     reader = Registrations(make())
