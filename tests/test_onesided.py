@@ -18,16 +18,20 @@ from transport_conformance import SEED, publish, read_into, rng_for
 
 from tensorhub.errors import RemoteProtocolError, TransportError
 from tensorhub.peer.store import LocalVersion, Store
+from tensorhub.protocol.dataplane import NOT_YET, OK, ChunkReply
 from tensorhub.protocol.onesided import (
     GRANT_ROWS,
     MAX_KEY,
     ROW,
     OneSidedChunkRequest,
+    OneSidedDone,
     OneSidedGrant,
+    OneSidedRunRequest,
     grant_frames,
     granted_ranges,
 )
 from tensorhub.transport.admission import ServerLimits
+from tensorhub.transport.base import NotServing
 from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.onesided.backend import MAX_READ, Region, pair_up, read_ranges
 from tensorhub.transport.onesided.holder import OneSidedHost
@@ -261,6 +265,44 @@ async def test_a_reader_that_never_ends_its_lease_is_cut_off_and_its_key_revoked
         ranges = granted_ranges(grant, 50_000, 0)
         with pytest.raises(TransportError, match=r"gone|not granted"):
             read(conn._link, conn._reg, ranges, 50_000)
+        await conn.aclose()
+
+
+async def test_a_run_leases_its_chunks_in_one_round_trip_until_one_done() -> None:
+    """``OneSidedRunRequest``: a ``ChunkReply`` per chunk in order (a chunk the holder
+    lacks refused, the run going on), every granted chunk leased until the one
+    ``OneSidedDone``."""
+    rng = rng_for("onesided-run")
+    async with onesided_holder(standin) as holder:
+        pub = publish(holder.store, rng, [40_000], chunk_size=10_000, verified=False)
+        for c in (0, 1, 3):
+            pub.local.mark_verified(c)
+        pub.local.end_receiving()  # chunk 2 will not come: NOT_YET at once
+        key = pub.local.manifest.key
+        conn = await holder.connect()
+        assert isinstance(conn, OneSidedConnection) and conn._link is not None
+        await send_frame(conn._sock, OneSidedRunRequest(5, key.model, key.version, 0, 4))
+        statuses = []
+        for c in range(4):
+            head = await recv_frame(conn._sock)
+            assert isinstance(head, ChunkReply) and head.chunk == c
+            statuses.append(head.status)
+            if head.status == OK:
+                grant = await recv_frame(conn._sock)
+                assert isinstance(grant, OneSidedGrant)
+                got = read(conn._link, conn._reg, granted_ranges(grant, 10_000, 0), 10_000)
+                assert got == pub.chunk(c).tobytes()
+        assert statuses == [OK, OK, NOT_YET, OK]
+        assert pub.local.inflight == 3  # all leased, until the reader is done
+        await send_frame(conn._sock, OneSidedDone(5))
+        with trio.fail_after(5):
+            await pub.local.drained.wait()
+        bufs = [np.zeros(10_000, np.uint8) for _ in range(4)]
+        got_all = await conn.read_chunks(key, [0, 1, 2, 3], [[memoryview(b)] for b in bufs],  # type: ignore[misc]
+                                         [None] * 4)
+        assert got_all[:2] == [10_000] * 2 and got_all[3] == 10_000
+        assert isinstance(got_all[2], NotServing) and got_all[2].status == NOT_YET
+        assert all(np.array_equal(bufs[c], pub.chunk(c)) for c in (0, 1, 3))
         await conn.aclose()
 
 

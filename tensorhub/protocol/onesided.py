@@ -19,6 +19,12 @@ CPU: the reader's NIC (or GPU) reads the holder's registered memory itself.
    ``OneSidedDone``; only then does the holder end the lease, so unpublish
    (``Store.wait_drained``) waits for every read in flight.
 
+``OneSidedRunRequest`` leases consecutive chunks in one round trip: the holder answers
+each chunk in order with a ``ChunkReply`` (its status; for an OK one, its
+``OneSidedGrant`` frames follow), granting each as soon as it holds it verified, and
+keeps every chunk of the run leased until the one ``OneSidedDone``; the reader reads
+each chunk as its grant arrives.
+
 Keys are valid while the version is published: the holder revokes a region's key once
 no published version lies in it any more (after the drain), so a reader that kept a key
 reads nothing -- its read completes with an error and the fetcher re-sources the chunk.
@@ -33,10 +39,10 @@ import struct
 from dataclasses import dataclass
 from typing import Annotated
 
-from ..bounds import U63, U64, MaxLen, Range, Rank
+from ..bounds import U32, U63, U64, MaxLen, Range, Rank
 from ..errors import RemoteProtocolError
 from ..model import LayoutId, ModelName
-from .dataplane import ChunkIndex
+from .dataplane import MAX_RUN_CHUNKS, ChunkIndex
 
 MAX_ENDPOINT = 256
 """Bytes of a link endpoint (an RC queue pair's address is 26)."""
@@ -105,8 +111,23 @@ class OneSidedDone:
     req_id: U63
 
 
+@dataclass(frozen=True, slots=True)
+class OneSidedRunRequest:
+    """Lease chunks ``first`` .. ``first + count - 1``: one ``ChunkReply`` each, in
+    order, an OK one followed by its :class:`OneSidedGrant` frames; one
+    :class:`OneSidedDone` ends every lease of the run."""
+
+    req_id: U63
+    model: ModelName
+    version: U63
+    first: U32
+    count: Annotated[int, Range(1, MAX_RUN_CHUNKS)]
+    shard: Rank = 0
+    layout: LayoutId = b""
+
+
 MESSAGES = (OneSidedHello, OneSidedWelcome, OneSidedChunkRequest, OneSidedGrant,
-            OneSidedDone)
+            OneSidedDone, OneSidedRunRequest)
 
 RemoteRange = tuple[int, int, bytes]
 """``(address, length, key)`` of one granted piece of the holder's memory."""

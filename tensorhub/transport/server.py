@@ -42,7 +42,7 @@ from ..protocol.dataplane import (
     ShmHello,
     ShmVersionRequest,
 )
-from ..protocol.onesided import OneSidedChunkRequest, OneSidedHello
+from ..protocol.onesided import OneSidedChunkRequest, OneSidedHello, OneSidedRunRequest
 from .admission import (
     ACCEPT_BACKOFF_MAX,
     ACCEPT_PRESSURE,
@@ -265,7 +265,8 @@ class _ServerConn:
                 req = await self.next_request()
                 if req is None:
                     return
-                cost = req.count if isinstance(req, ChunkRunRequest | DeltaRunRequest) else 1
+                cost = req.count if isinstance(
+                    req, ChunkRunRequest | DeltaRunRequest | OneSidedRunRequest) else 1
                 wait = rate.delay(trio.current_time(), cost)
                 if wait:
                     self.counts["throttled"] += 1
@@ -344,7 +345,7 @@ class _ServerConn:
                                              "requests are answered on the local socket only"))
                 return
             await serve_shm(sock, self.peer, provider, req, self.server._terms)
-        elif isinstance(req, OneSidedHello | OneSidedChunkRequest):
+        elif isinstance(req, OneSidedHello | OneSidedChunkRequest | OneSidedRunRequest):
             await serve_onesided(sock, self.peer, provider, self.server.onesided, self.slot,
                                  req, self.local, self.server._terms)
         else:

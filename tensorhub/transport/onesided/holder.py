@@ -15,7 +15,7 @@ past its lease.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from contextlib import ExitStack, suppress
 from typing import Any
 
@@ -23,11 +23,12 @@ import trio
 
 from ...errors import RemoteProtocolError, TransportError
 from ...model import VersionKey
-from ...protocol.dataplane import BAD_REQUEST, WRONG_TRANSPORT, Reply
+from ...protocol.dataplane import BAD_REQUEST, OK, WRONG_TRANSPORT, ChunkReply, Reply
 from ...protocol.onesided import (
     OneSidedChunkRequest,
     OneSidedDone,
     OneSidedHello,
+    OneSidedRunRequest,
     OneSidedWelcome,
     grant_frames,
 )
@@ -77,7 +78,8 @@ class LinkSlot:
 
 async def serve_onesided(sock: trio.socket.SocketType, peer: str, provider: Provider,
                          host: OneSidedHost, slot: LinkSlot,
-                         req: OneSidedHello | OneSidedChunkRequest, local: bool,
+                         req: OneSidedHello | OneSidedChunkRequest | OneSidedRunRequest,
+                         local: bool,
                          terms: LeaseTerms) -> None:
     """Answer one one-sided request on a data connection (``local``: the same-host
     socket)."""
@@ -107,45 +109,75 @@ async def serve_onesided(sock: trio.socket.SocketType, peer: str, provider: Prov
                                      "OneSidedHello first"))
         return
     key = VersionKey(req.model, req.version, req.shard, req.layout)
-    await _serve_chunk(sock, peer, provider, host.registrations[slot.backend], slot, key,
-                       req, terms)
+    reg = host.registrations[slot.backend]
+    get = getattr(provider, "get", None)  # the version itself, if the provider says
+    user = (get(key) if get is not None else None) or key
+    run = isinstance(req, OneSidedRunRequest)
+    first, count = (req.first, req.count) if isinstance(req, OneSidedRunRequest) \
+        else (req.chunk, 1)
+    chunks = range(first, first + count)
+    if chunks[-1] >= 1 << 32:
+        raise RemoteProtocolError(f"run of chunks {first}..{chunks[-1]} passes the last "
+                                  "chunk index a reply can name")
+    with ExitStack() as leases:
+        granted: list[int] = []
+        for chunk in chunks:
+            granted += await _grant(sock, provider, reg, leases, user, key, req.req_id,
+                                    chunk, run)
+        if granted:
+            await _wait_done(sock, peer, slot, req.req_id, terms,
+                             f"chunks {chunks[0]}..{chunks[-1]} of {key}")
+            for n in granted:
+                terms.on_sent(peer, n)
 
 
-async def _serve_chunk(sock: trio.socket.SocketType, peer: str, provider: Provider,
-                       reg: Registrations, slot: LinkSlot, key: VersionKey,
-                       req: OneSidedChunkRequest, terms: LeaseTerms) -> None:
-    with ExitStack() as stack:
-        try:
-            await provider.wait_chunk(key, req.chunk)
-            segments: Sequence[Any] = stack.enter_context(provider.lease(key, req.chunk))
-        except NotServing as ns:
-            await send_frame(sock, Reply(req.req_id, ns.status, 0, ns.detail))
-            return
-        get = getattr(provider, "get", None)  # the version itself, if the provider says
-        user = (get(key) if get is not None else None) or key
-        try:
+async def _grant(sock: trio.socket.SocketType, provider: Provider, reg: Registrations,
+                 leases: ExitStack, user: Hashable, key: VersionKey, req_id: int,
+                 chunk: int, run: bool) -> list[int]:
+    """Lease ``chunk`` (into ``leases``) and grant it: ``[its bytes]``; or refuse it
+    (a ``Reply``, or in a run a ``ChunkReply``, with the status) and return ``[]``.  In
+    a run an OK ``ChunkReply`` comes before the grant."""
+    async def refuse(status: int, detail: str) -> list[int]:
+        await send_frame(sock, ChunkReply(req_id, chunk, status, 0, detail) if run
+                         else Reply(req_id, status, 0, detail))
+        return []
+
+    try:
+        await provider.wait_chunk(key, chunk)
+        with ExitStack() as lease:
+            segments: Sequence[Any] = lease.enter_context(provider.lease(key, chunk))
             ranges = reg.remote_ranges(segments, user)
-        except (TypeError, TransportError) as exc:
-            await send_frame(sock, Reply(req.req_id, WRONG_TRANSPORT, 0, f"cannot serve "
-                                         f"chunk {req.chunk} of {key} so: {exc}"))
-            return
-        total = sum(n for _, n, _ in ranges)
-        done: Any = None
-        with trio.move_on_after(terms.timeout) as waited:
-            for frame in grant_frames(req.req_id, total, ranges):
-                await send_frame(sock, frame)
-            try:
-                done = await recv_frame(sock)
-            except TransportError:
-                slot.close()
-                return  # the reader went away; its lease ends here
-        if waited.cancelled_caught:
-            slot.close()  # reads still posted fail...
-            with suppress(OSError):  # ...and the reader's check after them sees this
-                sock.shutdown(socket.SHUT_RDWR)
-            terms.on_revoked(peer)
-            raise TransportError(f"{peer} held chunk {req.chunk} of {key} for over "
-                                 f"{terms.timeout}s; lease revoked")
-        if done != OneSidedDone(req.req_id):
-            raise RemoteProtocolError(f"expected OneSidedDone({req.req_id}), got {done!r:.80}")
-        terms.on_sent(peer, total)
+            leases.push(lease.pop_all())
+    except NotServing as ns:
+        return await refuse(ns.status, ns.detail)
+    except (TypeError, TransportError) as exc:
+        return await refuse(WRONG_TRANSPORT, f"cannot serve chunk {chunk} of {key} so: {exc}")
+    total = sum(n for _, n, _ in ranges)
+    if run:
+        await send_frame(sock, ChunkReply(req_id, chunk, OK, total))
+    for frame in grant_frames(req_id, total, ranges):
+        await send_frame(sock, frame)
+    return [total]
+
+
+async def _wait_done(sock: trio.socket.SocketType, peer: str, slot: LinkSlot, req_id: int,
+                     terms: LeaseTerms, what: str) -> None:
+    """Wait for the reader's ``OneSidedDone`` (the caller ends the leases then).  A
+    reader silent for ``terms.timeout`` is cut off first: its link closed (reads still
+    posted fail) and its connection shut down (its check after each read sees that)."""
+    done: Any = None
+    with trio.move_on_after(terms.timeout) as waited:
+        try:
+            done = await recv_frame(sock)
+        except TransportError:
+            slot.close()
+            raise  # the reader went away; its leases end here
+    if waited.cancelled_caught:
+        slot.close()
+        with suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        terms.on_revoked(peer)
+        raise TransportError(f"{peer} held {what} for over {terms.timeout}s; "
+                             "lease revoked")
+    if done != OneSidedDone(req_id):
+        raise RemoteProtocolError(f"expected OneSidedDone({req_id}), got {done!r:.80}")

@@ -20,12 +20,13 @@ import trio
 
 from ...errors import LocalProtocolError, RemoteProtocolError, TransportError
 from ...model import VersionKey
-from ...protocol.dataplane import OK, WRONG_TRANSPORT, Reply
+from ...protocol.dataplane import MAX_RUN_CHUNKS, OK, WRONG_TRANSPORT, ChunkReply, Reply
 from ...protocol.onesided import (
     OneSidedChunkRequest,
     OneSidedDone,
     OneSidedGrant,
     OneSidedHello,
+    OneSidedRunRequest,
     OneSidedWelcome,
     RemoteRange,
     granted_ranges,
@@ -65,7 +66,9 @@ class OneSidedConnection(TcpConnection):
     """A reader's connection that reads with a one-sided :class:`~.backend.Backend`."""
 
     lands_arrays = False
-    batch_bytes = 0
+    batch_bytes = 64 << 20
+    """Bytes of consecutive chunks a stream hands one :meth:`read_chunks`: one round
+    trip leases them all."""
 
     def __init__(self, sock: trio.socket.SocketType, peer: str, backend: Backend,
                  registrations: Registrations,
@@ -125,12 +128,7 @@ class OneSidedConnection(TcpConnection):
         while True:
             msg = await recv_frame(self._sock)
             if isinstance(msg, Reply) and msg.req_id == req_id and msg.status != OK:
-                if msg.status != WRONG_TRANSPORT:
-                    raise NotServing(msg.status, msg.detail or f"status {msg.status}")
-                why = f"{self.peer} {msg.detail}"
-                if self._on_refused is not None:
-                    self._on_refused(why)
-                raise TransportError(why)
+                raise self._refusal(msg.status, msg.detail)
             if not isinstance(msg, OneSidedGrant) or msg.req_id != req_id:
                 raise RemoteProtocolError(f"{self.peer} answered out of turn")
             try:
@@ -140,35 +138,46 @@ class OneSidedConnection(TcpConnection):
             if not msg.more:
                 return ranges
 
-    def _check_holder(self) -> None:
-        """Fail unless the holder is still connected and silent (after every read)."""
+    def _check_holder(self, in_run: bool = False) -> None:
+        """Fail unless the holder is still connected -- and silent, unless ``in_run``
+        (where grants of the next chunks may be waiting) -- after every read."""
         if self._poll is None:
             self._poll = select.poll()
             self._poll.register(self._sock.fileno(), select.POLLIN | select.POLLRDHUP)
         for _fd, events in self._poll.poll(0):
             if events & _HUNG_UP:
                 raise TransportError(f"{self.peer} ended the connection during the read")
-            raise TransportError(f"{self.peer} spoke out of turn during the read")
+            if not in_run:
+                raise TransportError(f"{self.peer} spoke out of turn during the read")
+
+    async def _read_granted(self, link: Link, req_id: int, dest: Sequence[memoryview],
+                            verify: Verifier | None) -> Exception | None:
+        """Take the grant of request ``req_id`` for ``dest``, read it, verify: what
+        ``verify`` raised, if anything."""
+        ranges = await self._grant(req_id, sum(d.nbytes for d in dest))
+        local, transient = self._reg.local_pieces(dest)
+        try:
+            bad: Exception | None = await copy_threads.pool.run(
+                _land, link, pair_up(local, ranges), self._backend.depth, dest, verify)
+            return bad
+        finally:
+            self._reg.release(transient)
+
+    def _link_for(self, key: VersionKey, dests: Sequence[Sequence[memoryview]]) -> Link:
+        if self._sock.fileno() < 0 or self._link is None:
+            raise TransportError(f"connection to {self.peer} is closed")
+        if any(d.readonly for dest in dests for d in dest):
+            raise LocalProtocolError(f"a destination of {key} is read-only")
+        return self._link
 
     async def read_chunk(self, key: VersionKey, chunk: int, dest: Sequence[memoryview],
                          verify: Verifier | None = None) -> int:
-        link = self._link
-        if self._sock.fileno() < 0 or link is None:
-            raise TransportError(f"connection to {self.peer} is closed")
-        if any(d.readonly for d in dest):
-            raise LocalProtocolError(f"destination of chunk {chunk} of {key} is read-only")
-        want = sum(d.nbytes for d in dest)
+        link = self._link_for(key, [dest])
         req_id = next(self._ids)
         try:
             await send_frame(self._sock, OneSidedChunkRequest(
                 req_id, key.model, key.version, chunk, key.shard, key.layout))
-            ranges = await self._grant(req_id, want)
-            local, transient = self._reg.local_pieces(dest)
-            try:
-                bad = await copy_threads.pool.run(_land, link, pair_up(local, ranges),
-                                                  self._backend.depth, dest, verify)
-            finally:
-                self._reg.release(transient)
+            bad = await self._read_granted(link, req_id, dest, verify)
             self._check_holder()
             await send_frame(self._sock, OneSidedDone(req_id))
         except NotServing:
@@ -178,16 +187,61 @@ class OneSidedConnection(TcpConnection):
             raise
         if bad is not None:
             raise bad
-        return want
+        return sum(d.nbytes for d in dest)
 
     async def read_chunks(self, key: VersionKey, chunks: Sequence[int],
                           dests: Sequence[Sequence[memoryview]],
                           verifies: Sequence[Verifier | None]) -> list[int | Exception]:
-        return await read_each(self, key, chunks, dests, verifies)
+        """Consecutive chunks leased in one round trip (``OneSidedRunRequest``), each
+        read as its grant arrives; any other list, one read after another."""
+        first = chunks[0] if chunks else -1
+        if not 2 <= len(chunks) <= MAX_RUN_CHUNKS or first < 0 \
+                or list(chunks) != list(range(first, first + len(chunks))):
+            return await read_each(self, key, chunks, dests, verifies)
+        link = self._link_for(key, dests)
+        req_id = next(self._ids)
+        out: list[int | Exception] = []
+        try:
+            await send_frame(self._sock, OneSidedRunRequest(
+                req_id, key.model, key.version, first, len(chunks), key.shard, key.layout))
+            granted = False
+            for chunk, dest, verify in zip(chunks, dests, verifies, strict=True):
+                want = sum(d.nbytes for d in dest)
+                head = await recv_frame(self._sock)
+                if not isinstance(head, ChunkReply) or head.req_id != req_id \
+                        or head.chunk != chunk or (head.status == OK and head.length != want):
+                    raise RemoteProtocolError(f"{self.peer} answered a run out of turn")
+                if head.status == OK:
+                    granted = True
+                    bad = await self._read_granted(link, req_id, dest, verify)
+                    self._check_holder(in_run=True)
+                    out.append(want if bad is None else bad)
+                else:
+                    out.append(self._refusal(head.status, head.detail))
+            if granted:
+                self._check_holder()
+                await send_frame(self._sock, OneSidedDone(req_id))
+        except BaseException as exc:
+            self._close()
+            if not out or not isinstance(exc, Exception):
+                raise
+            out.append(exc)  # the chunks before it were read, under the lease
+        return out
+
+    def _refusal(self, status: int, detail: str) -> Exception:
+        """What a non-OK answer means to the reader; a chunk the holder cannot serve
+        over this backend also tells ``on_refused``."""
+        if status != WRONG_TRANSPORT:
+            return NotServing(status, detail or f"status {status}")
+        why = f"{self.peer} {detail}"
+        if self._on_refused is not None:
+            self._on_refused(why)
+        return TransportError(why)
 
     async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
                             window: StreamWindow) -> None:
-        """Reads one after another: the payload does not cross the data connection."""
+        """Runs of up to ``batch_bytes``, one after another: the payload does not cross
+        the data connection, so only the leases' round trips are to be shared."""
         await stream_each(self, key, take, landed)
 
     def _close(self) -> None:
