@@ -1,10 +1,11 @@
 """One-sided transport, holder side: opening links (``OneSidedHello``) and leasing
-chunks (``OneSidedChunkRequest``), handed over by
+chunks (``OneSidedChunkRequest``, or a run of them: ``OneSidedRunRequest``), handed over by
 :class:`~tensorhub.transport.server.TcpServer`; see :mod:`tensorhub.protocol.onesided`
 for the protocol and :mod:`.reader` for the reader side.
 
 Leases and drain are those of the same-host transport (:mod:`..samehost.holder`): a
-chunk stays leased from its grant until the reader's ``OneSidedDone``; a reader that
+chunk (every chunk of a run) stays leased from its grant until the reader's
+``OneSidedDone``; a reader that
 does not answer within ``lease_timeout`` is cut off -- its connection shut down and its
 end of the link closed (a queue pair torn down: reads still posted fail) -- before the
 lease ends, so ``unpublish`` returns within about ``lease_timeout`` even when a reader

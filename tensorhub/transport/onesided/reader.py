@@ -8,7 +8,9 @@ set up through it), then reads each chunk as: request a lease, check the grant, 
 the granted ranges into the destination (registered once per destination buffer,
 :mod:`.registry`), verify, check that the holder is still connected (a holder that cut
 us off let go of the lease, so bytes read across that are never used), and end the
-lease (``OneSidedDone``).  The reads and the check run in one worker-thread call.
+lease (``OneSidedDone``).  The reads and the verification run in one worker-thread
+call.  A stream asks for runs of consecutive chunks (up to ``batch_bytes``) in one
+request, reads each chunk as its grant arrives and ends the run's leases at once.
 """
 
 from __future__ import annotations
