@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..manifest import Manifest, digest_of
+from ..manifest import THREADED_HASH_BYTES, Manifest, digest_of
 from ..protocol.dataplane import NOT_YET
 from ..transport import copy_threads
 from ..transport.base import NotServing
@@ -193,7 +193,8 @@ def device_digests(places: Sequence[Place], ring: StagingRing, claim: Claim
             for c in range(skeleton.num_chunks):
                 start, stop = skeleton.chunk_range(c)
                 gather(skeleton, places, ring.copier, start, stop, claim.ptr)
-                out.append(digest_of(skeleton.digest_algo, [claim.view[:stop - start]]))
+                out.append(digest_of(skeleton.digest_algo, [claim.view[:stop - start]],
+                                     skeleton.chunk_size >= THREADED_HASH_BYTES))
             return out
         finally:
             ring.release(claim)
