@@ -4,7 +4,7 @@ device tensors or with tensors passed :class:`~tensorhub.device.landing.ThroughR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -61,6 +61,14 @@ class DeviceRings:
             idle.append(ring)
 
 
+def on_device(values: Iterable[Any]) -> bool:
+    """Whether any of ``values`` is in device memory (plain numpy arrays: at C speed)."""
+    values = list(values)
+    if set(map(type, values)) <= {np.ndarray}:
+        return False
+    return any(map(is_device, values))
+
+
 def one_device(places: list[Place]) -> int:
     devices = {p.device for p in places if p.on_device}
     if len(devices) > 1:
@@ -99,7 +107,7 @@ class DevicePublish:
 
 def device_publish(rings: DeviceRings, tensors: Mapping[str, Any]) -> DevicePublish | None:
     """None unless some tensor is in device memory; then all must be, on one GPU."""
-    if not any(map(is_device, tensors.values())):
+    if not on_device(tensors.values()):
         return None
     places = [place_of(t, str(name)) for name, t in tensors.items()]
     host = [str(n) for (n, _), p in zip(tensors.items(), places, strict=True)
@@ -134,7 +142,7 @@ def staged_fetch(rings: DeviceRings, manifest: Manifest, into: Any) -> StagedFet
     tensors; None for a plain fetch."""
     ring = into.ring if isinstance(into, ThroughRing) else None
     tensors = destination(into.tensors if isinstance(into, ThroughRing) else into)
-    if ring is None and not any(map(is_device, tensors.values())):
+    if ring is None and not on_device(tensors.values()):
         return None
     names = manifest.table.names
     if set(tensors.keys()) != set(names):
