@@ -290,3 +290,51 @@ async def test_host_and_device_tensors_do_not_mix_in_one_version() -> None:
         with pytest.raises(LocalProtocolError, match="host memory, the others on a GPU"):
             await peer.publish("m", 1, {"a": HostAsDevice(np.zeros(4)), "b": np.zeros(4)})
         assert peer.store.versions == {}
+
+
+# -- the serving cache, driven directly -------------------------------------------------
+
+def source_of(cache: Any, seed: int) -> tuple[Any, np.ndarray[Any, Any]]:
+    from tensorhub.device.buffers import place_of
+    from tensorhub.device.serving import DeviceSource
+    arr = np.random.default_rng(seed).integers(0, 255, 3 * 4096, np.uint8)
+    m = build_manifest(VersionKey(f"m{seed}", 1), [("x", arr)], 4096, "xxh3-128")
+    return DeviceSource(m, [place_of(arr, "x")], cache), arr
+
+
+async def test_serving_cache_stages_ahead_evicts_the_oldest_and_frees_on_close() -> None:
+    from tensorhub.device.serving import ServeCache
+    cache = ServeCache(StagingRing(slots=2, slot_bytes=4096))
+    a, arr_a = source_of(cache, 1)
+    b, arr_b = source_of(cache, 2)
+    from tensorhub.transport.base import NotServing
+    with pytest.raises(NotServing), a.lease(0):  # not staged yet
+        pass
+    await a.stage(0)  # chunk 0, and chunk 1 ahead into the other slot
+    with trio.fail_after(5):
+        while len(cache.staged) < 2:
+            await trio.sleep(0.01)
+    with a.lease(0) as views:
+        assert bytes(views[0]) == arr_a[:4096].tobytes()
+        await b.stage(2)  # both slots staged: the oldest unleased one (a's chunk 1) goes
+        with b.lease(2) as got:
+            assert bytes(got[0]) == arr_b[8192:].tobytes()
+        a.close()  # a's chunk 0 is being read: its slot waits for the lease to end
+        assert cache.ring.statistics().in_use == 2
+    b.close()
+    assert cache.ring.statistics().in_use == 0 and not cache.staged
+
+
+class FailingCopier(HostCopier):
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        raise OSError("copy failed")
+
+
+async def test_a_failed_copy_from_the_gpu_answers_not_held() -> None:
+    from tensorhub.device.serving import ServeCache
+    from tensorhub.transport.base import NotServing
+    cache = ServeCache(StagingRing(slots=2, slot_bytes=4096, copier=FailingCopier()))
+    a, _ = source_of(cache, 3)
+    with pytest.raises(NotServing, match="copy from the GPU failed"):
+        await a.stage(2)
+    assert cache.ring.statistics().in_use == 0

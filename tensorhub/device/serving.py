@@ -25,7 +25,7 @@ import numpy as np
 import trio
 
 from ..manifest import THREADED_HASH_BYTES, Manifest, digest_of
-from ..protocol.dataplane import NOT_YET
+from ..protocol.dataplane import NOT_HELD, NOT_YET
 from ..transport import copy_threads
 from ..transport.base import NotServing
 from .buffers import Place
@@ -47,6 +47,8 @@ class ServeCache:
         self.staged: OrderedDict[Staged, Claim] = OrderedDict()
         self.leases: dict[Staged, int] = {}
         self.copying: dict[Staged, trio.Event] = {}
+        self.errors: dict[Staged, BaseException] = {}
+        """Copies that failed, until the reader waiting for them is told."""
         self.changed = trio.Event()
         """Set (and replaced) when a lease ends or a copy is done: a slot may be free."""
 
@@ -92,6 +94,7 @@ class DeviceSource:
         self.manifest = manifest
         self.places = list(places)
         self.cache = cache
+        self.closed = False
 
     @contextmanager
     def lease(self, chunk: int) -> Iterator[list[memoryview]]:
@@ -108,6 +111,8 @@ class DeviceSource:
             cache.leases[k] -= 1
             if not cache.leases[k]:
                 del cache.leases[k]
+                if self.closed:  # the last read of a version no longer served
+                    cache.ring.release(cache.staged.pop(k))
                 cache.notify()
 
     async def stage(self, chunk: int) -> None:
@@ -125,6 +130,10 @@ class DeviceSource:
             copying = cache.copying.get(k)
             if copying is not None:
                 await copying.wait()
+                failed = cache.errors.pop(k, None)
+                if failed is not None:
+                    raise NotServing(NOT_HELD, f"chunk {chunk}: the copy from the GPU "
+                                     f"failed ({failed})")
                 continue
             claim = cache.take_slot()
             if claim is None:
@@ -156,18 +165,22 @@ class DeviceSource:
                 error: BaseException | None) -> None:
         cache = self.cache
         del cache.copying[k]
-        if error is None:
+        if error is None and not self.closed:
             cache.staged[k] = claim
         else:
             cache.ring.release(claim)
+            if error is not None:
+                cache.errors[k] = error
         done.set()
         cache.notify()
-        if error is not None:
-            raise error
 
     def close(self) -> None:
-        """No longer served: staged chunks not leased give their slots back."""
+        """No longer served: staged chunks give their slots back (those being read,
+        when their last lease ends)."""
+        self.closed = True
         self.cache.drop(id(self))
+        for k in [k for k in self.cache.errors if k[0] == id(self)]:
+            del self.cache.errors[k]
 
     def host_copy(self) -> list[np.ndarray[Any, Any]]:
         """The whole version in new host arrays (retention: the last copy of a version
