@@ -7,6 +7,8 @@ reader becomes a source.
 
 from .api import BlockingPeer
 from .config import PeerConfig
+from .device.landing import ThroughRing
+from .device.ring import StagingRing
 from .errors import (
     ConfigError,
     ConsistencyError,
@@ -56,8 +58,10 @@ __all__ = [
     "Rollout",
     "Sharding",
     "Staged",
+    "StagingRing",
     "TensorHubError",
     "TensorSpec",
+    "ThroughRing",
     "TransportError",
     "VersionKey",
     "VersionUnavailable",

@@ -148,7 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (each prints figures; --json for JSON)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from .bench import chain, chaos, cluster_cli, delta, flip, rounds, rtt, torchbench, transfer
+    from .bench import (
+        chain,
+        chaos,
+        cluster_cli,
+        delta,
+        flip,
+        rounds,
+        rtt,
+        staging,
+        torchbench,
+        transfer,
+    )
 
     transfer.add_options(bsub.add_parser("transfer", help="data plane vs the raw socket"))
     flip.add_options(bsub.add_parser("flip", help="the staged flip's pause with readers "
@@ -164,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     rounds.add_options(bsub.add_parser("rounds", help="model-parallel groups switching "
                                        "under a fast trainer on a busy host; aborts counted"))
     torchbench.add_options(bsub.add_parser("torch", help="a bf16 torch state_dict vs numpy"))
+    staging.add_options(bsub.add_parser("staging", help="a fetch through the staging ring "
+                                        "(the GPU path's host side) vs a plain fetch"))
     delta.add_options(bsub.add_parser("delta", help="RL-like steps as chunk deltas across "
                                       "an emulated 2-DC cluster vs full (needs root)"))
 
@@ -231,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.bench == "torch":
                 return torchbench.run_cli(args)
+            if args.bench == "staging":
+                from .bench import staging
+                return staging.run_cli(args)
             if args.bench == "flip":
                 return flip.run_cli(args)
             if args.bench == "cluster":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -450,9 +450,12 @@ def _is_count(x: Any) -> bool:
 def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, Any]]],
                    chunk_size: int, algo: str, world: int = 1,
                    placed: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
-                   limits: ManifestLimits = DEFAULT_LIMITS) -> Manifest:
+                   limits: ManifestLimits = DEFAULT_LIMITS,
+                   digests: Callable[[Manifest], list[bytes]] | None = None) -> Manifest:
     """Specs, chunking and digests of arrays laid end to end (runs in a worker thread).
     ``placed`` gives, per array, its global shape and start when it is a slice.
+    ``digests``, when given, computes the chunk digests from the manifest without them
+    (memory the host cannot read: the arrays then only describe the tensors).
 
     Anything a reader would refuse (see :mod:`tensorhub.limits`) raises
     :class:`LocalProtocolError` naming the tensor and the bound, before any hashing."""
@@ -475,13 +478,16 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
     tensors = tuple(specs)
     skeleton = Manifest(key.model, key.version, tensors, chunk_size, algo, ())
     _check_size(key, len(skeleton.encode()) + skeleton.num_chunks * 34, limits)
-    nonempty = byte_views([arrays[i][1] for i in skeleton.table.nonempty])
-    threads = chunk_size >= THREADED_HASH_BYTES
-    digests = []
-    for c in range(skeleton.num_chunks):
-        lo, hi, head, tail = skeleton.chunk_tensors(c)
-        digests.append(digest_of(algo, chunk_pieces(nonempty[lo:hi], head, tail), threads))
-    manifest = Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(digests),
+    if digests is not None:
+        found = digests(skeleton)
+    else:
+        nonempty = byte_views([arrays[i][1] for i in skeleton.table.nonempty])
+        threads = chunk_size >= THREADED_HASH_BYTES
+        found = []
+        for c in range(skeleton.num_chunks):
+            lo, hi, head, tail = skeleton.chunk_tensors(c)
+            found.append(digest_of(algo, chunk_pieces(nonempty[lo:hi], head, tail), threads))
+    manifest = Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(found),
                         key.shard, world, key.layout)
     _check_size(key, len(manifest.encode()), limits)
     return manifest

@@ -85,8 +85,8 @@ def host_view(t: torch.Tensor, name: str) -> np.ndarray[Any, Any]:
     import torch
     if t.device.type != "cpu":
         raise LocalProtocolError(
-            f"tensor {name!r} is on {t.device}; TensorHub serves host memory only "
-            "(move it with .cpu(); device memory is issue 16)")
+            f"tensor {name!r} is on {t.device}; TensorHub serves host memory only here "
+            "(CUDA tensors go through a staging ring; move others with .cpu())")
     if not t.is_contiguous():
         raise LocalProtocolError(
             f"tensor {name!r} is not contiguous; TensorHub serves it in place and will "

@@ -10,7 +10,7 @@ PUBLIC = {
     "PeerInfo", "PeerStats", "RemoteProtocolError", "RetentionError", "Sharding", "TensorHubError",
     "TensorSpec", "TransportError", "VersionKey", "VersionUnavailable", "__version__",
     "open_peer", "Committed", "Group", "GroupConfig", "GroupStats", "GroupSwitchError",
-    "Rollout", "Staged", "open_group", "shared_empty",
+    "Rollout", "Staged", "open_group", "shared_empty", "StagingRing", "ThroughRing",
 }
 
 

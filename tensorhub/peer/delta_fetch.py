@@ -193,6 +193,9 @@ async def fetch_deltas(peer: Peer, local: LocalVersion, plan: Plan,
     if mode == "off":
         tally.note = "off (PeerConfig.delta)"
         return tally, 0.0
+    if local.landing is not None:
+        tally.note = "off: the version lands through a staging ring"
+        return tally, 0.0
     base_key = _base_of(peer, key)
     if base_key is None:
         tally.note = "no older version of this model held here"

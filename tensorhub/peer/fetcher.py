@@ -222,8 +222,14 @@ class Fetch:
                 conn = conns[name] = await self.connect(peer)
             ready = conn
 
+            landing = self.local.landing
+
             def take(budget: int) -> list[tuple[int, Any, Verifier | None]]:
+                if landing is not None:  # no more than the staging ring has slots for
+                    budget = min(budget, landing.budget(session.window))
                 run = session.next_run(trio.current_time(), stream, budget)
+                if landing is not None:
+                    return [(c, *landing.take(c, self._verifier(c, name))) for c in run]
                 return [(c, self.local.buffers(c) if ready.lands_arrays else
                          self.local.segments(c), self._verifier(c, name)) for c in run]
 
@@ -231,6 +237,8 @@ class Fetch:
 
             def landed(c: int, result: int | Exception) -> bool:
                 now = trio.current_time()
+                if landing is not None:
+                    landing.abandon(c)  # a no-op once its check released the slot
                 if isinstance(result, Exception):
                     kind, detail = failure_of(result)
                     stop = session.failed(now, stream, c, kind, detail)
@@ -255,6 +263,9 @@ class Fetch:
             if failure[0] == "integrity":
                 self.on_bad_bytes(name, self.key, failure[1])
         finally:
+            if self.local.landing is not None:  # chunks not reported: slots back
+                for c in stream.taken:
+                    self.local.landing.abandon(c)
             del self._streams[id(stream)]
             self._abandoned.discard(id(stream))
             stop = session.stream_ended(trio.current_time(), stream, *(failure or (None,)))

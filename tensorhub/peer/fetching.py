@@ -38,6 +38,7 @@ from ..transport.base import NotServing
 from .delta_fetch import add_to_report, fetch_deltas, remember_links
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView, first_error
+from .staging import staged_fetch
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -163,13 +164,17 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
                         into: Mapping[str, Any] | None, allowed: frozenset[str] | None,
                         derived: bool,
                         early: EarlyPlan | None) -> Fetched:
-    flat = None
+    flat, staged = None, None
     if into is None:
         arrays, flat = allocate_flat(manifest)
+    elif (staged := staged_fetch(peer.device_rings, manifest, into)) is not None:
+        arrays = staged.arrays
     else:
         arrays = prepare_destination(manifest, into)
     local = LocalVersion(manifest, arrays, publisher, verified=False, flat=flat,
                          derived=derived)
+    if staged is not None:
+        local.landing, local.source = staged.landing, staged.source
     local.announced = peer.control.announcement(key, manifest.manifest_id())
     peer.store.add(local)
     plane = peer.data_plane()
@@ -183,6 +188,8 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
 
     try:  # from here on, a failure or a cancellation (planning too) drops it
         plane.announce(local)  # downstream can find us
+        if staged is not None:
+            await staged.landing.ring.ready()
         plan: list[tuple[PeerInfo, int, int]] = []
         plan_note, plan_seconds, stamp = "planning off", None, None
         if early is not None:
@@ -196,10 +203,14 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
         elif not key.whole:
             plan_note = "no plan: shards are fetched from their holders directly"
         delta, delta_seconds = await fetch_deltas(peer, local, plan, allowed, progress)
+        streams, cap = window(peer, manifest), window_cap(peer, manifest)
+        if staged is not None:  # no more in flight than the ring has slots
+            streams = staged.landing.streams(streams)
+            cap = staged.landing.window_cap(streams)
         job = Fetch(me=peer.info.name, local=local, view=holder_view(peer, allowed),
                     upstream=allowed or frozenset(), plan=plan,
                     connect=plane.connect, release=plane.release,
-                    window=window(peer, manifest), window_cap=window_cap(peer, manifest),
+                    window=streams, window_cap=cap,
                     socket_window=socket_window(), host=peer.info.label("host"),
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
@@ -214,6 +225,10 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
         with trio.CancelScope(shield=True):
             await peer.store.wait_drained(key)
         raise
+    finally:
+        if staged is not None:
+            local.landing = None
+            staged.close()
     local.end_receiving()
     plane.announce(local)
     plane.account(report)

@@ -18,6 +18,7 @@ Without security the peer says so in the log and in :meth:`Peer.statistics`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -76,6 +77,7 @@ from .opstatus import StatusDesk
 from .plane import DataPlane
 from .reshard import fetch_sealed
 from .retention import Retention
+from .staging import DeviceRings, device_publish
 from .stats import INSECURE, PeerStats, peer_statistics
 from .store import LocalVersion, Store
 from .zap import HandshakeMonitor, ZapHandler
@@ -114,6 +116,7 @@ class Peer:
                 self._zap.close()
             raise
         self.store = Store(chunk_wait=config.stall_timeout)
+        self.device_rings = DeviceRings()
         security = getattr(config, "security", None)  # PeerConfig.security: keys, or None
         self._data_auth = None if security is None else \
             DataAuth(config.name, security.identity, security.keyring)
@@ -346,19 +349,26 @@ class Peer:
             raise LocalProtocolError("publish needs at least one tensor")
         if self.store.get(key) is not None:
             raise LocalProtocolError(f"{key} is already held here; unpublish it first")
-        arrays = [(str(name), as_host_array(t, str(name))) for name, t in tensors.items()]
+        device = device_publish(self.device_rings, tensors)
+        arrays = device.layout if device is not None else \
+            [(str(name), as_host_array(t, str(name))) for name, t in tensors.items()]
         placed = [spec.place(name, a.shape) for name, a in arrays]
         chunk_size, self.chunking = choose_chunk_size(
             sum(a.nbytes for _, a in arrays), self.config.chunk_size)
-        manifest = await trio.to_thread.run_sync(
-            build_manifest, key, arrays, chunk_size, self.config.digest_algo,
-            spec.size, placed, self.config.manifest_limits)
+        build = functools.partial(build_manifest, key, arrays, chunk_size,
+                                  self.config.digest_algo, spec.size, placed,
+                                  self.config.manifest_limits)
+        manifest = await (trio.to_thread.run_sync(build) if device is None
+                          else device.manifest(build, chunk_size))
         mid = manifest.manifest_id()
         for peer, holding in self.control.holders(key):
             if holding.manifest_id != mid:
                 raise ConsistencyError(
                     f"{key} is already published by {peer.name} with different content")
         local = LocalVersion(manifest, [a for _, a in arrays], self.info.name, verified=True)
+        if device is not None:  # served from the GPU through the staging ring
+            local.arrays = [p.owner for p in device.places]
+            local.source = device.source(manifest)
         signed = self.control.sign_announcement(local.holding())
         local.announced = (signed.publisher_gen, signed.publisher_sig)
         self.store.add(local)

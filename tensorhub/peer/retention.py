@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-import numpy as np
 import trio
 
 from ..errors import RetentionError
@@ -67,8 +66,7 @@ class Retention:
                 raise RetentionError(
                     f"{key} is retained and this peer holds its last complete copy; "
                     "offload is off (PeerConfig.retention_offload), so it stays published")
-            copies = await trio.to_thread.run_sync(
-                lambda: [np.array(a, copy=True) for a in local.arrays])
+            copies = await trio.to_thread.run_sync(local.host_copy)
             copy = LocalVersion(local.manifest, copies, local.publisher, verified=True)
             copy.announced = local.announced
             await self.peer.store.swap(copy)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -20,6 +20,10 @@ from ..model import VersionKey, byte_views
 from ..protocol.dataplane import BAD_REQUEST, NOT_HELD, NOT_YET
 from ..protocol.refs import Holding, bitmap_of
 from ..transport.base import NotServing
+
+if TYPE_CHECKING:
+    from ..device.landing import Landing
+    from ..device.serving import DeviceSource
 
 
 class LocalVersion:
@@ -52,6 +56,18 @@ class LocalVersion:
         self.drained = trio.Event()
         self.drained.set()
         self.encoded_manifest = manifest.encode()
+        self.landing: Landing | None = None
+        """While a fetch lands this version through a staging ring: the ring's slots
+        (:mod:`tensorhub.device.landing`); chunks then never land in ``arrays``."""
+        self.source: DeviceSource | None = None
+        """When ``arrays`` are in device memory: what serves verified chunks, through
+        a staging ring (:mod:`tensorhub.device.serving`); ``segments`` is then unused."""
+
+    def host_copy(self) -> list[np.ndarray[Any, Any]]:
+        """The whole version in new host arrays (retention's offload)."""
+        if self.source is not None:
+            return self.source.host_copy()
+        return [np.array(a, copy=True) for a in self.arrays]
 
     @property
     def complete(self) -> bool:
@@ -176,6 +192,8 @@ class Store:
                 return
             while local.receiving and not local.hidden and not local.verified[chunk]:
                 await local.progress.wait()
+            if local.source is not None and local.verified[chunk] and not local.hidden:
+                await local.source.stage(chunk)
 
     @contextmanager
     def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:
@@ -189,7 +207,11 @@ class Store:
         if not local.verified[chunk]:
             raise NotServing(NOT_YET, f"chunk {chunk} of {key} is not verified here yet")
         with self._pinned(local):
-            yield local.segments(chunk)
+            if local.source is None:
+                yield local.segments(chunk)
+            else:
+                with local.source.lease(chunk) as staged:
+                    yield staged
 
     @contextmanager
     def hold(self, key: VersionKey) -> Iterator[LocalVersion | None]:
@@ -197,8 +219,8 @@ class Store:
         resharding fetch using its own shards): unpublish waits for it like for a
         reader.  Yields None when it is not held complete."""
         local = self.versions.get(key)
-        if local is None or local.hidden or not local.complete:
-            yield None
+        if local is None or local.hidden or not local.complete or local.source is not None:
+            yield None  # device memory: no host view of the whole version to hand out
             return
         with self._pinned(local):
             yield local
@@ -243,7 +265,11 @@ class Store:
         if self.versions.get(key) is local:
             del self.versions[key]
             self._dropped(local)
+        elif local.source is not None:
+            local.source.close()
 
     def _dropped(self, local: LocalVersion) -> None:
+        if local.source is not None:
+            local.source.close()
         for hook in self.on_dropped:
             hook(local)
