@@ -14,7 +14,10 @@ shares its NIC between them, and shards that cross the same leaf uplink share it
 Ties on the heap are broken by insertion order, and the readers' start jitter comes
 from the seed, so one seed gives one run.  The coordinator plans with the topology a
 peer gossips (DC, leaf as rack, host labels; NIC rates) unless ``topology_aware`` is
-off (every peer then looks alike).
+off (every peer then looks alike).  Chunks here are coarse (hundreds of MB, so that a
+140 GB model is tens of chunks); a reader's in-flight limit is scaled with them
+(``max_inflight_bytes`` = ``fetch_window`` x ``MIN_CHUNKS`` chunks), so it keeps as
+many streams and chunks in flight as a peer does with its own chunk size.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from tensorhub.config import PeerConfig
 from tensorhub.protocol.planner import Planner, PlannerConfig
+from tensorhub.protocol.sizing import MIN_CHUNKS
 from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig
 
 from ..flows import Link, Network
@@ -152,7 +157,9 @@ def setup_of(fan: Fanout, fabric: Fabric, seed: int) -> Setup:
     return Setup(hosts, fan.holders[0], fan.readers, fan.size, fan.chunk_size, plan=fan.plan,
                  incremental_plan=fan.incremental, upstream=fan.upstream,
                  rtt=fabric.spec.rtt_s, rebuild=fan.rebuild, seed=seed,
-                 gossip_delay=0.001, detect_delay=0.2, start_jitter=0.001)
+                 gossip_delay=0.001, detect_delay=0.2, start_jitter=0.001,
+                 config=PeerConfig("sim", max_inflight_bytes=max(
+                     512 << 20, PeerConfig("sim").fetch_window * MIN_CHUNKS * fan.chunk_size)))
 
 
 def run(fans: list[Fanout], fabric: Fabric, *, seed: int = 0,
