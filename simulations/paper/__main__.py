@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     figs: list[dict[str, Any]] = []
     tables: dict[str, list[tuple[str, float, str]]] = {}
     gpus = o.rollout_hosts * o.roll_tp
+    say = partial(print, file=sys.stderr, flush=True)
+    say("standalone ...")
 
     ours = w.standalone(o)
     stalls = w.broadcast_stalls(o, gpus)
@@ -48,6 +51,7 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     figs.append(figure("eta_vs_logdepth_bound", eta, "ratio", 0.85, "higher"))
     figs.append(figure("standalone_wall_s", ours.wall_s, "s", 120, "lower"))
 
+    say("ablations ...")
     ablations = [("no pipelining (one chunk per slice)", w.standalone(o, chunks=1)),
                  ("no topology awareness", w.standalone(o, topology_aware=False))]
     killed, victim = w.resourcing(o, ours)
@@ -59,12 +63,14 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     live = sum(1 for t in killed.instance_s if t != float("inf")) / len(killed.instance_s)
     figs.append(figure("resourcing_instances_done", live, "share", 1.0, "higher"))
 
+    say("elastic ...")
     mine_e, star_e = w.elastic(o), w.elastic(o, star=True)
     tables["elastic"] = [("TensorHub joiner update, mean", w.mean(mine_e.instance_s), "s"),
                          ("star from the trainer, mean", w.mean(star_e.instance_s), "s")]
     figs.append(figure("elastic_speedup_vs_star", w.mean(star_e.instance_s)
                        / w.mean(mine_e.instance_s), "x", 4.8, "higher"))
 
+    say("cross-DC ...")
     dc_ours, dc_naive = w.crossdc(o), w.crossdc(o, topology_aware=False)
     dc_seeds = w.crossdc(o, seeds_per_dc=4)
     wan = {k: sum(v for n, v in x.result.carried.items() if n.startswith("wan:")) / o.size
@@ -76,6 +82,7 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     figs.append(figure("crossdc_stall_vs_naive", dc_naive.stall(o) / dc_ours.stall(o), "x",
                        19, "higher"))
 
+    say("kraken ...")
     kr = w.kraken(kraken_hosts, kraken_chunks, o.seed)
     p50, p99 = w.percentile(kr.instance_s, 0.5), w.percentile(kr.instance_s, 0.99)
     tables["kraken"] = [("p50", p50, "s"), ("p99", p99, "s"),
