@@ -142,7 +142,8 @@ class Network:
             if flow.version != version:
                 return  # rescheduled since
             self._settle(at, flow)
-            if flow.left > _DONE_SLACK:  # rounding: a little more to go
+            if flow.left > _DONE_SLACK and at + flow.left / flow.rate > at:  # rounding:
+                # a little more to go (unless it is below the clock's resolution)
                 flow.version += 1
                 self._arm(at, flow)
                 return

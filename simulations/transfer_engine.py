@@ -95,9 +95,13 @@ class Sim:
         self.events = 0
         self.done: dict[str, float] = {}
         self.failed: dict[str, str] = {}
-        self.coordinator = SimCoordinator(setup, self.m.num_chunks)
+        self.coordinator = self.new_coordinator()
         self.readers = {name: self._reader(name) for name in setup.readers}
         self.quiet_pokes = setup.socket_window == 0
+
+    def new_coordinator(self) -> SimCoordinator:
+        """The version's coordinator (a subclass may plan with more of the topology)."""
+        return SimCoordinator(self.setup, self.m.num_chunks)
 
     # -- the clock ----------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ from itertools import pairwise
 from ..bounds import U32, PeerName
 from ..errors import ConfigError, LocalProtocolError, VersionUnavailable
 from ..model import VersionKey
-from .topology import Locality, Topology, fluid_bound, locality
+from .topology import Locality, NodeInfo, Topology, fluid_bound, locality
 
 ChunkRanges = tuple[tuple[int, int], ...]
 _STEP = 1.03
@@ -424,11 +424,13 @@ class Planner:
             del best[v]
             if not self._fits(p, j):
                 open_.pop(p, None)
-            if self._fits(v, j):
-                open_[v] = depth[v]
+            spare = self._spare(v, j)
+            if spare >= self._sb[j] * (1 - _EPS):  # v fits a child
+                open_[v] = dv = depth[v]
                 for u, b in best.items():
-                    if self._allowed(v, u, j):
-                        k = self._key(v, u, j, depth[v])
+                    if (b is None or not _worse(self._nodes[v], self._nodes[u], dv, b[0])) \
+                            and self._allowed(v, u, j):
+                        k = self._key(v, u, j, dv, spare)
                         if b is None or k < b[0]:
                             best[u] = (k, v)
                             push(u)
@@ -532,20 +534,30 @@ class Planner:
         dv = self._nodes[v].dc
         return (self._nodes[p].dc != dv) == (self._seed.get((dv, j)) == v)
 
-    def _key(self, p: str, v: str, j: int, depth: int) -> _Key:
+    def _key(self, p: str, v: str, j: int, depth: int, spare: float | None = None) -> _Key:
         """Edge cost.  A DC exports each stripe only its share of its surplus, so that
-        later stripes can still leave it."""
+        later stripes can still leave it.  ``spare``: ``_spare(p, j)`` if known."""
         loc = locality(self._nodes[p], self._nodes[v])
         slow = self._topo.estimate(p, v, loc) * self._budget_s < self._sb[j]
         d = self._nodes[p].dc
         short = (loc is Locality.CROSS_DC and (self._exports.get((d, j), 0) + 1) * self._size
                  > self._surplus[d] * (1 + _EPS))
-        return (loc, slow, short, depth, p in self._held, -self._spare(p, j), p)
+        return (loc, slow, short, depth, p in self._held,
+                -(self._spare(p, j) if spare is None else spare), p)
 
     def _best_parent(self, v: str, j: int, depth: Mapping[str, int]
                      ) -> tuple[_Key, str] | None:
-        return min(((self._key(p, v, j, d), p) for p, d in depth.items()
-                    if p != v and self._fits(p, j) and self._allowed(p, v, j)), default=None)
+        best: tuple[_Key, str] | None = None
+        nv, need = self._nodes[v], self._sb[j] * (1 - _EPS)
+        for p, d in depth.items():
+            if p == v or (best is not None and _worse(self._nodes[p], nv, d, best[0])):
+                continue
+            spare = self._spare(p, j)
+            if spare >= need and self._allowed(p, v, j):
+                key = self._key(p, v, j, d, spare)
+                if best is None or key < best[0]:
+                    best = (key, p)
+        return best
 
     def _children(self, j: int) -> dict[str, list[str]]:
         kids: dict[str, list[str]] = {}
@@ -597,3 +609,10 @@ class Planner:
                            min((nodes[v].down_bps for v in fetchers), default=1.0),
                            [nodes[v].up_bps for v in fetchers],
                            wan_bytes=wan, wan_bps=self._topo.config.wan_bps)
+
+
+def _worse(p: NodeInfo, v: NodeInfo, depth: int, key: _Key) -> bool:
+    """Whether any edge ``p -> v`` from depth ``depth`` costs more than ``key``, told
+    from the locality and depth alone (the cheap prefix of :meth:`Planner._key`)."""
+    loc = locality(p, v)
+    return loc > key[0] or (loc == key[0] and depth > key[3] and not key[1] and not key[2])

@@ -1,0 +1,104 @@
+"""The cluster a data-plane simulation runs on: GPUs in hosts, hosts under leaf
+switches, leaves under a spine, DCs joined by WAN links.
+
+Theory of operation
+-------------------
+Every GPU is one endpoint (one peer process per GPU, as TensorHub runs).  A GPU sends
+on its own NIC (``nic_bps`` each way) and, to a GPU of the same host, over NVLink
+(``nvlink_bps`` each way, per GPU).  A flow between hosts crosses the sender's NIC
+uplink and the receiver's NIC downlink; between leaves it also crosses the sender
+leaf's uplink to the spine and the receiver leaf's downlink from it, each carrying
+``gpus under the leaf x nic_bps / oversubscription``; between DCs it also crosses the
+DC pair's WAN link (``wan_bps`` each way).  Round trips: ``rtt_s`` inside a DC,
+``wan_rtt_s`` across.  Links are those of :class:`simulations.flows.Network`, shared by
+every fan-out that runs at once on the fabric.
+
+The planner sees what a peer would gossip: ``dc``, ``rack`` (the leaf) and ``host``
+labels and the NIC rate (:meth:`Fabric.node`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorhub.protocol.topology import NodeInfo
+
+from ..flows import Link, Network
+
+GBIT = 1e9 / 8
+
+
+@dataclass(frozen=True)
+class FabricSpec:
+    """The shape and speeds of one cluster (defaults: Hopper hosts, 400 Gb/s RDMA)."""
+
+    gpus_per_host: int = 8
+    hosts_per_leaf: int = 16
+    nic_bps: float = 400 * GBIT
+    nvlink_bps: float = 3600 * GBIT
+    """Per GPU, each way (H100 NVLink: 450 GB/s)."""
+    oversubscription: float = 1.0
+    """Leaf downlink capacity over its uplink capacity (1: non-blocking)."""
+    rtt_s: float = 10e-6
+    """Round trip inside a DC (RDMA)."""
+    wan_bps: float = 200 * GBIT
+    wan_rtt_s: float = 0.010
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_host < 1 or self.hosts_per_leaf < 1 or self.oversubscription < 1:
+            raise ValueError("need gpus_per_host >= 1, hosts_per_leaf >= 1, "
+                             "oversubscription >= 1")
+
+
+@dataclass(frozen=True)
+class Place:
+    dc: str
+    leaf: str
+    host: str
+
+
+class Fabric:
+    """Places GPUs and answers which links a flow crosses and its round trip."""
+
+    def __init__(self, spec: FabricSpec, net: Network) -> None:
+        self.spec, self.net = spec, net
+        self.places: dict[str, Place] = {}
+        self._hosts = 0
+
+    def add_hosts(self, dc: str, hosts: int, prefix: str = "g") -> list[list[str]]:
+        """``hosts`` more hosts in ``dc`` (leaves filled in order); returns the GPU names
+        of each new host, ``{prefix}{host}.{gpu}``."""
+        out = []
+        s = self.spec
+        for _ in range(hosts):
+            h = self._hosts
+            self._hosts += 1
+            leaf = f"{dc}/leaf{h // s.hosts_per_leaf}"
+            gpus = [f"{prefix}{h}.{g}" for g in range(s.gpus_per_host)]
+            for name in gpus:
+                self.places[name] = Place(dc, leaf, f"{dc}/host{h}")
+            out.append(gpus)
+        return out
+
+    def node(self, name: str) -> NodeInfo:
+        """What the peer on GPU ``name`` tells the mesh about itself."""
+        p = self.places[name]
+        return NodeInfo(name, p.dc, p.leaf, p.host, self.spec.nic_bps, self.spec.nic_bps)
+
+    def rtt(self, a: str, b: str) -> float:
+        return self.spec.rtt_s if self.places[a].dc == self.places[b].dc \
+            else self.spec.wan_rtt_s
+
+    def links(self, src: str, dst: str) -> tuple[Link, ...]:
+        a, b, s, net = self.places[src], self.places[dst], self.spec, self.net
+        if a.host == b.host:
+            return (net.link(f"nvl-up:{src}", s.nvlink_bps),
+                    net.link(f"nvl-down:{dst}", s.nvlink_bps))
+        out = [net.link(f"up:{src}", s.nic_bps), net.link(f"down:{dst}", s.nic_bps)]
+        if a.leaf != b.leaf:
+            spine = s.gpus_per_host * s.hosts_per_leaf * s.nic_bps / s.oversubscription
+            out += [net.link(f"leaf-up:{a.leaf}", spine),
+                    net.link(f"leaf-down:{b.leaf}", spine)]
+        if a.dc != b.dc:
+            out.append(net.link(f"wan:{a.dc}>{b.dc}", s.wan_bps))
+        return tuple(out)

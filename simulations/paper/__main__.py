@@ -1,0 +1,164 @@
+"""The paper's figures at cluster scale, from the data-plane simulator
+(:mod:`simulations.dataplane`): every table, a PNG per figure into ``docs/results/``.
+
+    python -m simulations.paper --json
+    python -m simulations.paper --rollout-hosts 4 --kraken-hosts 32 --no-plots  # quick
+
+Prints each table, then each figure next to its bound; with ``--json`` one JSON object
+as the last line: ``{"figures": [...], "tables": {...}, "settings": {...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from tensorhub.bench.figures import figure, print_figures
+
+from ..dataplane import workloads as w
+from ..dataplane.validate import compare
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
+        ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[str, float, str]]]]:
+    figs: list[dict[str, Any]] = []
+    tables: dict[str, list[tuple[str, float, str]]] = {}
+    gpus = o.rollout_hosts * o.roll_tp
+    say = partial(print, file=sys.stderr, flush=True)
+    say("standalone ...")
+
+    ours = w.standalone(o)
+    stalls = w.broadcast_stalls(o, gpus)
+    mine = ours.stall(o)
+    best_bcast = min(stalls["ring"], stalls["tree"])
+    tables["standalone"] = [("TensorHub (planned pull of each slice)", mine, "GPU-s"),
+                            ("... with a staged flip (overlap "
+                             f"{o.overlap_s:g} s)", ours.stall(o, o.overlap_s), "GPU-s"),
+                            *((f"baseline {k}", v, "GPU-s") for k, v in stalls.items()),
+                            ("makespan", ours.makespan, "s"),
+                            ("simulated readers (GPU x slice)", ours.readers, ""),
+                            ("wall time of this run", ours.wall_s, "s")]
+    figs.append(figure("standalone_stall_vs_broadcast", best_bcast / mine, "x", 6.7, "higher"))
+    eta = w.logdepth_bound(o, o.rollout_hosts) / ours.makespan
+    figs.append(figure("eta_vs_logdepth_bound", eta, "ratio", 0.85, "higher"))
+    figs.append(figure("standalone_wall_s", ours.wall_s, "s", 120, "lower"))
+
+    say("ablations ...")
+    ablations = [("no pipelining (one chunk per slice)", w.standalone(o, chunks=1)),
+                 ("no topology awareness", w.standalone(o, topology_aware=False))]
+    killed, victim = w.resourcing(o, ours)
+    tables["ablations (standalone)"] = [
+        ("all on", ours.makespan, "s"),
+        *((what, x.makespan, "s") for what, x in ablations),
+        (f"relay {victim} killed mid-transfer, re-sourced", killed.makespan, "s"),
+        ("staged flip: stall over the plain pull", ours.stall(o, o.overlap_s) / mine, "x")]
+    live = sum(1 for t in killed.instance_s if t != float("inf")) / len(killed.instance_s)
+    figs.append(figure("resourcing_instances_done", live, "share", 1.0, "higher"))
+
+    say("elastic ...")
+    mine_e, star_e = w.elastic(o), w.elastic(o, star=True)
+    tables["elastic"] = [("TensorHub joiner update, mean", w.mean(mine_e.instance_s), "s"),
+                         ("star from the trainer, mean", w.mean(star_e.instance_s), "s")]
+    figs.append(figure("elastic_speedup_vs_star", w.mean(star_e.instance_s)
+                       / w.mean(mine_e.instance_s), "x", 4.8, "higher"))
+
+    say("cross-DC ...")
+    dc_ours, dc_naive = w.crossdc(o), w.crossdc(o, topology_aware=False)
+    dc_seeds = w.crossdc(o, seeds_per_dc=4)
+    wan = {k: sum(v for n, v in x.result.carried.items() if n.startswith("wan:")) / o.size
+           for k, x in (("ours", dc_ours), ("naive", dc_naive), ("seeds", dc_seeds))}
+    tables["cross-DC"] = [("TensorHub, one seed per DC", dc_ours.stall(o), "GPU-s"),
+                          ("TensorHub, four seeds per DC", dc_seeds.stall(o), "GPU-s"),
+                          ("naive (no DC awareness)", dc_naive.stall(o), "GPU-s"),
+                          *((f"WAN bytes / model, {k}", v, "x") for k, v in wan.items())]
+    figs.append(figure("crossdc_stall_vs_naive", dc_naive.stall(o) / dc_ours.stall(o), "x",
+                       19, "higher"))
+
+    say("kraken ...")
+    kr = w.kraken(kraken_hosts, kraken_chunks, o.seed)
+    p50, p99 = w.percentile(kr.instance_s, 0.5), w.percentile(kr.instance_s, 0.99)
+    tables["kraken"] = [("p50", p50, "s"), ("p99", p99, "s"),
+                        ("bound (3 GB / 300 MB/s)", 10.0, "s"), ("hosts", kraken_hosts, "")]
+    figs.append(figure("kraken_p50_s", p50, "s", 10.5, "lower"))
+    figs.append(figure("kraken_p99_s", p99, "s", 18, "lower"))
+
+    rows = compare()
+    tables["validation (netns)"] = [(f"{r['name']}: measured / simulated / error",
+                                     r["measured_s"], f"{r['simulated_s']:.3f} s, "
+                                     f"{r['error']:.3f}") for r in rows]
+    figs.append(figure("sim_vs_netns_error", max(r["error"] for r in rows), "ratio", 0.15,
+                       "lower"))
+    return figs, tables
+
+
+def plot(tables: dict[str, list[tuple[str, float, str]]], out: Path) -> list[str]:
+    """One bar chart per table (its rows with a unit of seconds or GPU-seconds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for name, rows in tables.items():
+        bars = [(what, v) for what, v, unit in rows if unit in ("s", "GPU-s")]
+        if not bars:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(bars)))
+        ax.barh([b[0] for b in bars][::-1], [b[1] for b in bars][::-1])
+        ax.set_title(f"{name}  ({rows[0][2]})")
+        ax.set_xscale("log")
+        fig.tight_layout()
+        path = out / f"{name.split(' ')[0].replace('-', '')}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(str(path.name))
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulations.paper",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--rollout-hosts", type=int, default=128,
+                        help="rollout hosts of 8 GPUs (default 128: 1,024 GPUs)")
+    parser.add_argument("--chunks", type=int, default=16, help="chunks per slice")
+    parser.add_argument("--oversubscription", type=float, default=1.0)
+    parser.add_argument("--kraken-hosts", type=int, default=2600)
+    parser.add_argument("--kraken-chunks", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    a = parser.parse_args(argv)
+    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2:
+        parser.error("need --rollout-hosts >= 2, --chunks >= 1, --kraken-hosts >= 2")
+    o = replace(w.Options(), rollout_hosts=a.rollout_hosts, chunks=a.chunks,
+                oversubscription=a.oversubscription, seed=a.seed)
+    print(f"seed {a.seed}")
+    started = time.perf_counter()
+    figs, tables = run(o, a.kraken_hosts, a.kraken_chunks)
+    for name, rows in tables.items():
+        print(f"\n{name}")
+        for what, value, unit in rows:
+            print(f"  {what:<52} {value:>12.4g} {unit}")
+    plots = [] if a.no_plots else plot(tables, RESULTS)
+    print()
+    print_figures(figs)
+    settings = {**asdict(o), "kraken_hosts": a.kraken_hosts, "kraken_chunks": a.kraken_chunks,
+                "wall_s": round(time.perf_counter() - started, 1), "plots": plots}
+    out = {"figures": figs, "tables": {k: [list(r) for r in v] for k, v in tables.items()},
+           "settings": settings}
+    if not a.no_plots:
+        (RESULTS / "paper.json").write_text(json.dumps(out, indent=1) + "\n")
+    if a.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
