@@ -75,17 +75,34 @@ def new_hasher(algo: str, threads: bool = False) -> Any:
     raise LocalProtocolError(f"unknown digest algorithm {algo!r}; use one of {DIGEST_ALGOS}")
 
 
-def digest_of(algo: str, segments: Sequence[Any], threads: bool = False) -> bytes:
+HASHED_BLOCK = 256 << 10
+"""Bytes hashed at a time by :func:`digest_of` when it hands each block on: small
+enough to be in the core's cache still when the block is copied on."""
+
+
+def digest_of(algo: str, segments: Sequence[Any], threads: bool = False,
+              each: Callable[[int, memoryview], None] | None = None) -> bytes:
     """The digest of the segments' bytes, in order.  A segment may be an array itself
     (see :meth:`LocalVersion.buffers`): xxh3 and sha256 hash any contiguous buffer,
-    blake3 only byte-format ones, so it gets a byte view of each array."""
+    blake3 only byte-format ones, so it gets a byte view of each array.
+
+    With ``each``, the bytes are hashed :data:`HASHED_BLOCK` at a time and each block
+    is handed to ``each(offset, block)`` just after it was hashed (while it is in the
+    cache): one pass over memory for a check and a copy."""
     h = new_hasher(algo, threads)
-    if algo == "blake3":
-        for s in segments:
-            h.update(s if isinstance(s, memoryview) else memoryview(s).cast("B"))
-    else:
-        for s in segments:
-            h.update(s)
+    at = 0
+    for s in segments:
+        view = s if isinstance(s, memoryview) else memoryview(s)
+        if algo == "blake3" or each is not None:
+            view = view.cast("B")
+        if each is None:
+            h.update(view)
+            continue
+        for lo in range(0, len(view), HASHED_BLOCK):
+            block = view[lo:lo + HASHED_BLOCK]
+            h.update(block)
+            each(at + lo, block)
+        at += len(view)
     out: bytes = h.digest()
     return out
 

@@ -104,38 +104,56 @@ def test_ring_slots_are_page_aligned_and_bounded() -> None:
 
 # -- a landing, driven directly ------------------------------------------------------
 
-def landing_of(slots: int) -> tuple[Landing, dict[str, np.ndarray[Any, Any]], Any]:
+def landing_of(slots: int, copier: Any = None
+               ) -> tuple[Landing, dict[str, np.ndarray[Any, Any]], Any]:
     src = {"x": np.arange(10_000, dtype=np.float32), "y": np.arange(3_000, dtype=np.int64)}
     m = build_manifest(VersionKey("m", 1), list(src.items()), 4 * KIB, "xxh3-128")
     dst = {k: np.zeros_like(v) for k, v in src.items()}
     from tensorhub.device.buffers import place_of
-    ring = StagingRing(slots=slots, slot_bytes=4 * KIB)
+    ring = StagingRing(slots=slots, slot_bytes=4 * KIB, copier=copier or HostCopier())
     return Landing(m, [place_of(dst[k], k) for k in m.table.names], ring), dst, src
 
 
-def test_landing_checks_each_chunk_in_its_slot_before_placing_it() -> None:
-    landing, dst, src = landing_of(slots=4)
+class WholeChunkCopier(HostCopier):
+    """Copies like a GPU copier does: the whole chunk, once it passed."""
+
+    blockwise = False
+
+
+@pytest.mark.parametrize("copier", [HostCopier(), WholeChunkCopier()],
+                         ids=["block-by-block", "whole-chunk"])
+def test_landing_checks_each_chunk_in_its_slot_and_places_only_what_passed(
+        copier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # blocks of 1 KiB: a 4 KiB chunk is hashed and copied in four, one of them
+    # across the end of tensor x
+    monkeypatch.setattr(tensorhub.manifest, "HASHED_BLOCK", KIB)
+    landing, dst, src = landing_of(slots=4, copier=copier)
     m = landing.manifest
     flat = np.concatenate([src["x"].view(np.uint8), src["y"].view(np.uint8)])
+    placed = np.concatenate  # what the tensors hold, as one byte string
 
     def verifier(c: int) -> Any:
-        def verify(views: Any) -> None:
-            if digest_of("xxh3-128", views) != m.chunk_digests[c]:
+        def verify(views: Any, each: Any = None) -> None:
+            if digest_of("xxh3-128", views, each=each) != m.chunk_digests[c]:
                 raise IntegrityError(f"chunk {c} bad", source="test")
         return verify
 
     assert landing.streams(8) == 1 and landing.window_cap(1) == 4 * m.chunk_size
+    seam = src["x"].nbytes // m.chunk_size  # the chunk that spans both tensors
     for c in range(m.num_chunks):
         (slot,), check = landing.take(c, verifier(c))
         start, stop = m.chunk_range(c)
         slot[:] = flat[start:stop].tobytes()
-        if c == 2:
-            slot[0] ^= 0xFF  # bad bytes in the slot: refused, nothing placed
+        if c in (2, seam):
+            slot[-1] ^= 0xFF  # bad bytes in the slot: refused
             with pytest.raises(IntegrityError):
                 check([slot])
             landing.abandon(c)
-            assert not dst["x"].view(np.uint8)[start:stop].any()
-            (slot,), check = landing.take(c, verifier(c))
+            got = placed([dst["x"].view(np.uint8), dst["y"].view(np.uint8)])[start:stop]
+            if not copier.blockwise:  # nothing of it placed
+                assert not got.any()
+            assert landing.ring.statistics().in_use == 0
+            (slot,), check = landing.take(c, verifier(c))  # fetched again, over it
             slot[:] = flat[start:stop].tobytes()
         check([slot])
         landing.abandon(c)  # reported: a no-op, its check released the slot
@@ -144,16 +162,40 @@ def test_landing_checks_each_chunk_in_its_slot_before_placing_it() -> None:
     np.testing.assert_array_equal(dst["y"], src["y"])
 
 
+def test_digest_of_hands_on_every_byte_once_in_order() -> None:
+    data = np.random.default_rng(3).integers(0, 255, 3 * (256 << 10) + 77, np.uint8)
+    parts = [memoryview(data[:1000]), memoryview(data[1000:])]
+    seen = bytearray()
+    offsets: list[int] = []
+
+    def each(offset: int, block: memoryview) -> None:
+        offsets.append(offset)
+        assert offset == len(seen)
+        seen.extend(block)
+
+    for algo in ("blake3", "sha256", "xxh3-128"):
+        seen.clear()
+        offsets.clear()
+        assert digest_of(algo, parts, each=each) == digest_of(algo, [data.tobytes()])
+        assert bytes(seen) == data.tobytes()
+        assert offsets == [0, 1000, 1000 + (256 << 10), 1000 + (512 << 10)]
+
+
+def accept(views: Any, each: Any = None) -> None:
+    """A check every chunk passes (it hashes, and hands each block on)."""
+    digest_of("xxh3-128", views, each=each)
+
+
 def test_landing_budget_follows_free_slots_and_spills_only_when_none_is_free() -> None:
     landing, dst, _ = landing_of(slots=4)
     chunk = landing.manifest.chunk_size
     assert landing.budget(1) == 4 * chunk
     for c in range(3):
-        landing.take(c, lambda v: None)
+        landing.take(c, accept)
     assert landing.budget(1) == chunk
-    landing.take(3, lambda v: None)
+    landing.take(3, accept)
     assert landing.ring.free_slots() == 0 and landing.overflows == 0
-    (spill,), check = landing.take(4, lambda v: None)  # a stream's successor, early
+    (spill,), check = landing.take(4, accept)  # a stream's successor, early
     assert landing.overflows == 1 and len(spill) == chunk
     spill[:] = b"\x07" * chunk
     check([spill])  # placed like a slot's bytes

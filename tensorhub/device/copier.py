@@ -29,6 +29,9 @@ _CUDA_MEMCPY_DEFAULT = 4
 
 class Copier(Protocol):
     name: str
+    blockwise: bool
+    """Whether a chunk is best copied block by block as it is hashed (host memory:
+    each block is copied from the cache) rather than whole once it passed."""
 
     def alloc(self, nbytes: int) -> tuple[np.ndarray[Any, Any], Any]:
         """``nbytes`` of slot memory as a uint8 array, and the object that owns it."""
@@ -41,6 +44,7 @@ class Copier(Protocol):
 
 class HostCopier:
     name = "host"
+    blockwise = True
 
     def alloc(self, nbytes: int) -> tuple[np.ndarray[Any, Any], Any]:
         raw = np.empty(nbytes + PAGE, np.uint8)
@@ -55,6 +59,7 @@ class HostCopier:
 
 class CudaCopier:
     name = "cuda"
+    blockwise = False
 
     def __init__(self, device: int = 0) -> None:
         import cupy

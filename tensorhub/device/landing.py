@@ -1,9 +1,12 @@
 """A fetch into tensors through a staging ring.
 
 Each chunk the fetch asks for is given a ring slot to land in (instead of its place in
-the tensors); the slot is digest-checked in the worker thread that checks any chunk, and
-only a chunk that passed is copied to its place (``cudaMemcpyAsync`` into GPU memory,
-or ``memmove`` into host tensors) before the slot is released.  The fetch keeps no more
+the tensors); the slot is digest-checked in the worker thread that checks any chunk,
+and copied to its place (``cudaMemcpyAsync`` into GPU memory, or ``memmove`` into host
+tensors) block by block as it is hashed, each block while it is still in the cache,
+before the slot is released.  A chunk that fails its digest is fetched again over the
+bytes it left in its place; the fetch never counts, serves or returns a chunk that did
+not pass.  The fetch keeps no more
 chunks in flight than the ring has slots: :meth:`Landing.streams` and
 :meth:`Landing.window_cap` size its streams and windows from the ring, and
 :meth:`Landing.budget` caps each claim of chunks by the free slots, so
@@ -15,8 +18,8 @@ worker is copying it, when that copy ends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +29,14 @@ from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import Verifier
 from .buffers import Place
 from .ring import Claim, StagingRing
+
+
+class PassingVerifier(Protocol):
+    """A chunk's check that can hand each block on as it hashes it (see
+    :func:`~tensorhub.manifest.digest_of`); raises if the chunk fails."""
+
+    def __call__(self, landed: Sequence[memoryview],
+                 each: Callable[[int, memoryview], None] | None = None) -> None: ...
 
 
 class Landing:
@@ -55,9 +66,10 @@ class Landing:
         free = self.ring.free_slots() * self.manifest.chunk_size
         return max(self.manifest.chunk_size, min(self.window_cap(streams), free))
 
-    def take(self, chunk: int, verify: Verifier) -> tuple[list[memoryview], Verifier]:
+    def take(self, chunk: int, verify: PassingVerifier) -> tuple[list[memoryview], Verifier]:
         """A slot for ``chunk``: where it lands, and the check to run once it has
-        landed (``verify``, then the copy to its place, then the slot's release).
+        landed (``verify``, copying each block to its place as it is hashed, then the
+        slot's release).
 
         With every slot in use -- only for a moment after a stream ended with chunks
         still being checked, whose slots its successor cannot have yet -- the chunk
@@ -69,8 +81,7 @@ class Landing:
             spill = np.empty(stop - start, np.uint8)
 
             def check_spill(landed: Sequence[memoryview]) -> None:
-                verify(landed)
-                self._place(start, stop, int(spill.ctypes.data))
+                self._check_and_place(verify, landed, start, int(spill.ctypes.data))
             return [memoryview(spill)], check_spill  # type: ignore[arg-type]
         self._claims[chunk] = claim
         ring = self.ring
@@ -79,21 +90,33 @@ class Landing:
             if not ring.begin(claim):
                 raise TransportError(f"chunk {chunk} was given up before its check")
             try:
-                verify(landed)
-                self._place(start, stop, claim.ptr)
+                self._check_and_place(verify, landed, start, claim.ptr)
             finally:
                 ring.release(claim)
 
         return [claim.view[:stop - start]], check_then_place
 
-    def _place(self, start: int, stop: int, src: int) -> None:
-        """Copy bytes ``[start, stop)`` of the version from ``src`` to their tensors."""
+    def _check_and_place(self, verify: PassingVerifier, landed: Sequence[memoryview],
+                         start: int, src: int) -> None:
+        """Check the chunk that begins at byte ``start`` of the version, landed at
+        ``src``, and copy it to its tensors: block by block as it is hashed where the
+        copier copies host memory, the whole chunk once it passed where a GPU copies
+        it (a DMA reads memory, not the cache, and each copy waits for its stream)."""
+        if not self.ring.copier.blockwise:
+            verify(landed)
+            self._place(start, src, sum(map(len, landed)))
+            return
+        verify(landed, lambda offset, block: self._place(start + offset, src + offset,
+                                                         len(block)))
+
+    def _place(self, start: int, src: int, n: int) -> None:
+        """Copy ``n`` bytes of the version from ``start`` on, at ``src``, to their
+        tensors."""
         copy = self.ring.copier.copy
-        at = src
-        for seg in self.manifest.segments(start, stop):
-            n = seg.stop - seg.start
-            copy(self.places[seg.index].ptr + seg.start, at, n)
-            at += n
+        for seg in self.manifest.segments(start, start + n):
+            size = seg.stop - seg.start
+            copy(self.places[seg.index].ptr + seg.start, src, size)
+            src += size
 
     def abandon(self, chunk: int) -> None:
         """``chunk`` was reported, or will not be: give its slot back unless its check

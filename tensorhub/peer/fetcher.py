@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from ..device.landing import PassingVerifier
 from ..errors import (
     IntegrityError,
     RemoteProtocolError,
@@ -288,12 +289,13 @@ class Fetch:
         with trio.move_on_at(self.session.wake_at(now)):
             await changed.wait()
 
-    def _verifier(self, chunk: int, source: str) -> Callable[[Sequence[memoryview]], None]:
+    def _verifier(self, chunk: int, source: str) -> PassingVerifier:
         algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
 
-        def verify(landed: Sequence[memoryview]) -> None:
+        def verify(landed: Sequence[memoryview],
+                   each: Callable[[int, memoryview], None] | None = None) -> None:
             began = time.perf_counter()
-            ok = digest_of(algo, landed) == expected
+            ok = digest_of(algo, landed, each=each) == expected
             self._verify_times.append(time.perf_counter() - began)
             if not ok:
                 raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
