@@ -300,8 +300,11 @@ def test_everything_is_removed_when_the_body_raises(wan_support: None) -> None:
 
 
 OWNER = r"""
-import sys, time
+import signal, sys, time
 from tensorhub.bench.netns import open_cluster
+# Ctrl-C raises, as in a terminal, also when the suite runs as a background job (its
+# children inherit SIGINT ignored, and Python then keeps it ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with open_cluster(2, nic_mbit=100, dcs=2, prefix=sys.argv[1] or None) as cluster:
     cluster.run("h0", ["sleep", "60"])
     print(cluster.prefix, flush=True)

@@ -180,6 +180,9 @@ class RefTableMachine(RuleBasedStateMachine):
         self.dead.discard(who)
         self.gen[who] += 1
         self.tables[who] = RefTable(who, self.gen[who])
+        # a new table: what the old one had seen says nothing about what it may learn
+        for key in [k for k in self.seen if k[0] == who]:
+            del self.seen[key]
 
     @invariant()
     def stamps_never_go_backwards(self) -> None:
