@@ -75,9 +75,11 @@ def new_hasher(algo: str, threads: bool = False) -> Any:
     raise LocalProtocolError(f"unknown digest algorithm {algo!r}; use one of {DIGEST_ALGOS}")
 
 
-HASHED_BLOCK = 256 << 10
+HASHED_BLOCK = 1 << 20
 """Bytes hashed at a time by :func:`digest_of` when it hands each block on: small
-enough to be in the core's cache still when the block is copied on."""
+enough to be in the cache still when the block is copied on, large enough that the
+thread's GIL handovers between blocks cost nothing (256 KiB blocks measured slower
+than hashing and copying a 16 MiB chunk in two passes, next to a receiving thread)."""
 
 
 def digest_of(algo: str, segments: Sequence[Any], threads: bool = False,

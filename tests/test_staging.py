@@ -163,7 +163,8 @@ def test_landing_checks_each_chunk_in_its_slot_and_places_only_what_passed(
 
 
 def test_digest_of_hands_on_every_byte_once_in_order() -> None:
-    data = np.random.default_rng(3).integers(0, 255, 3 * (256 << 10) + 77, np.uint8)
+    block = tensorhub.manifest.HASHED_BLOCK
+    data = np.random.default_rng(3).integers(0, 255, 3 * block + 77, np.uint8)
     parts = [memoryview(data[:1000]), memoryview(data[1000:])]
     seen = bytearray()
     offsets: list[int] = []
@@ -178,7 +179,7 @@ def test_digest_of_hands_on_every_byte_once_in_order() -> None:
         offsets.clear()
         assert digest_of(algo, parts, each=each) == digest_of(algo, [data.tobytes()])
         assert bytes(seen) == data.tobytes()
-        assert offsets == [0, 1000, 1000 + (256 << 10), 1000 + (512 << 10)]
+        assert offsets == [0, 1000, 1000 + block, 1000 + 2 * block]
 
 
 def accept(views: Any, each: Any = None) -> None:
