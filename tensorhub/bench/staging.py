@@ -8,8 +8,9 @@ which goes first alternating too, so both see the same machine):
 (a) *plain*: into pre-faulted numpy arrays, each chunk landing in its place;
 (b) *staged*: into pre-faulted torch CPU tensors through a
     :class:`~tensorhub.StagingRing` of ``--slots`` slots (``ThroughRing``): each chunk
-    lands in a slot, is checked there, then copied to its place -- the path a GPU
-    destination takes, with ``memmove`` where a GPU has ``cudaMemcpyAsync``.
+    lands in a slot and is checked there, each 1 MiB block copied to its place with
+    ``memmove`` right after it was hashed -- the path a GPU destination takes, where
+    ``cudaMemcpyAsync`` copies the whole chunk once it passed.
 
 A run is timed from the ``fetch`` call until it returned; the reader then unpublishes
 its copy.  The figure ``staged_vs_plain_time`` is the staged median over the plain

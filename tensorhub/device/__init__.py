@@ -7,7 +7,7 @@
 - :mod:`.ring` -- the staging ring: a fixed set of host slots (pinned on a GPU) that
   chunks pass through, with flow control and per-slot tickets.
 - :mod:`.landing` -- a fetch into device memory: each chunk lands in a slot, is checked
-  there, then copied to its place.
+  there and copied to its place (into host tensors block by block as it is hashed).
 - :mod:`.serving` -- a held device version served over the network: chunks are copied
   to slots ahead of the reader.
 """

@@ -147,7 +147,7 @@ def landing_places(manifest: Manifest, places: Sequence[Place]) -> list[Place]:
 class ThroughRing:
     """``fetch(into=ThroughRing(tensors, ring))``: land the fetch in ``tensors`` (a
     mapping of name -> tensor, or an ``nn.Module``) through ``ring``'s slots, each
-    chunk checked there, then copied to its place.  Device tensors go this way without
+    chunk checked there and copied to its place.  Device tensors go this way without
     asking (through a ring of the peer's); host tensors only when asked, e.g. to measure
     the staging path on a host without a GPU."""
 
