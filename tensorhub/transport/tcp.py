@@ -98,6 +98,7 @@ class TcpConnection:
 
     transport = "tcp"
     lands_arrays = True
+    holder_shares_memory = False
     """:meth:`read_chunk` takes any C-contiguous buffers as ``dest`` (numpy arrays
     included, sized by ``nbytes``), not only byte views (see ``Connection``)."""
     batch_bytes = 0
@@ -267,8 +268,12 @@ class TcpConnection:
     def _read_replies(self, sock: socket.socket, token: trio.lowlevel.TrioToken) -> None:
         """Wait, idle, for each reply and land it as the request it answers says; stop
         on the first error (the connection is then out of step) or when it is closed."""
+        head: _Exchange | _Run | None = None
         try:
             while True:
+                # Waiting, idle perhaps, in a pooled connection: hold nothing of the last
+                # request (its run's checks keep a fetch and its memory alive).
+                head = ex = None
                 reply = recv_frame_blocking(sock, partial(self._on_idle, token))
                 now = time.perf_counter()
                 if not self._queue:
