@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import blake3
@@ -55,6 +55,10 @@ DIGEST_SIZES = {"blake3": 32, "sha256": 32, "xxh3-128": 16}
 
 TRUSTED_ONLY = frozenset({"xxh3-128"})
 """Digests that only hold where every holder is trusted (see :data:`DIGEST_ALGOS`)."""
+
+LOCAL_ALGO = "xxh3-128"
+"""The digest of :attr:`Manifest.local_digests`: what a reader checks a chunk against
+when its holder is a process that can already write the reader's memory."""
 
 THREADED_HASH_BYTES = 1 << 20
 """Chunks at least this large are hashed by blake3 with several threads when a manifest
@@ -132,6 +136,14 @@ class Manifest:
     world: int = 1
     layout: bytes = b""
     """Which shard of which layout this manifest describes (see :class:`VersionKey`)."""
+    local_digests: tuple[bytes, ...] = ()
+    """Per-chunk :data:`LOCAL_ALGO` digests next to cryptographic ``chunk_digests``
+    (empty where there are none).  A reader checks against them instead only where the
+    holder is a process of its own host and user whose memory it was shown to read
+    (``Connection.holder_shares_memory``): such a process can write the reader's memory
+    too, so a cryptographic digest guards against nothing it could not do anyway, while
+    these still catch every corruption (a stale mapping, a buffer changed while leased)
+    at memory speed.  Under the publisher's signature like every other field."""
     table: TensorTable = field(init=False, repr=False, compare=False)
     """Derived columns, shared with every manifest of the same tensor tuple."""
 
@@ -210,7 +222,7 @@ class Manifest:
             "digest_algo": self.digest_algo,
             "chunk_digests": b"".join(self.chunk_digests),
             "shard": [self.shard, self.world, self.layout],
-        }
+        } | ({"local_digests": b"".join(self.local_digests)} if self.local_digests else {})
 
     def encode(self) -> bytes:
         """The wire form (computed once: a manifest is immutable)."""
@@ -293,9 +305,7 @@ def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
     def bad(what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"malformed manifest: {what}")
 
-    if not isinstance(obj, dict) or set(obj) != {
-        "model", "version", "tensors", "chunk_size", "digest_algo", "chunk_digests", "shard"
-    }:
+    if not isinstance(obj, dict) or set(obj) - {"local_digests"} != _FIELDS:
         raise bad("wrong fields")
     sh = obj["shard"]
     if not (isinstance(sh, list) and len(sh) == 3 and _is_count(sh[0]) and _is_count(sh[1])
@@ -321,7 +331,17 @@ def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
     if type(blob) is not bytes or len(blob) != expected * size or expected > limits.max_chunks:
         raise bad("chunk digests")
     digests = tuple(blob[i:i + size] for i in range(0, len(blob), size))
-    return Manifest(model, version, tensors, chunk_size, algo, digests, shard, world, layout)
+    local = obj.get("local_digests", b"")
+    size = DIGEST_SIZES[LOCAL_ALGO]
+    if "local_digests" in obj and (type(local) is not bytes or algo in TRUSTED_ONLY
+                                   or not 0 < len(local) == expected * size):
+        raise bad("local digests")  # present only when it has every chunk's, canonical
+    return Manifest(model, version, tensors, chunk_size, algo, digests, shard, world, layout,
+                    tuple(local[i:i + size] for i in range(0, len(local), size)))
+
+
+_FIELDS = {"model", "version", "tensors", "chunk_size", "digest_algo", "chunk_digests",
+           "shard"}
 
 
 _TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}
@@ -497,6 +517,7 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
     tensors = tuple(specs)
     skeleton = Manifest(key.model, key.version, tensors, chunk_size, algo, ())
     _check_size(key, len(skeleton.encode()) + skeleton.num_chunks * 34, limits)
+    local: list[bytes] = []
     if digests is not None:
         found = digests(skeleton)
     else:
@@ -505,11 +526,25 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
         found = []
         for c in range(skeleton.num_chunks):
             lo, hi, head, tail = skeleton.chunk_tensors(c)
-            found.append(digest_of(algo, chunk_pieces(nonempty[lo:hi], head, tail), threads))
+            pieces = chunk_pieces(nonempty[lo:hi], head, tail)
+            if algo in TRUSTED_ONLY:
+                found.append(digest_of(algo, pieces, threads))
+                continue
+            fast = new_hasher(LOCAL_ALGO)  # fed each block while it is in the cache
+            found.append(digest_of(algo, pieces, threads, _feeder(fast)))
+            local.append(fast.digest())
     manifest = Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(found),
-                        key.shard, world, key.layout)
+                        key.shard, world, key.layout, tuple(local))
+    if local and len(manifest.encode()) > limits.max_manifest_bytes:  # optional: dropped
+        manifest = replace(manifest, local_digests=())
     _check_size(key, len(manifest.encode()), limits)
     return manifest
+
+
+def _feeder(hasher: Any) -> Callable[[int, memoryview], None]:
+    def feed(_at: int, block: memoryview) -> None:
+        hasher.update(block)
+    return feed
 
 
 def _check_size(key: VersionKey, size: int, limits: ManifestLimits) -> None:

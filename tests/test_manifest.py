@@ -101,3 +101,34 @@ def test_ten_thousand_tensors_round_trip() -> None:
     m = build_manifest(VersionKey("m", 1), arrays, 4 << 20, "blake3")
     back = Manifest.decode(m.encode(), expected_id=m.manifest_id())
     assert back.tensors[-1].offset == 9_999 * 4096 and back.total_bytes == 10_000 * 4096
+
+
+def test_local_digests_are_xxh3_of_each_chunk_next_to_cryptographic_ones() -> None:
+    from tensorhub.manifest import LOCAL_ALGO, digest_of
+    data = np.random.default_rng(5).standard_normal(5000).astype(np.float32)
+    m = build_manifest(VersionKey("m", 1), [("w", data)], 4096, "blake3")
+    raw = data.tobytes()
+    chunks = [raw[i:i + 4096] for i in range(0, len(raw), 4096)]
+    assert m.local_digests == tuple(digest_of(LOCAL_ALGO, [c]) for c in chunks)
+    assert m.chunk_digests == tuple(digest_of("blake3", [c]) for c in chunks)
+    back = Manifest.decode(m.encode(), expected_id=m.manifest_id())
+    assert back.local_digests == m.local_digests and back == m
+    # a manifest whose digests are fast already carries no second list
+    fast = build_manifest(VersionKey("m", 1), [("w", data)], 4096, "xxh3-128")
+    assert fast.local_digests == () and "local_digests" not in fast.to_wire()
+
+
+@pytest.mark.parametrize("bad", [b"", b"\0" * 16, b"\0" * 48, "text", 7])
+def test_malformed_local_digests_are_refused(bad: object) -> None:
+    m = build_manifest(VersionKey("m", 1), [("w", np.ones(2048, np.float32))], 4096,
+                       "blake3")
+    assert len(m.local_digests) == 2
+    wire = m.to_wire()
+    wire["local_digests"] = bad  # empty, too short, too long, not bytes
+    with pytest.raises(RemoteProtocolError, match="local digests"):
+        Manifest.decode(msgpack.packb(wire, use_bin_type=True))
+    fast = build_manifest(VersionKey("m", 1), [("w", np.ones(2048, np.float32))], 4096,
+                          "xxh3-128").to_wire()
+    fast["local_digests"] = wire["chunk_digests"][:32]  # beside fast digests: refused
+    with pytest.raises(RemoteProtocolError, match="local digests"):
+        Manifest.decode(msgpack.packb(fast, use_bin_type=True))

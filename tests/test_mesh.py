@@ -292,8 +292,29 @@ async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
         assert got.report.transport_by_source == {"p0": "shm"}
         assert r.statistics().bytes_by_transport == {"shm": got.report.bytes}
         assert r.statistics().shm == "available"
+        # the holder is this user's process: chunks checked against the fast digests
+        assert got.report.local_digest_chunks == got.report.chunks > 0
         for k in w:
             np.testing.assert_array_equal(got.tensors[k], w[k])
+
+
+async def test_a_same_host_holder_that_serves_bad_bytes_fails_the_fast_digest() -> None:
+    from tensorhub.transport.samehost.reader import shm_available
+
+    ok, why = shm_available()
+    if not ok:
+        pytest.skip(f"same-host transport unavailable here: {why}")
+    async with mesh(2, labels=(("host", "box1"),), planning=False) as (pub, r):
+        w = weights(3, mib=1)
+        await pub.publish("m", 3, w)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        assert r.statistics().shm == "available"
+        corrupt_served(pub, 1)  # one flipped byte in one chunk, over shared memory
+        with pytest.raises(VersionUnavailable, match="failed its digest"):
+            await r.fetch("m", 3)
+        assert r.statistics().integrity_failures == {"p0": 1}
+        assert set(r.statistics().bytes_by_transport) <= {"shm", "shm-memfd"}
 
 
 async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() -> None:

@@ -29,6 +29,10 @@ class FetchReport:
     transport_refusals: dict[str, str] = field(default_factory=dict)
     """Per source: the transports preferred over the one used and skipped, and why
     (``PeerConfig.transports``; :mod:`tensorhub.peer.dialing`)."""
+    local_digest_chunks: int = 0
+    """Chunks checked against the manifest's fast local digests (xxh3-128) instead of
+    its cryptographic ones: read from a same-host holder that could write this process's
+    memory anyway (``Connection.holder_shares_memory``)."""
     integrity_failures: dict[str, int] = field(default_factory=dict)
     dropped_sources: dict[str, str] = field(default_factory=dict)
     banned_sources: dict[str, str] = field(default_factory=dict)

@@ -30,7 +30,7 @@ from ..errors import (
     TransportError,
     VersionUnavailable,
 )
-from ..manifest import digest_of
+from ..manifest import LOCAL_ALGO, digest_of
 from ..model import PeerInfo, VersionKey
 from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
@@ -229,10 +229,12 @@ class Fetch:
                 if landing is not None:  # no more than the staging ring has slots for
                     budget = min(budget, landing.budget(session.window))
                 run = session.next_run(trio.current_time(), stream, budget)
+                local = ready.holder_shares_memory
                 if landing is not None:
-                    return [(c, *landing.take(c, self._verifier(c, name))) for c in run]
+                    return [(c, *landing.take(c, self._verifier(c, name, local)))
+                            for c in run]
                 return [(c, self.local.buffers(c) if ready.lands_arrays else
-                         self.local.segments(c), self._verifier(c, name)) for c in run]
+                         self.local.segments(c), self._verifier(c, name, local)) for c in run]
 
             scope.deadline = trio.current_time() + session.stall_limit(name)
 
@@ -248,6 +250,8 @@ class Fetch:
                     self._notify()  # a chunk to fetch again
                 else:  # no news for waiting workers: nothing new to fetch
                     self.local.mark_verified(c)
+                    if ready.holder_shares_memory and self.manifest.local_digests:
+                        self._report.local_digest_chunks += 1
                     session.landed(now, stream, c, result)
                     self._report.transport_by_source[name] = ready.transport
                     self.on_progress()
@@ -289,8 +293,14 @@ class Fetch:
         with trio.move_on_at(self.session.wake_at(now)):
             await changed.wait()
 
-    def _verifier(self, chunk: int, source: str) -> PassingVerifier:
-        algo, expected = self.manifest.digest_algo, self.manifest.chunk_digests[chunk]
+    def _verifier(self, chunk: int, source: str, local: bool = False) -> PassingVerifier:
+        """The check of ``chunk`` read from ``source``: against the manifest's local
+        digest where it has them and ``local`` says the holder could write this
+        process's memory anyway (see ``Connection.holder_shares_memory``)."""
+        m = self.manifest
+        algo, expected = m.digest_algo, m.chunk_digests[chunk]
+        if local and m.local_digests:
+            algo, expected = LOCAL_ALGO, m.local_digests[chunk]
 
         def verify(landed: Sequence[memoryview],
                    each: Callable[[int, memoryview], None] | None = None) -> None:

@@ -52,6 +52,7 @@ class MemoryConnection:
 
     transport = "memory"
     lands_arrays = False
+    holder_shares_memory = False
     batch_bytes = 0
 
     def __init__(self, server: MemoryServer, peer: str, reader: str) -> None:

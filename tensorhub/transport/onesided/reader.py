@@ -68,6 +68,7 @@ class OneSidedConnection(TcpConnection):
     """A reader's connection that reads with a one-sided :class:`~.backend.Backend`."""
 
     lands_arrays = False
+    holder_shares_memory = False
     batch_bytes = 64 << 20
     """Bytes of consecutive chunks a stream hands one :meth:`read_chunks`: one round
     trip leases them all."""

@@ -137,6 +137,9 @@ class ShmConnection(TcpConnection):
     """``shm-memfd`` once the last chunk came from the holder's memory files, ``shm`` when
     it came through ``process_vm_readv``."""
     lands_arrays = False  # chunks are copied into byte views
+    holder_shares_memory = False
+    """True once the handshake showed the holder is this user's (or root's) process
+    whose memory this one reads: it could write this process's memory too."""
     batch_bytes = 64 << 20
     """Under a version lease, bytes per worker-thread call.  Measured (1 GiB in 4 MiB
     chunks, 2 cores): 0.165 s a fetch with one chunk per call, 0.129 with 4, 0.124 with
@@ -202,6 +205,7 @@ class ShmConnection(TcpConnection):
             raise TransportError(f"{elsewhere}: pid {self._pid} here is another process; "
                                  "the holder runs on another host or in another pid namespace")
         self._check_holder()
+        self.holder_shares_memory = uid in (os.geteuid(), 0)
 
     def _holder_state(self) -> tuple[bool, bool]:
         """(the holder exited or ended the connection, its socket has something to say).
