@@ -150,13 +150,21 @@ def _scatter(dest: Sequence[Any], data: memoryview) -> None:
         at += len(view)
 
 
+def _joined(segments: Sequence[memoryview]) -> memoryview:
+    """A chunk's bytes as one buffer: its one segment as is (most chunks lie in one
+    tensor), or a copy of its segments joined."""
+    if len(segments) == 1:
+        return memoryview(segments[0]).cast("B")
+    return memoryview(b"".join(segments))
+
+
 def _copy_unchanged(base: LocalVersion, local: LocalVersion, chunks: Sequence[int]
                     ) -> tuple[list[int], float]:
     """Copy ``chunks`` from the base where they check out; (those, CPU seconds)."""
     began = time.thread_time()
     m, done = local.manifest, []
     for c in chunks:
-        data = memoryview(b"".join(base.segments(c)))
+        data = _joined(base.segments(c))
         if digest_of(m.digest_algo, [data]) == m.chunk_digests[c]:
             _scatter(local.segments(c), data)
             done.append(c)
@@ -170,7 +178,7 @@ def _apply(base: LocalVersion, local: LocalVersion, chunk: int, payload: bytes
     no longer matches its digest (``local: ...``)."""
     began = time.thread_time()
     m, bm = local.manifest, base.manifest
-    old = b"".join(base.segments(chunk))
+    old = _joined(base.segments(chunk))
     try:
         data = apply_chunk(old, payload).data
         why = "" if digest_of(m.digest_algo, [data]) == m.chunk_digests[chunk] else \
