@@ -175,3 +175,17 @@ def test_delta_messages_round_trip_with_their_own_ids() -> None:
     assert ids[DeltaRunRequest] == 130 and ids[DeltaReply] == 131
     for msg in (DeltaRunRequest(1, "m", 2, 1, 0, 64), DeltaReply(1, 5, 0, 100, 7)):
         assert codec.decode(codec.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.01, 0.05, 0.2, 1.0])
+def test_changed_words_are_found_alike_by_either_scan(fraction: float) -> None:
+    from tensorhub.protocol.delta import _changed_words
+    base, new = bf16_step(1 << 16, fraction, 7)
+    old_b, new_b = np.frombuffer(base, np.uint8), np.frombuffer(new, np.uint8)
+    x = np.bitwise_xor(old_b.view(np.uint16), new_b.view(np.uint16))
+    want = np.flatnonzero(x)
+    for cut in (0, 2):  # a length of whole 64-bit words (wide scan), and one without
+        got_x, pos, values = _changed_words(old_b[cut:], new_b[cut:])
+        shifted = want[want >= cut // 2] - cut // 2
+        assert np.array_equal(pos, shifted) and np.array_equal(values, got_x[pos])
+        assert np.array_equal(got_x, x[cut // 2:])

@@ -75,6 +75,9 @@ measured at 1-2% changed, module table: a guess that errs towards full chunks)."
 MAX_DELTA_OVERHEAD = 64
 """Bytes a delta payload may exceed its chunk by (a RAW payload is the chunk plus one)."""
 
+_WIDE_SCAN = 8
+"""See :func:`_changed_words` (at 10% of values changed a third of the 64-bit words
+are, and expanding them costs more than scanning 16-bit words)."""
 _COUNT = struct.Struct("<I")
 _WORD = 2
 _XOR_HEAD = bytes((XOR,))
@@ -91,18 +94,39 @@ def encode_chunk(base: Any, new: Any) -> bytes:
     if n % _WORD:
         out = _XOR_HEAD + _compress(np.bitwise_xor(old_b, new_b))
     else:
-        x = np.bitwise_xor(old_b.view(np.uint16), new_b.view(np.uint16))
-        pos = np.flatnonzero(x)
+        x, pos, values = _changed_words(old_b, new_b)
         if len(pos) * DENSE > x.size:
             out = _XOR_HEAD + _compress(x)
         else:
             gaps = np.diff(pos, prepend=0).astype("<u4")
             body = (gaps.view(np.uint8).reshape(-1, 4).T.tobytes()
-                    + x[pos].astype("<u2").view(np.uint8).reshape(-1, 2).T.tobytes())
+                    + values.astype("<u2").view(np.uint8).reshape(-1, 2).T.tobytes())
             out = bytes((SPARSE,)) + _COUNT.pack(len(pos)) + _compress(body)
     if len(out) > n:
         return bytes((RAW,)) + new_b.tobytes()
     return out
+
+
+def _changed_words(old_b: np.ndarray[Any, Any], new_b: np.ndarray[Any, Any]
+                   ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The XOR of two chunks as 16-bit words, the positions of those not zero, and
+    their values.  Sparse changes are found among 64-bit words first (a quarter of the
+    elements to scan: 1% of values changed, a 4 MiB chunk, 2.7 ms instead of 4.7);
+    over one 64-bit word in :data:`_WIDE_SCAN` changed, among the 16-bit words."""
+    if old_b.size % 8:
+        x = np.bitwise_xor(old_b.view(np.uint16), new_b.view(np.uint16))
+        pos = np.flatnonzero(x)
+        return x, pos, x[pos]
+    x64 = np.bitwise_xor(old_b.view(np.uint64), new_b.view(np.uint64))
+    x = x64.view(np.uint16)
+    wide = np.flatnonzero(x64)
+    if len(wide) * _WIDE_SCAN > x64.size:
+        pos = np.flatnonzero(x)
+        return x, pos, x[pos]
+    lanes = x64[wide].view(np.uint16).reshape(-1, 4)  # memory order, as x's words
+    changed = lanes != 0
+    pos = (wide[:, None] * 4 + np.arange(4))[changed]
+    return x, pos, lanes[changed]
 
 
 def _compress(data: Any) -> bytes:
