@@ -132,3 +132,18 @@ def test_malformed_local_digests_are_refused(bad: object) -> None:
     fast["local_digests"] = wire["chunk_digests"][:32]  # beside fast digests: refused
     with pytest.raises(RemoteProtocolError, match="local digests"):
         Manifest.decode(msgpack.packb(fast, use_bin_type=True))
+
+
+@given(manifests(), st.one_of(st.binary(max_size=200), st.integers(-2**63, 2**64 - 1),
+                              st.text(max_size=8), st.none(), st.lists(st.binary(max_size=16),
+                                                                       max_size=4)))
+@settings(max_examples=300)
+def test_any_local_digests_are_refused_or_one_per_chunk(m: Manifest, value: object) -> None:
+    wire = m.to_wire()
+    wire["local_digests"] = value
+    try:
+        back = Manifest.decode(msgpack.packb(wire, use_bin_type=True))
+    except RemoteProtocolError:
+        return
+    assert len(back.local_digests) == back.num_chunks > 0
+    assert all(len(d) == 16 for d in back.local_digests)
