@@ -58,13 +58,14 @@ from itertools import pairwise
 from ..bounds import U32, PeerName
 from ..errors import ConfigError, LocalProtocolError, VersionUnavailable
 from ..model import VersionKey
+from .candidates import Candidates, EdgeKey, Group
 from .topology import Locality, NodeInfo, Topology, fluid_bound, locality
 
 ChunkRanges = tuple[tuple[int, int], ...]
 _STEP = 1.03
 _MAX_STEPS = 400  # 1.03**400: far past any budget a star would need
 _EPS = 1e-9
-_Key = tuple[Locality, bool, bool, int, bool, float, str]
+_Key = EdgeKey
 REBUILD_OVER_BOUND = 1.25
 """A join that leaves the estimate over this many times the fluid bound tries a fresh
 plan (as does one that made the budget grow)."""
@@ -390,51 +391,107 @@ class Planner:
 
     def _prim(self, j: int) -> bool:
         """Grow stripe ``j``'s tree (lazy Prim over a heap).  ``open_``: the attached
-        nodes that may still fit a child (a spare only shrinks while the tree grows, so
-        one that no longer fits never will)."""
+        nodes that fit a child (a spare only shrinks while the tree grows, so one that no
+        longer fits never will).  Most fetchers find their best parent through
+        :class:`~.candidates.Candidates` (by host, rack, DC); the few it cannot describe
+        (:meth:`_special`) keep a best parent of their own, found by a full scan."""
+        sb, nodes = self._sb[j], self._nodes
+        need = sb * (1 - _EPS)
         depth = dict.fromkeys(self._roots[j], 0)
         open_ = {p: 0 for p in depth if self._fits(p, j)}
         spare0 = {v: self._spare(v, j) for v in self._fetchers}
-        best = {v: self._best_parent(v, j, open_) for v in self._fetchers}
-        heap: list[tuple[bool, tuple[Locality, bool, bool, int, bool], float, int, str, str,
-                         _Key]] = []
+        special = self._special(j)
+        slow = {loc: self._topo.config.class_bps(loc) * self._budget_s < sb
+                for loc in Locality}
 
-        def push(v: str) -> None:
+        def order(v: str) -> tuple[bool, float, int, str]:
+            return spare0[v] < sb, -spare0[v], self._rank[v], v
+
+        cands = Candidates(nodes, (v for v in self._fetchers if v not in special), order,
+                           slow)
+
+        def parent_key(p: str, spare: float) -> tuple[int, bool, float, str]:
+            return depth[p], p in self._held, -spare, p
+
+        for p in open_:
+            cands.open_parent(p, parent_key(p, self._spare(p, j)))
+        best = {v: self._best_parent(v, j, open_) for v in sorted(special)}
+        heap: list[tuple[bool, tuple[Locality, bool, bool, int, bool], float, int, str, str,
+                         _Key, Group | None]] = []
+
+        def push(g: Group | None, found: tuple[tuple[bool, float, int, str], _Key, str, str]
+                 | None) -> None:
+            if found is not None:
+                (flag, spare, rank, v), key, _, p = found
+                heapq.heappush(heap, (flag, key[:5], spare, rank, v, p, key, g))
+
+        def push_special(v: str) -> None:
             b = best[v]
             if b is not None:
-                heapq.heappush(heap, (spare0[v] < self._sb[j], b[0][:5], -spare0[v],
-                                      self._rank[v], v, b[1], b[0]))
+                push(None, (order(v), b[0], v, b[1]))
 
+        def push_groups(groups: list[Group]) -> None:
+            for g in dict.fromkeys(groups):
+                push(g, cands.candidate(g))
+
+        push_groups(cands.tiers())
         for v in best:
-            push(v)
-        while best:
+            push_special(v)
+        todo = set(self._fetchers)
+        while todo:
             if not heap:
                 return False  # nobody left has a parent that fits
-            *_, v, p, key = heapq.heappop(heap)
-            if best.get(v) != (key, p):
-                continue  # superseded
-            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != key:
-                if not self._fits(p, j):
-                    open_.pop(p, None)
-                best[v] = self._best_parent(v, j, open_)  # keys only worsen: lazy Prim
-                push(v)
-                continue
+            entry = heapq.heappop(heap)
+            *_, v, p, key, g = entry
+            if g is None:
+                if best.get(v) != (key, p):
+                    continue  # superseded, or attached
+                if not self._fits(p, j) or self._key(p, v, j, depth[p]) != key:
+                    best[v] = self._best_parent(v, j, open_)  # keys only worsen: lazy Prim
+                    push_special(v)
+                    continue
+                del best[v]
+            else:
+                found = cands.candidate(g)
+                if found is None or (found[2], found[3], found[1]) != (v, p, key):
+                    push(g, found)  # the group's edge changed since (for the worse)
+                    continue
             self._link(p, v, j)
             depth[v] = depth[p] + 1
-            del best[v]
-            if not self._fits(p, j):
+            todo.discard(v)
+            cands.attached(v)
+            changed = [] if g is None else [g]
+            if self._fits(p, j):
+                cands.reprice(p, parent_key(p, self._spare(p, j)))
+            else:
                 open_.pop(p, None)
+                changed += cands.close_parent(p)
             spare = self._spare(v, j)
-            if spare >= self._sb[j] * (1 - _EPS):  # v fits a child
+            if spare >= need:  # v fits a child
                 open_[v] = dv = depth[v]
+                changed += cands.open_parent(v, parent_key(v, spare))
                 for u, b in best.items():
-                    if (b is None or not _worse(self._nodes[v], self._nodes[u], dv, b[0])) \
+                    if (b is None or not _worse(nodes[v], nodes[u], dv, b[0])) \
                             and self._allowed(v, u, j):
                         k = self._key(v, u, j, dv, spare)
                         if b is None or k < b[0]:
                             best[u] = (k, v)
-                            push(u)
+                            push_special(u)
+            push_groups(changed)
         return True
+
+    def _special(self, j: int) -> set[str]:
+        """Fetchers whose best parent :class:`~.candidates.Candidates` cannot tell: the
+        seeds of stripe ``j`` (they cross DCs), and those with a measured link in whose
+        slowness differs from its locality class's."""
+        out = {x for (_, k), x in self._seed.items() if k == j}
+        nodes, sb, budget = self._nodes, self._sb[j], self._budget_s
+        for src, dst, bps in self._topo.measured():
+            if dst in self._fetchers and src in nodes:
+                loc = locality(nodes[src], nodes[dst])
+                if (bps * budget < sb) != (self._topo.config.class_bps(loc) * budget < sb):
+                    out.add(dst)
+        return out
 
     def _apply(self, todo: Iterable[tuple[str, int]]) -> Plan:
         """:meth:`_attach`, then publish the plan under a new epoch."""

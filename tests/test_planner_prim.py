@@ -1,0 +1,122 @@
+"""The planner's Prim, which finds parents by host, rack and DC
+(:mod:`tensorhub.protocol.candidates`), against the full scan it replaced: the same
+plans, edge for edge, on random topologies (with measured links) and on a large one.
+
+Every randomized test prints its seed; rerun one with ``TENSORHUB_TEST_SEED=<seed>``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+from hypothesis import given, seed
+from hypothesis import strategies as st
+from test_planner import KEY, PROPERTY, SEED, Scenario, scenarios
+
+from tensorhub.protocol.planner import Planner, PlannerConfig, _worse
+from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig
+
+
+class FullScan(Planner):
+    """The reference: every attach offers the new parent to every fetcher."""
+
+    def _prim(self, j: int) -> bool:
+        depth = dict.fromkeys(self._roots[j], 0)
+        open_ = {p: 0 for p in depth if self._fits(p, j)}
+        spare0 = {v: self._spare(v, j) for v in self._fetchers}
+        best = {v: self._best_parent(v, j, open_) for v in self._fetchers}
+        heap: list[tuple[object, ...]] = []
+
+        def push(v: str) -> None:
+            b = best[v]
+            if b is not None:
+                heapq.heappush(heap, (spare0[v] < self._sb[j], b[0][:5], -spare0[v],
+                                      self._rank[v], v, b[1], b[0]))
+
+        for v in best:
+            push(v)
+        while best:
+            if not heap:
+                return False
+            *_, v, p, key = heapq.heappop(heap)
+            assert isinstance(v, str) and isinstance(p, str)
+            if best.get(v) != (key, p):
+                continue
+            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != key:
+                if not self._fits(p, j):
+                    open_.pop(p, None)
+                best[v] = self._best_parent(v, j, open_)
+                push(v)
+                continue
+            self._link(p, v, j)
+            depth[v] = depth[p] + 1
+            del best[v]
+            if not self._fits(p, j):
+                open_.pop(p, None)
+            spare = self._spare(v, j)
+            if spare >= self._sb[j] * (1 - 1e-9):
+                open_[v] = dv = depth[v]
+                for u, b in best.items():
+                    if (b is None or not _worse(self._nodes[v], self._nodes[u], dv, b[0])) \
+                            and self._allowed(v, u, j):
+                        k = self._key(v, u, j, dv, spare)
+                        if b is None or k < b[0]:
+                            best[u] = (k, v)
+                            push(u)
+        return True
+
+
+def same(a: Planner, b: Planner) -> None:
+    pa, pb = a.plan, b.plan
+    assert pa.assignments == pb.assignments
+    assert (pa.estimate_s, pa.bound_s) == (pb.estimate_s, pb.bound_s)
+    assert a.statistics() == b.statistics()
+
+
+@seed(SEED)
+@PROPERTY
+@given(scenarios(), st.randoms(use_true_random=False), st.floats(0.01, 3.0))
+def test_same_plans_as_the_full_scan(sc: Scenario, rng: random.Random, speed: float
+                                     ) -> None:
+    """Including measured links, some too slow for a stripe (those fetchers take the
+    full scan), and joins and removals after the first plan."""
+    print(f"seed={SEED}")
+    names = [*sc.holders, *sc.fetchers]
+    for _ in range(rng.randrange(0, 3 * len(names))):
+        src, dst = rng.choice(names), rng.choice(sc.fetchers)
+        if src != dst:
+            nbytes = 1 << 30
+            rate = sc.topo.link_bps(src, dst) * speed * rng.uniform(0.5, 1.5)
+            sc.topo.observe(src, dst, nbytes, nbytes / rate)
+    args = (KEY, sc.size, sc.chunks, sc.topo, sc.holders, sc.fetchers)
+    ours, ref = Planner(*args, config=sc.config), FullScan(*args, config=sc.config)
+    same(ours, ref)
+    if len(sc.fetchers) > 2:
+        for pl in (ours, ref):
+            pl.remove_peer(sc.fetchers[0])
+            pl.mark_complete(sc.fetchers[1])
+        same(ours, ref)
+
+
+def test_same_plan_at_scale_in_two_dcs() -> None:
+    """600 peers in racks of 40 (hosts of 1 to 8), two DCs, the holders in one (so
+    seeds cross): the index keeps every tie the full scan breaks."""
+    print(f"seed={SEED}")
+    rng = random.Random(SEED)
+    topo = Topology(TopologyConfig(wan_bps=10e9))
+    holders: dict[str, tuple[tuple[int, int], ...] | None] = {}
+    fetchers = []
+    for i in range(602):
+        dc = f"dc{i % 2}"
+        rack = f"r{(i // 2) // 40}"
+        host = f"{dc}{rack}h{(i // 2) // rng.choice([1, 4, 8])}"
+        bps = rng.choice([25e9, 50e9, 50e9])
+        topo.add(NodeInfo(f"n{i:03d}", dc, rack, host, bps, bps))
+        if i in (0, 2):
+            holders[f"n{i:03d}"] = None
+        else:
+            fetchers.append(f"n{i:03d}")
+    config = PlannerConfig(seeds_per_dc=2, max_stripes=3)
+    args = (KEY, 64 << 30, 256, topo, holders, fetchers)
+    same(Planner(*args, config=config), FullScan(*args, config=config))
