@@ -14,6 +14,7 @@ from hypothesis import given, seed
 from hypothesis import strategies as st
 from test_planner import KEY, PROPERTY, SEED, Scenario, scenarios
 
+from tensorhub.protocol import planner as planner_mod
 from tensorhub.protocol.planner import Planner, PlannerConfig, _worse
 from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig
 
@@ -120,3 +121,26 @@ def test_same_plan_at_scale_in_two_dcs() -> None:
     config = PlannerConfig(seeds_per_dc=2, max_stripes=3)
     args = (KEY, 64 << 30, 256, topo, holders, fetchers)
     same(Planner(*args, config=config), FullScan(*args, config=config))
+
+
+def test_joins_past_128_peers_end_near_the_plan_made_at_once() -> None:
+    """320 fetchers join one at a time: rebuilds keep the plan within what the rebuild
+    rule allows of the plan made at once (with rebuilds only up to 128 peers the trees
+    became chains: 1,024 joiners, 229x the fluid bound)."""
+    topo = Topology(TopologyConfig())
+    topo.add(NodeInfo("trainer", "dc0", "r0", "ht", 50e9, 50e9))
+    names = [f"f{i:03d}" for i in range(320)]
+    for i, name in enumerate(names):
+        topo.add(NodeInfo(name, "dc0", f"r{i % 8}", f"h{i}", 50e9, 50e9))
+    holders: dict[str, tuple[tuple[int, int], ...] | None] = {"trainer": None}
+    fresh = Planner(KEY, 4 << 30, 16, topo, holders, names).plan
+    ratios: dict[int, float] = {}
+    for limit in (128, PlannerConfig().rebuild_max_peers):
+        pl = Planner(KEY, 4 << 30, 16, topo, holders, names[:1],
+                     config=PlannerConfig(rebuild_max_peers=limit))
+        for name in names[1:]:
+            pl.add_fetcher(name)
+        ratios[limit] = pl.reconsider().estimate_s / fresh.estimate_s
+    print(f"estimate / the plan made at once, by rebuild limit: {ratios}")
+    assert ratios[PlannerConfig().rebuild_max_peers] <= planner_mod.REBUILD_GAIN
+    assert ratios[128] > 4

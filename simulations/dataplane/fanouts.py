@@ -27,7 +27,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from tensorhub.config import PeerConfig
@@ -94,8 +94,9 @@ class FabricCoordinator(SimCoordinator):
 
     def _new(self, fetchers: list[str]) -> Planner:
         s, fan = self.setup, self.fan
-        config = PlannerConfig(seeds_per_dc=fan.seeds_per_dc,
-                               rebuild_max_peers=128 if fan.rebuild else 0)
+        config = PlannerConfig(seeds_per_dc=fan.seeds_per_dc)
+        if not fan.rebuild:
+            config = replace(config, rebuild_max_peers=0)
         return Planner(KEY, s.size, self.chunks, self._topology(),
                        dict.fromkeys(fan.holders), fetchers, config=config)
 

@@ -39,9 +39,10 @@ fetcher skips the chunks it has verified whoever its new parent is, gives back w
 claimed elsewhere (``TransferSession.replan``), and asks a parent still receiving ahead
 as it does any planned parent.  A fresh plan moves few: between equal choices an
 earlier joiner attaches first, and at equal downlinks old seeds stay seeds (one may
-have crossed the WAN, and finish before it asks again).  Cost (a fresh plan is O(n^2)
-per stripe and budget step): after a join's try at n fetchers the next waits for n/4
-more joiners, so all cost a constant times one plan of the final size; the joiners in
+have crossed the WAN, and finish before it asks again).  Cost (a fresh plan is about
+O(n log n) per stripe and budget step, :mod:`.candidates`): after a join's try at n
+fetchers the next waits for n/4 more joiners, so all cost a constant times one plan of
+the final size; the joiners in
 between get one try when a fetcher asks again (:meth:`Planner.reconsider`, once per
 join's try); none above ``PlannerConfig.rebuild_max_peers`` participants.  Pure: no
 clock, no I/O.
@@ -83,10 +84,13 @@ class PlannerConfig:
     of the stripes.  More seeds put more NICs on the WAN; WAN bytes stay 1x per DC."""
     max_stripes: int = 4
     """Most stripes tried.  More: shallower trees, but more sources per fetcher."""
-    rebuild_max_peers: int = 128
+    rebuild_max_peers: int = 4096
     """Most participants for which a join may rebuild the whole plan (see the module
-    docstring; a fresh plan of 128 peers took 0.2-0.3 s of CPU on a loaded 2-core
-    host, all of a 128-peer fan-out's joins and tries 1.0 s); 0: never."""
+    docstring); 0: never.  Above it joins only attach, and once the leaves' spare
+    budget is spent the trees become chains (1,024 peers joining one at a time, limit
+    128: 229x the fluid bound; limit 4096: 2.75x, as the plan made at once).  Cost on a
+    loaded 2-core host: a fresh plan of 128 peers 0.1 s, of 1,024 peers 2 s; all of a
+    1,024-peer fan-out's joins and tries 12 s, spread over its joins."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.seeds_per_dc <= 64:
