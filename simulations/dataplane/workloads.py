@@ -155,20 +155,26 @@ def logdepth_bound(o: Options, readers_per_slice: int) -> float:
                                        / o.chunks)
 
 
-def elastic(o: Options, *, star: bool = False) -> Outcome:
-    """Half the rollout hosts hold the version; the other half join in ``waves``."""
+def elastic(o: Options, *, star: bool = False) -> tuple[Outcome, Outcome]:
+    """Spot instances join during an update: half the rollout hosts start pulling the
+    version at its publish, the other half join in ``waves`` ``wave_s`` apart while it
+    moves.  Ours: every instance registers with the coordinator as it starts (as peers
+    do) and pulls along the plan.  Star: every instance pulls each slice from the
+    trainer GPU that owns it.  Returns (the joiners, the instances there at the
+    publish), each timed from its own start."""
     fabric, trainer, rollouts = cluster(o, (o.rollout_hosts,))
     half = o.rollout_hosts // 2
-    holders, joiners = rollouts[:half], rollouts[half:]
-    joins = {i: (i * o.waves // len(joiners)) * o.wave_s for i in range(len(joiners))}
+    joiners = rollouts[half:]
+    joins = {half + i: (1 + i * o.waves // len(joiners)) * o.wave_s
+             for i in range(len(joiners))}
     if star:
-        fans = slices(o, trainer, joiners, joins=joins, plan=False)
-        fans = [replace(f, holders=f.holders[:1],
-                        upstream=dict.fromkeys(f.readers, frozenset(f.holders[:1])))
-                for f in fans]
+        fans = [replace(f, upstream=dict.fromkeys(f.readers, frozenset(f.holders)))
+                for f in slices(o, trainer, rollouts, joins=joins, plan=False)]
     else:
-        fans = slices(o, trainer, joiners, holders=holders, joins=joins, incremental=True)
-    return simulate(o, fabric, fans, joiners, joins)
+        fans = slices(o, trainer, rollouts, joins=joins, incremental=True)
+    out = simulate(o, fabric, fans, rollouts, joins)
+    return (Outcome(out.instance_s[half:], out.result, out.wall_s, out.readers),
+            Outcome(out.instance_s[:half], out.result, out.wall_s, out.readers))
 
 
 def crossdc(o: Options, **kw: Any) -> Outcome:
@@ -176,6 +182,22 @@ def crossdc(o: Options, **kw: Any) -> Outcome:
     half = o.rollout_hosts // 2
     fabric, trainer, rollouts = cluster(o, (half, o.rollout_hosts - half))
     return simulate(o, fabric, slices(o, trainer, rollouts, **kw), rollouts)
+
+
+def crossdc_naive_stalls(o: Options) -> dict[str, float]:
+    """GPU-seconds the naive cross-DC baselines stall every rollout GPU (half of them
+    remote): each GPU pulls its shard from the trainer (the remote ones all over the
+    WAN link), or one stop-and-broadcast spans both DCs."""
+    spec, gpus = o.spec(), o.rollout_hosts * o.roll_tp
+    remote = (o.rollout_hosts - o.rollout_hosts // 2) * o.roll_tp
+    local, each = gpus - remote, o.size / o.roll_tp
+    trainer_up = o.train_tp * o.train_pp * spec.nic_bps
+    bcast = b.gather_s(o.size, o.train_pp, spec.nvlink_bps) + b.wan_broadcast_s(
+        o.size, gpus, spec.nic_bps, spec.wan_bps, o.train_pp, spec.wan_rtt_s)
+    return {"every GPU pulls (remote ones over the WAN)":
+            local * b.star_s(local, each, trainer_up, spec.nic_bps)
+            + remote * b.wan_star_s(remote, each, spec.wan_bps, spec.nic_bps),
+            "stop-and-broadcast across the WAN": gpus * bcast}
 
 
 def resourcing(o: Options, base: Outcome) -> tuple[Outcome, str]:

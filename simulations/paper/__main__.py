@@ -15,7 +15,6 @@ import json
 import sys
 import time
 from dataclasses import asdict, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,11 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     figs: list[dict[str, Any]] = []
     tables: dict[str, list[tuple[str, float, str]]] = {}
     gpus = o.rollout_hosts * o.roll_tp
-    say = partial(print, file=sys.stderr, flush=True)
+    began = time.perf_counter()
+
+    def say(what: str) -> None:
+        print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     say("standalone ...")
 
     ours = w.standalone(o)
@@ -64,23 +67,37 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     figs.append(figure("resourcing_instances_done", live, "share", 1.0, "higher"))
 
     say("elastic ...")
-    mine_e, star_e = w.elastic(o), w.elastic(o, star=True)
-    tables["elastic"] = [("TensorHub joiner update, mean", w.mean(mine_e.instance_s), "s"),
-                         ("star from the trainer, mean", w.mean(star_e.instance_s), "s")]
+    (mine_e, there_e), (star_e, star_there) = w.elastic(o), w.elastic(o, star=True)
+    tables["elastic"] = [("TensorHub, joiners' update (join to switch), mean",
+                          w.mean(mine_e.instance_s), "s"),
+                         ("star from the trainer, joiners' update, mean",
+                          w.mean(star_e.instance_s), "s"),
+                         ("TensorHub, instances there at the publish, mean",
+                          w.mean(there_e.instance_s), "s"),
+                         ("star, instances there at the publish, mean",
+                          w.mean(star_there.instance_s), "s"),
+                         ("joiners per trainer GPU (star)", o.rollout_hosts // 2, "")]
     figs.append(figure("elastic_speedup_vs_star", w.mean(star_e.instance_s)
                        / w.mean(mine_e.instance_s), "x", 4.8, "higher"))
 
     say("cross-DC ...")
-    dc_ours, dc_naive = w.crossdc(o), w.crossdc(o, topology_aware=False)
+    dc_ours, dc_unaware = w.crossdc(o), w.crossdc(o, topology_aware=False)
     dc_seeds = w.crossdc(o, seeds_per_dc=4)
+    naive = w.crossdc_naive_stalls(o)
     wan = {k: sum(v for n, v in x.result.carried.items() if n.startswith("wan:")) / o.size
-           for k, x in (("ours", dc_ours), ("naive", dc_naive), ("seeds", dc_seeds))}
+           for k, x in (("ours", dc_ours), ("no DC labels", dc_unaware),
+                        ("four seeds", dc_seeds))}
     tables["cross-DC"] = [("TensorHub, one seed per DC", dc_ours.stall(o), "GPU-s"),
                           ("TensorHub, four seeds per DC", dc_seeds.stall(o), "GPU-s"),
-                          ("naive (no DC awareness)", dc_naive.stall(o), "GPU-s"),
+                          ("TensorHub without DC labels", dc_unaware.stall(o), "GPU-s"),
+                          *((f"baseline: {k}", v, "GPU-s") for k, v in naive.items()),
                           *((f"WAN bytes / model, {k}", v, "x") for k, v in wan.items())]
-    figs.append(figure("crossdc_stall_vs_naive", dc_naive.stall(o) / dc_ours.stall(o), "x",
-                       19, "higher"))
+    pulls = naive["every GPU pulls (remote ones over the WAN)"]
+    figs.append(figure("crossdc_stall_vs_naive", pulls / dc_ours.stall(o), "x", 19,
+                       "higher"))
+    figs.append(figure("crossdc_stall_vs_wan_broadcast",
+                       naive["stop-and-broadcast across the WAN"] / dc_ours.stall(o), "x",
+                       1.0, "higher"))
 
     say("kraken ...")
     kr = w.kraken(kraken_hosts, kraken_chunks, o.seed)
