@@ -26,9 +26,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tensorhub.protocol.sizing import choose_chunk_size
+
 from . import baselines as b
 from .fabric import Fabric, FabricSpec
 from .fanouts import Fanout, RunResult, new_fabric, run
+
+KRAKEN_BLOB = 3_000_000_000
 
 
 @dataclass(frozen=True)
@@ -214,18 +218,26 @@ def resourcing(o: Options, base: Outcome) -> tuple[Outcome, str]:
                     kills=((0.3 * base.makespan, victim),)), victim
 
 
-def kraken(hosts: int, chunks: int, seed: int = 0) -> Outcome:
+def kraken(hosts: int, chunks: int | None = None, seed: int = 0) -> Outcome:
     """Uber Kraken's published test: a 3 GB blob to ``hosts`` hosts, each NIC capped at
-    300 MB/s both ways; one origin; one plan with every agent (they all ask at once;
-    planned one at a time as asks arrive, 256 agents took p50 29 s and some failed)."""
+    300 MB/s both ways; one origin; one plan with every agent (they all ask at once).
+    ``chunks``: None, the chunk size a peer chooses for 3 GB (64 MiB, 45 chunks)."""
     spec = FabricSpec(gpus_per_host=1, hosts_per_leaf=40, nic_bps=300e6, rtt_s=2e-4)
     fabric = new_fabric(spec)
     origin = fabric.add_hosts("dc0", 1, "o")[0][0]
     agents = [h[0] for h in fabric.add_hosts("dc0", hosts, "a")]
-    size = 3_000_000_000
-    fan = Fanout("blob", (origin,), tuple(agents), size, -(-size // chunks))
+    size = KRAKEN_BLOB
+    chunk = choose_chunk_size(size)[0] if chunks is None else -(-size // chunks)
+    fan = Fanout("blob", (origin,), tuple(agents), size, chunk)
     o = Options(seed=seed)
     return simulate(o, fabric, [fan], [[a] for a in agents])
+
+
+def kraken_lag_s(hosts: int, chunks: int, nic_bps: float = 300e6) -> float:
+    """What per-chunk store-and-forward adds over ``KRAKEN_BLOB / nic_bps`` along a
+    binary tree of ``hosts`` (two stripes; a parent sends each chunk to two children):
+    one chunk-time at half the NIC per level."""
+    return math.log2(hosts + 1) * 2 * KRAKEN_BLOB / chunks / nic_bps
 
 
 def percentile(values: list[float], q: float) -> float:

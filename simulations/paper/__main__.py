@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorhub.bench.figures import figure, print_figures
+from tensorhub.protocol.sizing import choose_chunk_size
 
 from ..dataplane import workloads as w
 from ..dataplane.validate import compare
@@ -100,10 +101,22 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
                        1.0, "higher"))
 
     say("kraken ...")
-    kr = w.kraken(kraken_hosts, kraken_chunks, o.seed)
+    chunk = choose_chunk_size(w.KRAKEN_BLOB)[0]
+    n_chunks = kraken_chunks or -(-w.KRAKEN_BLOB // chunk)
+    kr = w.kraken(kraken_hosts, kraken_chunks or None, o.seed)
     p50, p99 = w.percentile(kr.instance_s, 0.5), w.percentile(kr.instance_s, 0.99)
-    tables["kraken"] = [("p50", p50, "s"), ("p99", p99, "s"),
-                        ("bound (3 GB / 300 MB/s)", 10.0, "s"), ("hosts", kraken_hosts, "")]
+    fine_hosts = min(kraken_hosts, 256)
+    say(f"kraken, {fine_hosts} hosts at 32 and 128 chunks ...")
+    fine = {c: w.percentile(w.kraken(fine_hosts, c, o.seed).instance_s, 0.5)
+            for c in (32, 128)}
+    tables["kraken"] = [
+        (f"p50, {kraken_hosts} hosts, {n_chunks} chunks", p50, "s"),
+        (f"p99, {kraken_hosts} hosts, {n_chunks} chunks", p99, "s"),
+        ("bound (3 GB / 300 MB/s)", 10.0, "s"),
+        *((f"p50, {fine_hosts} hosts, {c} chunks", v, "s") for c, v in fine.items()),
+        *((f"relay lag at {kraken_hosts} hosts, {c} chunks (closed form)",
+           w.kraken_lag_s(kraken_hosts, c), "s") for c in (n_chunks, 750)),
+        ("wall time of the run", kr.wall_s, "s")]
     figs.append(figure("kraken_p50_s", p50, "s", 10.5, "lower"))
     figs.append(figure("kraken_p99_s", p99, "s", 18, "lower"))
 
@@ -147,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=16, help="chunks per slice")
     parser.add_argument("--oversubscription", type=float, default=1.0)
     parser.add_argument("--kraken-hosts", type=int, default=2600)
-    parser.add_argument("--kraken-chunks", type=int, default=32)
+    parser.add_argument("--kraken-chunks", type=int, default=0,
+                        help="chunks of the 3 GB blob (default 0: a peer's own choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args(argv)
-    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2:
-        parser.error("need --rollout-hosts >= 2, --chunks >= 1, --kraken-hosts >= 2")
+    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2 or a.kraken_chunks < 0:
+        parser.error("need --rollout-hosts >= 2, --chunks >= 1, --kraken-hosts >= 2, "
+                     "--kraken-chunks >= 0")
     o = replace(w.Options(), rollout_hosts=a.rollout_hosts, chunks=a.chunks,
                 oversubscription=a.oversubscription, seed=a.seed)
     print(f"seed {a.seed}")
