@@ -18,8 +18,9 @@ those above the link's new share, an end may speed up only those held to its old
 so an event costs a comparison per flow on the links it touches, and a recomputation
 and a new completion only for the flows whose rate changes.
 
-Completions go into the caller's event queue through ``schedule(time, callback)``; an
-entry made stale by a rate change is recognised by the flow's version and ignored.
+Completions go into the caller's event queue through ``schedule(time, callback)``; a
+flow that speeds up is armed anew (the entry made stale is recognised by the flow's
+version and ignored), one that slows down keeps its entry, which re-arms when it fires.
 Bytes are counted per link as they are carried (a cancelled flow counts what it sent).
 """
 
@@ -54,7 +55,8 @@ class Link:
 class Flow:
     """One chunk in flight on one connection."""
 
-    __slots__ = ("cap", "left", "links", "nbytes", "on_done", "rate", "since", "version")
+    __slots__ = ("cap", "due", "left", "links", "nbytes", "on_done", "rate", "since",
+                 "version")
 
     def __init__(self, links: tuple[Link, ...], cap: float, nbytes: int,
                  on_done: Callable[[float], None]) -> None:
@@ -65,6 +67,8 @@ class Flow:
         self.rate = 0.0
         self.since = 0.0
         self.version = 0
+        self.due = math.inf
+        """When its armed completion fires (it may be early: it then re-arms)."""
         self.on_done = on_done
 
 
@@ -132,12 +136,17 @@ class Network:
                 if flow is not changed and flow.rate > share:
                     self._settle(now, flow)
                     flow.rate = share
-                    flow.version += 1
-                    self._arm(now, flow)
+                    self._retime(now, flow)
         changed.since = now
         changed.rate = self._rate(changed)
-        changed.version += 1
-        self._arm(now, changed)
+        self._retime(now, changed)
+
+    def _retime(self, now: float, flow: Flow) -> None:
+        """``flow``'s rate changed: arm its completion if it now comes sooner than the
+        armed one (a later one is found when the armed one fires: it re-arms)."""
+        if now + flow.left / flow.rate < flow.due:
+            flow.version += 1
+            self._arm(now, flow)
 
     def _arm(self, now: float, flow: Flow) -> None:
         version = flow.version
@@ -146,8 +155,8 @@ class Network:
             if flow.version != version:
                 return  # rescheduled since
             self._settle(at, flow)
-            if flow.left > _DONE_SLACK and at + flow.left / flow.rate > at:  # rounding:
-                # a little more to go (unless it is below the clock's resolution)
+            if flow.left > _DONE_SLACK and at + flow.left / flow.rate > at:  # slowed
+                # since it was armed, or rounding (unless below the clock's resolution)
                 flow.version += 1
                 self._arm(at, flow)
                 return
@@ -157,7 +166,8 @@ class Network:
             self._remove(at, flow)
             flow.on_done(at)
 
-        self.schedule(now + flow.left / flow.rate, fire)
+        flow.due = now + flow.left / flow.rate
+        self.schedule(flow.due, fire)
 
     def _remove(self, now: float, flow: Flow) -> None:
         """``flow`` ended: only a flow held to a link's old share may speed up."""
@@ -173,5 +183,4 @@ class Network:
                     if rate != other.rate:
                         self._settle(now, other)
                         other.rate = rate
-                        other.version += 1
-                        self._arm(now, other)
+                        self._retime(now, other)
