@@ -144,3 +144,22 @@ def test_joins_past_128_peers_end_near_the_plan_made_at_once() -> None:
     print(f"estimate / the plan made at once, by rebuild limit: {ratios}")
     assert ratios[PlannerConfig().rebuild_max_peers] <= planner_mod.REBUILD_GAIN
     assert ratios[128] > 4
+
+
+def test_racks_count_only_where_the_spine_is_slower() -> None:
+    """A rack no faster than its DC buys nothing but depth: the plan is the one made
+    without rack labels.  With a slower spine racks are kept."""
+    def plan(config: TopologyConfig, racks: bool) -> tuple[object, float]:
+        topo = Topology(config)
+        topo.add(NodeInfo("trainer", "dc0", "r0", "ht", 50e9, 50e9))
+        names = [f"f{i:03d}" for i in range(256)]
+        for i, name in enumerate(names):
+            topo.add(NodeInfo(name, "dc0", f"r{i // 16}" if racks else "", f"h{i}",
+                              50e9, 50e9))
+        p = Planner(KEY, 4 << 30, 16, topo, {"trainer": None}, names).plan
+        return p.assignments, p.estimate_s
+
+    flat = TopologyConfig(same_rack_bps=50e9, same_dc_bps=50e9)
+    assert plan(flat, racks=True) == plan(flat, racks=False)
+    spine = TopologyConfig(same_rack_bps=50e9, same_dc_bps=40e9)
+    assert plan(spine, racks=True)[0] != plan(spine, racks=False)[0]
