@@ -13,11 +13,14 @@ most its own cap).  No link ever carries more than its rate, so a simulation can
 physics; unlike max-min fairness, the share a flow cannot use (it is held back on
 another link) is not handed to the others on this one, so the model errs on the slow
 side when flows with different bottlenecks share a link.  Rates change only when a flow
-starts or ends, and only for the flows that share a link with it: the cost of an event
-is the number of flows on the (at most three) links it touches, never the whole network.
+starts or ends, and only for the flows that share a link with it: a start slows only
+those above the link's new share, an end may speed up only those held to its old share,
+so an event costs a comparison per flow on the links it touches, and a recomputation
+and a new completion only for the flows whose rate changes.
 
-Completions go into the caller's event queue through ``schedule(time, callback)``; an
-entry made stale by a rate change is recognised by the flow's version and ignored.
+Completions go into the caller's event queue through ``schedule(time, callback)``; a
+flow that speeds up is armed anew (the entry made stale is recognised by the flow's
+version and ignored), one that slows down keeps its entry, which re-arms when it fires.
 Bytes are counted per link as they are carried (a cancelled flow counts what it sent).
 """
 
@@ -52,7 +55,8 @@ class Link:
 class Flow:
     """One chunk in flight on one connection."""
 
-    __slots__ = ("cap", "left", "links", "nbytes", "on_done", "rate", "since", "version")
+    __slots__ = ("cap", "due", "left", "links", "nbytes", "on_done", "rate", "since",
+                 "version")
 
     def __init__(self, links: tuple[Link, ...], cap: float, nbytes: int,
                  on_done: Callable[[float], None]) -> None:
@@ -63,6 +67,8 @@ class Flow:
         self.rate = 0.0
         self.since = 0.0
         self.version = 0
+        self.due = math.inf
+        """When its armed completion fires (it may be early: it then re-arms)."""
         self.on_done = on_done
 
 
@@ -121,17 +127,24 @@ class Network:
         flow.since = now
 
     def _reshare(self, now: float, changed: Flow) -> None:
-        """New rates for every flow sharing a link with ``changed`` (itself included
-        while it runs), and their completions rescheduled."""
-        touched: dict[Flow, None] = {}
+        """``changed`` started: a flow sharing a link with it whose rate was above that
+        link's new share now runs at the share (every other constraint of it is as
+        before); ``changed`` gets its rate and its completion."""
         for link in changed.links:
-            touched.update(link.flows)
-        for flow in touched:
-            self._settle(now, flow)
-            rate = self._rate(flow)
-            if rate == flow.rate and flow is not changed:
-                continue  # its completion stands
-            flow.rate = rate
+            share = link.rate / len(link.flows)
+            for flow in link.flows:
+                if flow is not changed and flow.rate > share:
+                    self._settle(now, flow)
+                    flow.rate = share
+                    self._retime(now, flow)
+        changed.since = now
+        changed.rate = self._rate(changed)
+        self._retime(now, changed)
+
+    def _retime(self, now: float, flow: Flow) -> None:
+        """``flow``'s rate changed: arm its completion if it now comes sooner than the
+        armed one (a later one is found when the armed one fires: it re-arms)."""
+        if now + flow.left / flow.rate < flow.due:
             flow.version += 1
             self._arm(now, flow)
 
@@ -142,8 +155,8 @@ class Network:
             if flow.version != version:
                 return  # rescheduled since
             self._settle(at, flow)
-            if flow.left > _DONE_SLACK and at + flow.left / flow.rate > at:  # rounding:
-                # a little more to go (unless it is below the clock's resolution)
+            if flow.left > _DONE_SLACK and at + flow.left / flow.rate > at:  # slowed
+                # since it was armed, or rounding (unless below the clock's resolution)
                 flow.version += 1
                 self._arm(at, flow)
                 return
@@ -153,20 +166,21 @@ class Network:
             self._remove(at, flow)
             flow.on_done(at)
 
-        self.schedule(now + flow.left / flow.rate, fire)
+        flow.due = now + flow.left / flow.rate
+        self.schedule(flow.due, fire)
 
     def _remove(self, now: float, flow: Flow) -> None:
+        """``flow`` ended: only a flow held to a link's old share may speed up."""
+        shares = [link.rate / len(link.flows) for link in flow.links]
         for link in flow.links:
             del link.flows[flow]
         flow.version = -1
         self.active -= 1
-        others: dict[Flow, None] = {}
-        for link in flow.links:
-            others.update(link.flows)
-        for other in others:
-            self._settle(now, other)
-            rate = self._rate(other)
-            if rate != other.rate:
-                other.rate = rate
-                other.version += 1
-                self._arm(now, other)
+        for link, share in zip(flow.links, shares, strict=True):
+            for other in link.flows:
+                if other.rate >= share:
+                    rate = self._rate(other)
+                    if rate != other.rate:
+                        self._settle(now, other)
+                        other.rate = rate
+                        self._retime(now, other)

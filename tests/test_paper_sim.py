@@ -94,12 +94,34 @@ def test_the_standalone_pull_beats_the_fluid_floor_never_and_broadcast_by_far() 
 
 def test_each_workload_and_ablation_runs() -> None:
     for out in (w.standalone(SMALL, chunks=1), w.standalone(SMALL, topology_aware=False),
-                w.elastic(SMALL), w.elastic(SMALL, star=True), w.crossdc(SMALL),
+                *w.elastic(SMALL), *w.elastic(SMALL, star=True), w.crossdc(SMALL),
                 w.crossdc(SMALL, seeds_per_dc=2), w.kraken(8, 8)):
         assert out.instance_s and all(t < float("inf") for t in out.instance_s)
     base = w.standalone(SMALL)
     killed, victim = w.resourcing(SMALL, base)
     assert victim.startswith("r") and all(t < float("inf") for t in killed.instance_s)
+
+
+def test_elastic_joiners_come_during_the_update_and_the_star_shares_trainer_nics() -> None:
+    shard = SMALL.size / SMALL.roll_tp / NIC
+    o = replace(SMALL, rollout_hosts=8, wave_s=shard / 4)
+    (joiners, there), (star, _) = w.elastic(o), w.elastic(o, star=True)
+    assert len(joiners.instance_s) == len(there.instance_s) == 4
+    assert max(there.instance_s) > o.wave_s  # the first joiners come during the update
+    # star: each trainer GPU sends its slice (a quarter shard) to all 8 instances
+    assert star.result.end >= 8 * shard / 4
+    assert all(t >= shard for t in (*joiners.instance_s, *star.instance_s))
+
+
+def test_naive_cross_dc_baselines_are_their_closed_forms() -> None:
+    o = replace(SMALL, rollout_hosts=8)
+    spec = o.spec()
+    each, remote = o.size / o.roll_tp, 4 * o.roll_tp
+    naive = w.crossdc_naive_stalls(o)
+    pulls = naive["every GPU pulls (remote ones over the WAN)"]
+    assert pulls >= remote * remote * each / spec.wan_bps  # the WAN carries every shard
+    bcast = naive["stop-and-broadcast across the WAN"]
+    assert bcast >= 2 * remote * o.size / spec.wan_bps  # every GPU waits for the WAN
 
 
 def test_cross_dc_with_the_plan_crosses_the_wan_once() -> None:

@@ -9,7 +9,9 @@ tree (NCCL's double binary tree): ``S/B`` plus two chunks per level.  Checkpoint
 style: the same broadcast in buckets with a barrier per bucket.  Star from the
 trainer: every reader pulls its own bytes from the trainer GPUs that hold them.
 Storage: the trainer writes the model once, every reader then reads its bytes; the
-store's aggregate bandwidth is shared.
+store's aggregate bandwidth is shared.  Across DCs, naive: every remote reader pulls its
+own bytes from the trainer over the one WAN link; or one stop-and-broadcast whose rings
+span both DCs (each crosses the WAN once, so the WAN carries the model once).
 """
 
 from __future__ import annotations
@@ -45,3 +47,16 @@ def star_s(readers: int, each: float, source_up: float, down: float) -> float:
 
 def storage_s(size: float, readers: int, each: float, store_bps: float, down: float) -> float:
     return size / store_bps + max(readers * each / store_bps, each / down)
+
+
+def wan_star_s(readers: int, each: float, wan_bps: float, down: float) -> float:
+    """Every remote reader pulls ``each`` bytes across one WAN link of ``wan_bps``."""
+    return max(readers * each / wan_bps, each / down)
+
+
+def wan_broadcast_s(size: float, n: int, nic_bps: float, wan_bps: float, stages: int,
+                    wan_rtt_s: float) -> float:
+    """A ring broadcast over ``n`` GPUs in two DCs: the ring of each stage crosses the
+    WAN once, so the WAN carries ``size`` while each NIC receives it."""
+    return (size / min(nic_bps, wan_bps) + max(n - 2, 0) * NCCL_CHUNK * stages / nic_bps
+            + wan_rtt_s)

@@ -8,7 +8,10 @@ on its own NIC (``nic_bps`` each way) and, to a GPU of the same host, over NVLin
 (``nvlink_bps`` each way, per GPU).  A flow between hosts crosses the sender's NIC
 uplink and the receiver's NIC downlink; between leaves it also crosses the sender
 leaf's uplink to the spine and the receiver leaf's downlink from it, each carrying
-``gpus under the leaf x nic_bps / oversubscription``; between DCs it also crosses the
+``gpus under the leaf x nic_bps / oversubscription``, when oversubscribed (a
+non-blocking leaf carries at most what the NICs under it send, so it never limits a
+flow; as a shared link of :mod:`simulations.flows`, which shares equally, not max-min,
+it would hold back flows no switch holds back); between DCs it also crosses the
 DC pair's WAN link (``wan_bps`` each way).  Round trips: ``rtt_s`` inside a DC,
 ``wan_rtt_s`` across.  Links are those of :class:`simulations.flows.Network`, shared by
 every fan-out that runs at once on the fabric.
@@ -95,7 +98,7 @@ class Fabric:
             return (net.link(f"nvl-up:{src}", s.nvlink_bps),
                     net.link(f"nvl-down:{dst}", s.nvlink_bps))
         out = [net.link(f"up:{src}", s.nic_bps), net.link(f"down:{dst}", s.nic_bps)]
-        if a.leaf != b.leaf:
+        if a.leaf != b.leaf and s.oversubscription > 1:
             spine = s.gpus_per_host * s.hosts_per_leaf * s.nic_bps / s.oversubscription
             out += [net.link(f"leaf-up:{a.leaf}", spine),
                     net.link(f"leaf-down:{b.leaf}", spine)]

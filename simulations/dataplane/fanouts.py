@@ -14,10 +14,12 @@ shares its NIC between them, and shards that cross the same leaf uplink share it
 Ties on the heap are broken by insertion order, and the readers' start jitter comes
 from the seed, so one seed gives one run.  The coordinator plans with the topology a
 peer gossips (DC, leaf as rack, host labels; NIC rates) unless ``topology_aware`` is
-off (every peer then looks alike).  Chunks here are coarse (hundreds of MB, so that a
-140 GB model is tens of chunks); a reader's in-flight limit is scaled with them
-(``max_inflight_bytes`` = ``fetch_window`` x ``MIN_CHUNKS`` chunks), so it keeps as
-many streams and chunks in flight as a peer does with its own chunk size.
+off (every peer then looks alike), and with the fabric's speeds per locality class (a
+leaf's switch at NIC rate, the spine at NIC rate over the oversubscription).  Chunks
+here are coarse (hundreds of MB, so that a 140 GB model is tens of chunks); a reader's
+in-flight limit is scaled with them (``max_inflight_bytes`` = ``fetch_window`` x
+``MIN_CHUNKS`` chunks), so it keeps as many streams and chunks in flight as a peer does
+with its own chunk size.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from tensorhub.config import PeerConfig
@@ -89,13 +91,16 @@ class FabricCoordinator(SimCoordinator):
         nodes = [self.fabric.node(n) for n in (*fan.holders, *fan.readers)]
         if not fan.topology_aware:
             nodes = [NodeInfo(n.name, "", "", n.name, n.up_bps, n.down_bps) for n in nodes]
-        return Topology(TopologyConfig(wan_bps=spec.wan_bps, cross_dc_bps=spec.wan_bps),
-                        tuple(nodes))
+        return Topology(TopologyConfig(
+            same_host_bps=spec.nvlink_bps, same_rack_bps=spec.nic_bps,
+            same_dc_bps=spec.nic_bps / spec.oversubscription, cross_dc_bps=spec.wan_bps,
+            wan_bps=spec.wan_bps), tuple(nodes))
 
     def _new(self, fetchers: list[str]) -> Planner:
         s, fan = self.setup, self.fan
-        config = PlannerConfig(seeds_per_dc=fan.seeds_per_dc,
-                               rebuild_max_peers=128 if fan.rebuild else 0)
+        config = PlannerConfig(seeds_per_dc=fan.seeds_per_dc)
+        if not fan.rebuild:
+            config = replace(config, rebuild_max_peers=0)
         return Planner(KEY, s.size, self.chunks, self._topology(),
                        dict.fromkeys(fan.holders), fetchers, config=config)
 

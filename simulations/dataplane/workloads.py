@@ -26,9 +26,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tensorhub.protocol.sizing import choose_chunk_size
+
 from . import baselines as b
 from .fabric import Fabric, FabricSpec
 from .fanouts import Fanout, RunResult, new_fabric, run
+
+KRAKEN_BLOB = 3_000_000_000
 
 
 @dataclass(frozen=True)
@@ -155,20 +159,26 @@ def logdepth_bound(o: Options, readers_per_slice: int) -> float:
                                        / o.chunks)
 
 
-def elastic(o: Options, *, star: bool = False) -> Outcome:
-    """Half the rollout hosts hold the version; the other half join in ``waves``."""
+def elastic(o: Options, *, star: bool = False) -> tuple[Outcome, Outcome]:
+    """Spot instances join during an update: half the rollout hosts start pulling the
+    version at its publish, the other half join in ``waves`` ``wave_s`` apart while it
+    moves.  Ours: every instance registers with the coordinator as it starts (as peers
+    do) and pulls along the plan.  Star: every instance pulls each slice from the
+    trainer GPU that owns it.  Returns (the joiners, the instances there at the
+    publish), each timed from its own start."""
     fabric, trainer, rollouts = cluster(o, (o.rollout_hosts,))
     half = o.rollout_hosts // 2
-    holders, joiners = rollouts[:half], rollouts[half:]
-    joins = {i: (i * o.waves // len(joiners)) * o.wave_s for i in range(len(joiners))}
+    joiners = rollouts[half:]
+    joins = {half + i: (1 + i * o.waves // len(joiners)) * o.wave_s
+             for i in range(len(joiners))}
     if star:
-        fans = slices(o, trainer, joiners, joins=joins, plan=False)
-        fans = [replace(f, holders=f.holders[:1],
-                        upstream=dict.fromkeys(f.readers, frozenset(f.holders[:1])))
-                for f in fans]
+        fans = [replace(f, upstream=dict.fromkeys(f.readers, frozenset(f.holders)))
+                for f in slices(o, trainer, rollouts, joins=joins, plan=False)]
     else:
-        fans = slices(o, trainer, joiners, holders=holders, joins=joins, incremental=True)
-    return simulate(o, fabric, fans, joiners, joins)
+        fans = slices(o, trainer, rollouts, joins=joins, incremental=True)
+    out = simulate(o, fabric, fans, rollouts, joins)
+    return (Outcome(out.instance_s[half:], out.result, out.wall_s, out.readers),
+            Outcome(out.instance_s[:half], out.result, out.wall_s, out.readers))
 
 
 def crossdc(o: Options, **kw: Any) -> Outcome:
@@ -176,6 +186,22 @@ def crossdc(o: Options, **kw: Any) -> Outcome:
     half = o.rollout_hosts // 2
     fabric, trainer, rollouts = cluster(o, (half, o.rollout_hosts - half))
     return simulate(o, fabric, slices(o, trainer, rollouts, **kw), rollouts)
+
+
+def crossdc_naive_stalls(o: Options) -> dict[str, float]:
+    """GPU-seconds the naive cross-DC baselines stall every rollout GPU (half of them
+    remote): each GPU pulls its shard from the trainer (the remote ones all over the
+    WAN link), or one stop-and-broadcast spans both DCs."""
+    spec, gpus = o.spec(), o.rollout_hosts * o.roll_tp
+    remote = (o.rollout_hosts - o.rollout_hosts // 2) * o.roll_tp
+    local, each = gpus - remote, o.size / o.roll_tp
+    trainer_up = o.train_tp * o.train_pp * spec.nic_bps
+    bcast = b.gather_s(o.size, o.train_pp, spec.nvlink_bps) + b.wan_broadcast_s(
+        o.size, gpus, spec.nic_bps, spec.wan_bps, o.train_pp, spec.wan_rtt_s)
+    return {"every GPU pulls (remote ones over the WAN)":
+            local * b.star_s(local, each, trainer_up, spec.nic_bps)
+            + remote * b.wan_star_s(remote, each, spec.wan_bps, spec.nic_bps),
+            "stop-and-broadcast across the WAN": gpus * bcast}
 
 
 def resourcing(o: Options, base: Outcome) -> tuple[Outcome, str]:
@@ -192,18 +218,26 @@ def resourcing(o: Options, base: Outcome) -> tuple[Outcome, str]:
                     kills=((0.3 * base.makespan, victim),)), victim
 
 
-def kraken(hosts: int, chunks: int, seed: int = 0) -> Outcome:
+def kraken(hosts: int, chunks: int | None = None, seed: int = 0) -> Outcome:
     """Uber Kraken's published test: a 3 GB blob to ``hosts`` hosts, each NIC capped at
-    300 MB/s both ways; one origin; one plan with every agent (they all ask at once;
-    planned one at a time as asks arrive, 256 agents took p50 29 s and some failed)."""
+    300 MB/s both ways; one origin; one plan with every agent (they all ask at once).
+    ``chunks``: None, the chunk size a peer chooses for 3 GB (64 MiB, 45 chunks)."""
     spec = FabricSpec(gpus_per_host=1, hosts_per_leaf=40, nic_bps=300e6, rtt_s=2e-4)
     fabric = new_fabric(spec)
     origin = fabric.add_hosts("dc0", 1, "o")[0][0]
     agents = [h[0] for h in fabric.add_hosts("dc0", hosts, "a")]
-    size = 3_000_000_000
-    fan = Fanout("blob", (origin,), tuple(agents), size, -(-size // chunks))
+    size = KRAKEN_BLOB
+    chunk = choose_chunk_size(size)[0] if chunks is None else -(-size // chunks)
+    fan = Fanout("blob", (origin,), tuple(agents), size, chunk)
     o = Options(seed=seed)
     return simulate(o, fabric, [fan], [[a] for a in agents])
+
+
+def kraken_lag_s(hosts: int, chunks: int, nic_bps: float = 300e6) -> float:
+    """What per-chunk store-and-forward adds over ``KRAKEN_BLOB / nic_bps`` along a
+    binary tree of ``hosts`` (two stripes; a parent sends each chunk to two children):
+    one chunk-time at half the NIC per level."""
+    return math.log2(hosts + 1) * 2 * KRAKEN_BLOB / chunks / nic_bps
 
 
 def percentile(values: list[float], q: float) -> float:

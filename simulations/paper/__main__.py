@@ -15,11 +15,11 @@ import json
 import sys
 import time
 from dataclasses import asdict, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tensorhub.bench.figures import figure, print_figures
+from tensorhub.protocol.sizing import choose_chunk_size
 
 from ..dataplane import workloads as w
 from ..dataplane.validate import compare
@@ -32,7 +32,11 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     figs: list[dict[str, Any]] = []
     tables: dict[str, list[tuple[str, float, str]]] = {}
     gpus = o.rollout_hosts * o.roll_tp
-    say = partial(print, file=sys.stderr, flush=True)
+    began = time.perf_counter()
+
+    def say(what: str) -> None:
+        print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     say("standalone ...")
 
     ours = w.standalone(o)
@@ -64,29 +68,55 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     figs.append(figure("resourcing_instances_done", live, "share", 1.0, "higher"))
 
     say("elastic ...")
-    mine_e, star_e = w.elastic(o), w.elastic(o, star=True)
-    tables["elastic"] = [("TensorHub joiner update, mean", w.mean(mine_e.instance_s), "s"),
-                         ("star from the trainer, mean", w.mean(star_e.instance_s), "s")]
+    (mine_e, there_e), (star_e, star_there) = w.elastic(o), w.elastic(o, star=True)
+    tables["elastic"] = [("TensorHub, joiners' update (join to switch), mean",
+                          w.mean(mine_e.instance_s), "s"),
+                         ("star from the trainer, joiners' update, mean",
+                          w.mean(star_e.instance_s), "s"),
+                         ("TensorHub, instances there at the publish, mean",
+                          w.mean(there_e.instance_s), "s"),
+                         ("star, instances there at the publish, mean",
+                          w.mean(star_there.instance_s), "s"),
+                         ("joiners per trainer GPU (star)", o.rollout_hosts // 2, "")]
     figs.append(figure("elastic_speedup_vs_star", w.mean(star_e.instance_s)
                        / w.mean(mine_e.instance_s), "x", 4.8, "higher"))
 
     say("cross-DC ...")
-    dc_ours, dc_naive = w.crossdc(o), w.crossdc(o, topology_aware=False)
+    dc_ours, dc_unaware = w.crossdc(o), w.crossdc(o, topology_aware=False)
     dc_seeds = w.crossdc(o, seeds_per_dc=4)
+    naive = w.crossdc_naive_stalls(o)
     wan = {k: sum(v for n, v in x.result.carried.items() if n.startswith("wan:")) / o.size
-           for k, x in (("ours", dc_ours), ("naive", dc_naive), ("seeds", dc_seeds))}
+           for k, x in (("ours", dc_ours), ("no DC labels", dc_unaware),
+                        ("four seeds", dc_seeds))}
     tables["cross-DC"] = [("TensorHub, one seed per DC", dc_ours.stall(o), "GPU-s"),
                           ("TensorHub, four seeds per DC", dc_seeds.stall(o), "GPU-s"),
-                          ("naive (no DC awareness)", dc_naive.stall(o), "GPU-s"),
+                          ("TensorHub without DC labels", dc_unaware.stall(o), "GPU-s"),
+                          *((f"baseline: {k}", v, "GPU-s") for k, v in naive.items()),
                           *((f"WAN bytes / model, {k}", v, "x") for k, v in wan.items())]
-    figs.append(figure("crossdc_stall_vs_naive", dc_naive.stall(o) / dc_ours.stall(o), "x",
-                       19, "higher"))
+    pulls = naive["every GPU pulls (remote ones over the WAN)"]
+    figs.append(figure("crossdc_stall_vs_naive", pulls / dc_ours.stall(o), "x", 19,
+                       "higher"))
+    figs.append(figure("crossdc_stall_vs_wan_broadcast",
+                       naive["stop-and-broadcast across the WAN"] / dc_ours.stall(o), "x",
+                       1.0, "higher"))
 
     say("kraken ...")
-    kr = w.kraken(kraken_hosts, kraken_chunks, o.seed)
+    chunk = choose_chunk_size(w.KRAKEN_BLOB)[0]
+    n_chunks = kraken_chunks or -(-w.KRAKEN_BLOB // chunk)
+    kr = w.kraken(kraken_hosts, kraken_chunks or None, o.seed)
     p50, p99 = w.percentile(kr.instance_s, 0.5), w.percentile(kr.instance_s, 0.99)
-    tables["kraken"] = [("p50", p50, "s"), ("p99", p99, "s"),
-                        ("bound (3 GB / 300 MB/s)", 10.0, "s"), ("hosts", kraken_hosts, "")]
+    fine_hosts = min(kraken_hosts, 256)
+    say(f"kraken, {fine_hosts} hosts at 32 and 128 chunks ...")
+    fine = {c: w.percentile(w.kraken(fine_hosts, c, o.seed).instance_s, 0.5)
+            for c in (32, 128)}
+    tables["kraken"] = [
+        (f"p50, {kraken_hosts} hosts, {n_chunks} chunks", p50, "s"),
+        (f"p99, {kraken_hosts} hosts, {n_chunks} chunks", p99, "s"),
+        ("bound (3 GB / 300 MB/s)", 10.0, "s"),
+        *((f"p50, {fine_hosts} hosts, {c} chunks", v, "s") for c, v in fine.items()),
+        *((f"relay lag at {kraken_hosts} hosts, {c} chunks (closed form)",
+           w.kraken_lag_s(kraken_hosts, c), "s") for c in (n_chunks, 750)),
+        ("wall time of the run", kr.wall_s, "s")]
     figs.append(figure("kraken_p50_s", p50, "s", 10.5, "lower"))
     figs.append(figure("kraken_p99_s", p99, "s", 18, "lower"))
 
@@ -130,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=16, help="chunks per slice")
     parser.add_argument("--oversubscription", type=float, default=1.0)
     parser.add_argument("--kraken-hosts", type=int, default=2600)
-    parser.add_argument("--kraken-chunks", type=int, default=32)
+    parser.add_argument("--kraken-chunks", type=int, default=0,
+                        help="chunks of the 3 GB blob (default 0: a peer's own choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args(argv)
-    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2:
-        parser.error("need --rollout-hosts >= 2, --chunks >= 1, --kraken-hosts >= 2")
+    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2 or a.kraken_chunks < 0:
+        parser.error("need --rollout-hosts >= 2, --chunks >= 1, --kraken-hosts >= 2, "
+                     "--kraken-chunks >= 0")
     o = replace(w.Options(), rollout_hosts=a.rollout_hosts, chunks=a.chunks,
                 oversubscription=a.oversubscription, seed=a.seed)
     print(f"seed {a.seed}")

@@ -39,9 +39,10 @@ fetcher skips the chunks it has verified whoever its new parent is, gives back w
 claimed elsewhere (``TransferSession.replan``), and asks a parent still receiving ahead
 as it does any planned parent.  A fresh plan moves few: between equal choices an
 earlier joiner attaches first, and at equal downlinks old seeds stay seeds (one may
-have crossed the WAN, and finish before it asks again).  Cost (a fresh plan is O(n^2)
-per stripe and budget step): after a join's try at n fetchers the next waits for n/4
-more joiners, so all cost a constant times one plan of the final size; the joiners in
+have crossed the WAN, and finish before it asks again).  Cost (a fresh plan is about
+O(n log n) per stripe and budget step, :mod:`.candidates`): after a join's try at n
+fetchers the next waits for n/4 more joiners, so all cost a constant times one plan of
+the final size; the joiners in
 between get one try when a fetcher asks again (:meth:`Planner.reconsider`, once per
 join's try); none above ``PlannerConfig.rebuild_max_peers`` participants.  Pure: no
 clock, no I/O.
@@ -52,19 +53,20 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 from ..bounds import U32, PeerName
 from ..errors import ConfigError, LocalProtocolError, VersionUnavailable
 from ..model import VersionKey
+from .candidates import Candidates, EdgeKey, Group
 from .topology import Locality, NodeInfo, Topology, fluid_bound, locality
 
 ChunkRanges = tuple[tuple[int, int], ...]
 _STEP = 1.03
 _MAX_STEPS = 400  # 1.03**400: far past any budget a star would need
 _EPS = 1e-9
-_Key = tuple[Locality, bool, bool, int, bool, float, str]
+_Key = EdgeKey
 REBUILD_OVER_BOUND = 1.25
 """A join that leaves the estimate over this many times the fluid bound tries a fresh
 plan (as does one that made the budget grow)."""
@@ -82,10 +84,13 @@ class PlannerConfig:
     of the stripes.  More seeds put more NICs on the WAN; WAN bytes stay 1x per DC."""
     max_stripes: int = 4
     """Most stripes tried.  More: shallower trees, but more sources per fetcher."""
-    rebuild_max_peers: int = 128
+    rebuild_max_peers: int = 4096
     """Most participants for which a join may rebuild the whole plan (see the module
-    docstring; a fresh plan of 128 peers took 0.2-0.3 s of CPU on a loaded 2-core
-    host, all of a 128-peer fan-out's joins and tries 1.0 s); 0: never."""
+    docstring); 0: never.  Above it joins only attach, and once the leaves' spare
+    budget is spent the trees become chains (1,024 peers joining one at a time, limit
+    128: 229x the fluid bound; limit 4096: 2.75x, as the plan made at once).  Cost on a
+    loaded 2-core host: a fresh plan of 128 peers 0.1 s, of 1,024 peers 2 s; all of a
+    1,024-peer fan-out's joins and tries 12 s, spread over its joins."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.seeds_per_dc <= 64:
@@ -176,7 +181,7 @@ class Planner:
         self._fetchers, self._complete = set(self._rank), set[str]()
         if self._fetchers & self._held.keys():
             raise LocalProtocolError("a peer cannot be both an original holder and a fetcher")
-        self._nodes = {n: topology.node(n) for n in (*self._held, *self._fetchers)}
+        self._nodes = {n: self._node(n) for n in (*self._held, *self._fetchers)}
         self._cached: Plan | None = None
         self._rebuilds = self._rebuild_tries = 0
         self._next_rebuild, self._joined = 0, 0  # joins before a join's try; since a try
@@ -238,7 +243,7 @@ class Planner:
         docstring), which then replaces it."""
         if name in self._nodes:
             raise LocalProtocolError(f"{name!r} already takes part in {self.key}")
-        self._nodes[name] = self._topo.node(name)
+        self._nodes[name] = self._node(name)
         self._fetchers.add(name)
         self._rank[name] = len(self._rank)
         self._load[name] = 0.0
@@ -310,6 +315,15 @@ class Planner:
         return PlannerStatistics(len(self._fetchers), len(self._complete), len(self._held),
                                  len(self._stripes), self._budget_s, self._epoch,
                                  self._rebuilds, self._rebuild_tries)
+
+    def _node(self, name: str) -> NodeInfo:
+        """``name`` as the planner sees it: without its rack when a rack is no faster
+        than its DC (a non-blocking fabric), where preferring a rack would only make
+        trees deeper (1,024 GPUs in racks of 128: depth 13 with racks, 8 without)."""
+        node, c = self._topo.node(name), self._topo.config
+        if node.rack and c.class_bps(Locality.SAME_DC) >= c.class_bps(Locality.SAME_RACK):
+            return replace(node, rack="")
+        return node
 
     # -- building -----------------------------------------------------------------
 
@@ -390,51 +404,107 @@ class Planner:
 
     def _prim(self, j: int) -> bool:
         """Grow stripe ``j``'s tree (lazy Prim over a heap).  ``open_``: the attached
-        nodes that may still fit a child (a spare only shrinks while the tree grows, so
-        one that no longer fits never will)."""
+        nodes that fit a child (a spare only shrinks while the tree grows, so one that no
+        longer fits never will).  Most fetchers find their best parent through
+        :class:`~.candidates.Candidates` (by host, rack, DC); the few it cannot describe
+        (:meth:`_special`) keep a best parent of their own, found by a full scan."""
+        sb, nodes = self._sb[j], self._nodes
+        need = sb * (1 - _EPS)
         depth = dict.fromkeys(self._roots[j], 0)
         open_ = {p: 0 for p in depth if self._fits(p, j)}
         spare0 = {v: self._spare(v, j) for v in self._fetchers}
-        best = {v: self._best_parent(v, j, open_) for v in self._fetchers}
-        heap: list[tuple[bool, tuple[Locality, bool, bool, int, bool], float, int, str, str,
-                         _Key]] = []
+        special = self._special(j)
+        slow = {loc: self._topo.config.class_bps(loc) * self._budget_s < sb
+                for loc in Locality}
 
-        def push(v: str) -> None:
+        def order(v: str) -> tuple[bool, float, int, str]:
+            return spare0[v] < sb, -spare0[v], self._rank[v], v
+
+        cands = Candidates(nodes, (v for v in self._fetchers if v not in special), order,
+                           slow)
+
+        def parent_key(p: str, spare: float) -> tuple[int, bool, float, str]:
+            return depth[p], p in self._held, -spare, p
+
+        for p in open_:
+            cands.open_parent(p, parent_key(p, self._spare(p, j)))
+        best = {v: self._best_parent(v, j, open_) for v in sorted(special)}
+        heap: list[tuple[bool, tuple[Locality, bool, bool, int, bool], float, int, str, str,
+                         _Key, Group | None]] = []
+
+        def push(g: Group | None, found: tuple[tuple[bool, float, int, str], _Key, str, str]
+                 | None) -> None:
+            if found is not None:
+                (flag, spare, rank, v), key, _, p = found
+                heapq.heappush(heap, (flag, key[:5], spare, rank, v, p, key, g))
+
+        def push_special(v: str) -> None:
             b = best[v]
             if b is not None:
-                heapq.heappush(heap, (spare0[v] < self._sb[j], b[0][:5], -spare0[v],
-                                      self._rank[v], v, b[1], b[0]))
+                push(None, (order(v), b[0], v, b[1]))
 
+        def push_groups(groups: list[Group]) -> None:
+            for g in dict.fromkeys(groups):
+                push(g, cands.candidate(g))
+
+        push_groups(cands.tiers())
         for v in best:
-            push(v)
-        while best:
+            push_special(v)
+        todo = set(self._fetchers)
+        while todo:
             if not heap:
                 return False  # nobody left has a parent that fits
-            *_, v, p, key = heapq.heappop(heap)
-            if best.get(v) != (key, p):
-                continue  # superseded
-            if not self._fits(p, j) or self._key(p, v, j, depth[p]) != key:
-                if not self._fits(p, j):
-                    open_.pop(p, None)
-                best[v] = self._best_parent(v, j, open_)  # keys only worsen: lazy Prim
-                push(v)
-                continue
+            entry = heapq.heappop(heap)
+            *_, v, p, key, g = entry
+            if g is None:
+                if best.get(v) != (key, p):
+                    continue  # superseded, or attached
+                if not self._fits(p, j) or self._key(p, v, j, depth[p]) != key:
+                    best[v] = self._best_parent(v, j, open_)  # keys only worsen: lazy Prim
+                    push_special(v)
+                    continue
+                del best[v]
+            else:
+                found = cands.candidate(g)
+                if found is None or (found[2], found[3], found[1]) != (v, p, key):
+                    push(g, found)  # the group's edge changed since (for the worse)
+                    continue
             self._link(p, v, j)
             depth[v] = depth[p] + 1
-            del best[v]
-            if not self._fits(p, j):
+            todo.discard(v)
+            cands.attached(v)
+            changed = [] if g is None else [g]
+            if self._fits(p, j):
+                cands.reprice(p, parent_key(p, self._spare(p, j)))
+            else:
                 open_.pop(p, None)
+                changed += cands.close_parent(p)
             spare = self._spare(v, j)
-            if spare >= self._sb[j] * (1 - _EPS):  # v fits a child
+            if spare >= need:  # v fits a child
                 open_[v] = dv = depth[v]
+                changed += cands.open_parent(v, parent_key(v, spare))
                 for u, b in best.items():
-                    if (b is None or not _worse(self._nodes[v], self._nodes[u], dv, b[0])) \
+                    if (b is None or not _worse(nodes[v], nodes[u], dv, b[0])) \
                             and self._allowed(v, u, j):
                         k = self._key(v, u, j, dv, spare)
                         if b is None or k < b[0]:
                             best[u] = (k, v)
-                            push(u)
+                            push_special(u)
+            push_groups(changed)
         return True
+
+    def _special(self, j: int) -> set[str]:
+        """Fetchers whose best parent :class:`~.candidates.Candidates` cannot tell: the
+        seeds of stripe ``j`` (they cross DCs), and those with a measured link in whose
+        slowness differs from its locality class's."""
+        out = {x for (_, k), x in self._seed.items() if k == j}
+        nodes, sb, budget = self._nodes, self._sb[j], self._budget_s
+        for src, dst, bps in self._topo.measured():
+            if dst in self._fetchers and src in nodes:
+                loc = locality(nodes[src], nodes[dst])
+                if (bps * budget < sb) != (self._topo.config.class_bps(loc) * budget < sb):
+                    out.add(dst)
+        return out
 
     def _apply(self, todo: Iterable[tuple[str, int]]) -> Plan:
         """:meth:`_attach`, then publish the plan under a new epoch."""

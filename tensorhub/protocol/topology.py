@@ -177,6 +177,10 @@ class Topology:
         est = self._est.get((src, dst))
         return est if est is not None else self.config.class_bps(where)
 
+    def measured(self) -> list[tuple[str, str, float]]:
+        """Every measured estimate, as ``(src, dst, bytes/s)``."""
+        return [(s, d, bps) for (s, d), bps in self._est.items()]
+
     def observe(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
         """Fold one completed transfer into the ``src -> dst`` estimate (call on ``dst``)."""
         if nbytes < 0 or not seconds > 0 or not math.isfinite(seconds):

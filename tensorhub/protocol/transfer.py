@@ -64,6 +64,7 @@ and bans come in as callables that only look at memory.  The counts of what happ
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -324,7 +325,6 @@ class TransferSession:
         if not self.usable(now, name):
             return []
         holders = self._holders(now)
-        holding = next((h for p, h in holders if p.name == name), None)
         at = next((i for i, c in enumerate(self.pending)
                    if (found := self._source_for(now, c, holders, name)) is not None
                    and found.name == name), None)
@@ -333,6 +333,8 @@ class TransferSession:
         chunk = self.pending[at]
         share = max(1, -(-len(self.pending) // self.window))
         out, size = [chunk], self._size(chunk)
+        holding = None if all(c in self.planned for c in self.pending[at + 1:at + share]) \
+            else next((h for p, h in holders() if p.name == name), None)
         for nxt in self.pending[at + 1:at + share]:
             planned = self.planned.get(nxt)
             mine = planned.name == name if planned is not None else (
@@ -469,10 +471,12 @@ class TransferSession:
         del self.claimed[chunk]
         self.on_plan.discard(chunk)
 
-    def _source_for(self, now: float, chunk: int, holders: list[tuple[PeerInfo, Holding]],
+    def _source_for(self, now: float, chunk: int,
+                    holders: Callable[[], list[tuple[PeerInfo, Holding]]],
                     streaming: str | None = None) -> PeerInfo | None:
         """The best source of ``chunk`` now, or None; ``streaming`` names the source of
-        the stream asking (its own stream does not count in its load, and it wins ties)."""
+        the stream asking (its own stream does not count in its load, and it wins ties).
+        ``holders()``: the usable holders (asked only for a chunk off the plan)."""
         def load(name: str) -> int:
             return self.load.get(name, 0) - (name == streaming)
 
@@ -485,7 +489,7 @@ class TransferSession:
             return planned if load(planned.name) < RELAY_DEPTH else None
         best: tuple[tuple[int, int, bool, str], PeerInfo] | None = None
         copy_busy = False  # a holder other than the publisher has it, at its streams
-        for peer, holding in holders:
+        for peer, holding in holders():
             if chunk in self.lacks.get(peer.name, ()) or not (
                     holding.has(chunk) or peer.name in self.upstream):
                 continue
@@ -514,8 +518,11 @@ class TransferSession:
             return 1
         return window.streams(self.socket_window, self.window)
 
-    def _holders(self, now: float) -> list[tuple[PeerInfo, Holding]]:
-        return [(p, h) for p, h in self.holders() if self.usable(now, p.name)]
+    def _holders(self, now: float) -> Callable[[], list[tuple[PeerInfo, Holding]]]:
+        """The usable holders, listed once when first asked (a planned chunk needs none:
+        the view may hold thousands)."""
+        return functools.cache(
+            lambda: [(p, h) for p, h in self.holders() if self.usable(now, p.name)])
 
     def _size(self, chunk: int) -> int:
         first, stop = self.manifest.chunk_range(chunk)
