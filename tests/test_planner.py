@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from tensorhub.errors import LocalProtocolError, RemoteProtocolError, VersionUnavailable
 from tensorhub.model import PeerInfo, VersionKey
 from tensorhub.protocol import planner as planner_mod
+from tensorhub.protocol import plans as plans_mod
 from tensorhub.protocol import topology as topology_mod
 from tensorhub.protocol.planner import Planner, PlannerConfig
 from tensorhub.protocol.topology import (
@@ -448,6 +449,6 @@ def test_messages_are_frozen_and_codec_friendly() -> None:
         return typing.get_origin(tp) is tuple and all(
             a is Ellipsis or plain(a) for a in typing.get_args(tp))
 
-    for msg in (*planner_mod.MESSAGES, *topology_mod.MESSAGES):
+    for msg in (*plans_mod.MESSAGES, *topology_mod.MESSAGES):
         assert vars(msg)["__dataclass_params__"].frozen
         assert plain(msg), msg

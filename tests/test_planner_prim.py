@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from test_planner import KEY, PROPERTY, SEED, Scenario, scenarios
 
 from tensorhub.protocol import planner as planner_mod
-from tensorhub.protocol.planner import Planner, PlannerConfig, _worse
+from tensorhub.protocol.candidates import worse_than
+from tensorhub.protocol.planner import Planner, PlannerConfig
 from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig
 
 
@@ -59,7 +60,7 @@ class FullScan(Planner):
             if spare >= self._sb[j] * (1 - 1e-9):
                 open_[v] = dv = depth[v]
                 for u, b in best.items():
-                    if (b is None or not _worse(self._nodes[v], self._nodes[u], dv, b[0])) \
+                    if (b is None or not worse_than(self._nodes[v], self._nodes[u], dv, b[0])) \
                             and self._allowed(v, u, j):
                         k = self._key(v, u, j, dv, spare)
                         if b is None or k < b[0]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 
-from .topology import Locality, NodeInfo
+from .topology import Locality, NodeInfo, locality
 
 Group = tuple[str, str, str]
 """``("h", dc, host)``, ``("r", dc, rack)`` or ``("d", dc, "")``."""
@@ -139,3 +139,10 @@ class Candidates:
         loc = _TIER[g[0]]
         key = (loc, self._slow[loc], False, depth, held, neg_spare, p)
         return order, key, v, p
+
+
+def worse_than(p: NodeInfo, v: NodeInfo, depth: int, key: EdgeKey) -> bool:
+    """Whether any edge ``p -> v`` from depth ``depth`` costs more than ``key``, told
+    from the locality and depth alone (the cheap prefix of the planner's edge key)."""
+    loc = locality(p, v)
+    return loc > key[0] or (loc == key[0] and depth > key[3] and not key[1] and not key[2])

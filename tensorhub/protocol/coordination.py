@@ -37,7 +37,8 @@ from ..bounds import (
 from ..errors import LocalProtocolError, VersionUnavailable
 from ..model import ModelName, VersionKey
 from .codec import fields_bytes
-from .planner import Planner, PlannerConfig, SourceRange
+from .planner import Planner
+from .plans import PlannerConfig, SourceRange
 from .ring import CoordinatorView, Epoch, EpochTracker, Local, Verdict, route
 from .topology import NodeInfo, Topology
 

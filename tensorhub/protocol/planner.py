@@ -53,16 +53,17 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import pairwise
 
-from ..bounds import U32, PeerName
-from ..errors import ConfigError, LocalProtocolError, VersionUnavailable
+from ..errors import LocalProtocolError, VersionUnavailable
 from ..model import VersionKey
-from .candidates import Candidates, EdgeKey, Group
+from .candidates import Candidates, EdgeKey, Group, worse_than
+from .plans import Assignment, ChunkRanges, Plan, PlannerStatistics, normalize_ranges
+from .plans import PlannerConfig as PlannerConfig
+from .plans import SourceRange as SourceRange
 from .topology import Locality, NodeInfo, Topology, fluid_bound, locality
 
-ChunkRanges = tuple[tuple[int, int], ...]
 _STEP = 1.03
 _MAX_STEPS = 400  # 1.03**400: far past any budget a star would need
 _EPS = 1e-9
@@ -75,91 +76,6 @@ REBUILD_GAIN = 1.05
 moving fetchers has a cost (a stream ends, another starts)."""
 REBUILD_SPACING = 4
 """After a try at n fetchers the next waits for n / this more joiners (at least one)."""
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    seeds_per_dc: int = 1
-    """Fetchers per remote DC that pull across the inter-DC link, each a disjoint share
-    of the stripes.  More seeds put more NICs on the WAN; WAN bytes stay 1x per DC."""
-    max_stripes: int = 4
-    """Most stripes tried.  More: shallower trees, but more sources per fetcher."""
-    rebuild_max_peers: int = 4096
-    """Most participants for which a join may rebuild the whole plan (see the module
-    docstring); 0: never.  Above it joins only attach, and once the leaves' spare
-    budget is spent the trees become chains (1,024 peers joining one at a time, limit
-    128: 229x the fluid bound; limit 4096: 2.75x, as the plan made at once).  Cost on a
-    loaded 2-core host: a fresh plan of 128 peers 0.1 s, of 1,024 peers 2 s; all of a
-    1,024-peer fan-out's joins and tries 12 s, spread over its joins."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.seeds_per_dc <= 64:
-            raise ConfigError("seeds_per_dc must be in [1, 64]")
-        if not 1 <= self.max_stripes <= 64:
-            raise ConfigError("max_stripes must be in [1, 64]")
-        if not 0 <= self.rebuild_max_peers <= 1 << 20:
-            raise ConfigError("rebuild_max_peers must be in [0, 2**20]")
-
-
-@dataclass(frozen=True)
-class SourceRange:
-    """Pull chunks ``[first, stop)`` from ``peer``."""
-
-    peer: PeerName
-    first: U32
-    stop: U32
-
-
-@dataclass(frozen=True)
-class Assignment:
-    fetcher: str
-    sources: tuple[SourceRange, ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Who pulls which chunks from whom; estimate and lower bound in seconds."""
-
-    model: str
-    version: int
-    epoch: int
-    assignments: tuple[Assignment, ...]
-    estimate_s: float
-    bound_s: float
-
-    def sources(self, fetcher: str) -> tuple[SourceRange, ...]:
-        for a in self.assignments:
-            if a.fetcher == fetcher:
-                return a.sources
-        raise LocalProtocolError(f"{fetcher!r} is not a fetcher in this plan")
-
-
-MESSAGES = (Plan,)
-
-
-@dataclass(frozen=True)
-class PlannerStatistics:
-    fetchers: int
-    complete: int
-    holders: int
-    stripes: int
-    budget_s: float
-    epoch: int
-    rebuilds: int = 0
-    """Joins after which the plan was made afresh (see the module docstring)."""
-    rebuild_tries: int = 0
-
-
-def _normalize(ranges: ChunkRanges, chunks: int) -> ChunkRanges:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if not 0 <= lo < hi <= chunks:
-            raise LocalProtocolError(f"chunk range [{lo}, {hi}) is not within [0, {chunks})")
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(hi, out[-1][1]))
-        else:
-            out.append((lo, hi))
-    return tuple(out)
 
 
 class Planner:
@@ -176,7 +92,7 @@ class Planner:
             raise LocalProtocolError(f"{key}: size and chunk count must be > 0")
         self.key, self._size, self._chunks, self._topo = key, float(size), chunks, topology
         self._config, self._epoch = config or PlannerConfig(), epoch
-        self._held = {h: _normalize(r or ((0, chunks),), chunks) for h, r in holders.items()}
+        self._held = {h: normalize_ranges(r or ((0, chunks),), chunks) for h, r in holders.items()}
         self._rank = {v: i for i, v in enumerate(dict.fromkeys(fetchers))}  # join order
         self._fetchers, self._complete = set(self._rank), set[str]()
         if self._fetchers & self._held.keys():
@@ -484,7 +400,7 @@ class Planner:
                 open_[v] = dv = depth[v]
                 changed += cands.open_parent(v, parent_key(v, spare))
                 for u, b in best.items():
-                    if (b is None or not _worse(nodes[v], nodes[u], dv, b[0])) \
+                    if (b is None or not worse_than(nodes[v], nodes[u], dv, b[0])) \
                             and self._allowed(v, u, j):
                         k = self._key(v, u, j, dv, spare)
                         if b is None or k < b[0]:
@@ -620,7 +536,7 @@ class Planner:
         best: tuple[_Key, str] | None = None
         nv, need = self._nodes[v], self._sb[j] * (1 - _EPS)
         for p, d in depth.items():
-            if p == v or (best is not None and _worse(self._nodes[p], nv, d, best[0])):
+            if p == v or (best is not None and worse_than(self._nodes[p], nv, d, best[0])):
                 continue
             spare = self._spare(p, j)
             if spare >= need and self._allowed(p, v, j):
@@ -679,10 +595,3 @@ class Planner:
                            min((nodes[v].down_bps for v in fetchers), default=1.0),
                            [nodes[v].up_bps for v in fetchers],
                            wan_bytes=wan, wan_bps=self._topo.config.wan_bps)
-
-
-def _worse(p: NodeInfo, v: NodeInfo, depth: int, key: _Key) -> bool:
-    """Whether any edge ``p -> v`` from depth ``depth`` costs more than ``key``, told
-    from the locality and depth alone (the cheap prefix of :meth:`Planner._key`)."""
-    loc = locality(p, v)
-    return loc > key[0] or (loc == key[0] and depth > key[3] and not key[1] and not key[2])
