@@ -85,7 +85,7 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int,
                               w.mean(there_e.instance_s), "s"),
                              ("star, instances there at the publish, mean",
                               w.mean(star_there.instance_s), "s"),
-                             ("joiners per trainer GPU (star)", o.rollout_hosts // 2, "")]
+                             ("readers per trainer GPU (star)", o.rollout_hosts, "")]
         figs.append(figure("elastic_speedup_vs_star", w.mean(star_e.instance_s)
                            / w.mean(mine_e.instance_s), "x", 4.8, "higher"))
 
