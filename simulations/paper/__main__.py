@@ -30,10 +30,11 @@ RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 PARTS = ("standalone", "ablations", "elastic", "crossdc", "kraken", "validation")
 
 
-def run(o: w.Options, kraken_hosts: int, kraken_chunks: int,
+def run(o: w.Options, kraken_hosts: int, kraken_chunks: int, standalone_chunks: int = 0,
         only: frozenset[str] = frozenset(PARTS)
         ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[str, float, str]]]]:
-    """Every part in ``only`` (the ablations need the standalone run: made for them)."""
+    """Every part in ``only``.  The standalone figures at ``standalone_chunks`` per slice
+    (0: the chunk size a peer chooses), the rest at ``o.chunks``."""
     figs: list[dict[str, Any]] = []
     tables: dict[str, list[tuple[str, float, str]]] = {}
     gpus = o.rollout_hosts * o.roll_tp
@@ -42,35 +43,40 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int,
     def say(what: str) -> None:
         print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
 
-    if only & {"standalone", "ablations"}:
-        say("standalone ...")
-
-        ours = w.standalone(o)
-        stalls = w.broadcast_stalls(o, gpus)
-        mine = ours.stall(o)
+    if "standalone" in only:
+        so = replace(o, chunks=standalone_chunks
+                     or -(-o.slice_bytes // choose_chunk_size(o.slice_bytes)[0]))
+        say(f"standalone, {so.chunks} chunks per slice ...")
+        ours = w.standalone(so)
+        stalls = w.broadcast_stalls(so, gpus)
+        mine = ours.stall(so)
         best_bcast = min(stalls["ring"], stalls["tree"])
-        tables["standalone"] = [("TensorHub (planned pull of each slice)", mine, "GPU-s"),
-                                ("... with a staged flip (overlap "
-                                 f"{o.overlap_s:g} s)", ours.stall(o, o.overlap_s), "GPU-s"),
-                                *((f"baseline {k}", v, "GPU-s") for k, v in stalls.items()),
-                                ("makespan", ours.makespan, "s"),
-                                ("simulated readers (GPU x slice)", ours.readers, ""),
-                                ("wall time of this run", ours.wall_s, "s")]
-        figs.append(figure("standalone_stall_vs_broadcast", best_bcast / mine, "x", 6.7, "higher"))
-        eta = w.logdepth_bound(o, o.rollout_hosts) / ours.makespan
+        tables["standalone"] = [
+            (f"TensorHub (planned pull of each slice, {so.chunks} chunks)", mine, "GPU-s"),
+            (f"... with a staged flip (overlap {so.overlap_s:g} s)",
+             ours.stall(so, so.overlap_s), "GPU-s"),
+            *((f"baseline {k}", v, "GPU-s") for k, v in stalls.items()),
+            ("makespan", ours.makespan, "s"),
+            ("simulated readers (GPU x slice)", ours.readers, ""),
+            ("wall time of this run", ours.wall_s, "s")]
+        figs.append(figure("standalone_stall_vs_broadcast", best_bcast / mine, "x", 6.7,
+                           "higher"))
+        eta = w.logdepth_bound(so, so.rollout_hosts) / ours.makespan
         figs.append(figure("eta_vs_logdepth_bound", eta, "ratio", 0.85, "higher"))
         figs.append(figure("standalone_wall_s", ours.wall_s, "s", 120, "lower"))
 
     if "ablations" in only:
-        say("ablations ...")
+        say(f"ablations, {o.chunks} chunks per slice ...")
+        base = w.standalone(o)
         ablations = [("no pipelining (one chunk per slice)", w.standalone(o, chunks=1)),
                      ("no topology awareness", w.standalone(o, topology_aware=False))]
-        killed, victim = w.resourcing(o, ours)
+        killed, victim = w.resourcing(o, base)
         tables["ablations (standalone)"] = [
-            ("all on", ours.makespan, "s"),
+            (f"all on ({o.chunks} chunks per slice)", base.makespan, "s"),
             *((what, x.makespan, "s") for what, x in ablations),
             (f"relay {victim} killed mid-transfer, re-sourced", killed.makespan, "s"),
-            ("staged flip: stall over the plain pull", ours.stall(o, o.overlap_s) / mine, "x")]
+            ("staged flip: stall over the plain pull",
+             base.stall(o, o.overlap_s) / base.stall(o), "x")]
         live = sum(1 for t in killed.instance_s if t != float("inf")) / len(killed.instance_s)
         figs.append(figure("resourcing_instances_done", live, "share", 1.0, "higher"))
 
@@ -168,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--rollout-hosts", type=int, default=128,
                         help="rollout hosts of 8 GPUs (default 128: 1,024 GPUs)")
-    parser.add_argument("--chunks", type=int, default=16, help="chunks per slice")
+    parser.add_argument("--chunks", type=int, default=16,
+                        help="chunks per slice, but for the standalone figures")
+    parser.add_argument("--standalone-chunks", type=int, default=0,
+                        help="chunks per slice of the standalone figures (default 0: the "
+                        "chunk size a peer chooses, 64 MiB: 66 chunks)")
     parser.add_argument("--oversubscription", type=float, default=1.0)
     parser.add_argument("--kraken-hosts", type=int, default=2600)
     parser.add_argument("--kraken-chunks", type=int, default=0,
@@ -179,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args(argv)
-    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2 or a.kraken_chunks < 0:
+    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2 or a.kraken_chunks < 0 \
+            or a.standalone_chunks < 0:
         parser.error("need --rollout-hosts >= 2, --chunks >= 1, --kraken-hosts >= 2, "
-                     "--kraken-chunks >= 0")
+                     "--kraken-chunks >= 0, --standalone-chunks >= 0")
     o = replace(w.Options(), rollout_hosts=a.rollout_hosts, chunks=a.chunks,
                 oversubscription=a.oversubscription, seed=a.seed)
     print(f"seed {a.seed}")
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     only = frozenset(a.only.split(","))
     if not only or not only <= set(PARTS):
         parser.error(f"--only takes parts of {','.join(PARTS)}")
-    figs, tables = run(o, a.kraken_hosts, a.kraken_chunks, only)
+    figs, tables = run(o, a.kraken_hosts, a.kraken_chunks, a.standalone_chunks, only)
     for name, rows in tables.items():
         print(f"\n{name}")
         for what, value, unit in rows:
@@ -198,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_figures(figs)
     settings = {**asdict(o), "kraken_hosts": a.kraken_hosts, "kraken_chunks": a.kraken_chunks,
+                "standalone_chunks": a.standalone_chunks,
                 "wall_s": round(time.perf_counter() - started, 1), "plots": plots}
     out = {"figures": figs, "tables": {k: [list(r) for r in v] for k, v in tables.items()},
            "settings": settings}
