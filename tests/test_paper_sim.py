@@ -158,3 +158,13 @@ def test_the_planners_pruned_scans_pick_what_a_full_scan_picks(seed: int) -> Non
             full = min(((p._key(q, v, j, d), q) for q, d in depth.items()
                         if q != v and p._fits(q, j) and p._allowed(q, v, j)), default=None)
             assert p._best_parent(v, j, depth) == full
+
+
+def test_only_runs_the_parts_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--rollout-hosts", "2", "--chunks", "4", "--no-plots", "--json",
+          "--only", "elastic,validation"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {f["name"] for f in out["figures"]} == {"elastic_speedup_vs_star",
+                                                   "sim_vs_netns_error"}
+    with pytest.raises(SystemExit):
+        main(["--only", "nothing"])

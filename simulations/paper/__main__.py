@@ -27,8 +27,14 @@ from ..dataplane.validate import compare
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
+PARTS = ("standalone", "ablations", "elastic", "crossdc", "kraken", "validation")
+
+
+def run(o: w.Options, kraken_hosts: int, kraken_chunks: int, standalone_chunks: int = 0,
+        only: frozenset[str] = frozenset(PARTS)
         ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[str, float, str]]]]:
+    """Every part in ``only``.  The standalone figures at ``standalone_chunks`` per slice
+    (0: the chunk size a peer chooses), the rest at ``o.chunks``."""
     figs: list[dict[str, Any]] = []
     tables: dict[str, list[tuple[str, float, str]]] = {}
     gpus = o.rollout_hosts * o.roll_tp
@@ -37,95 +43,106 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int
     def say(what: str) -> None:
         print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
 
-    say("standalone ...")
+    if "standalone" in only:
+        so = replace(o, chunks=standalone_chunks
+                     or -(-o.slice_bytes // choose_chunk_size(o.slice_bytes)[0]))
+        say(f"standalone, {so.chunks} chunks per slice ...")
+        ours = w.standalone(so)
+        stalls = w.broadcast_stalls(so, gpus)
+        mine = ours.stall(so)
+        best_bcast = min(stalls["ring"], stalls["tree"])
+        tables["standalone"] = [
+            (f"TensorHub (planned pull of each slice, {so.chunks} chunks)", mine, "GPU-s"),
+            (f"... with a staged flip (overlap {so.overlap_s:g} s)",
+             ours.stall(so, so.overlap_s), "GPU-s"),
+            *((f"baseline {k}", v, "GPU-s") for k, v in stalls.items()),
+            ("makespan", ours.makespan, "s"),
+            ("simulated readers (GPU x slice)", ours.readers, ""),
+            ("wall time of this run", ours.wall_s, "s")]
+        figs.append(figure("standalone_stall_vs_broadcast", best_bcast / mine, "x", 6.7,
+                           "higher"))
+        eta = w.logdepth_bound(so, so.rollout_hosts) / ours.makespan
+        figs.append(figure("eta_vs_logdepth_bound", eta, "ratio", 0.85, "higher"))
+        figs.append(figure("standalone_wall_s", ours.wall_s, "s", 120, "lower"))
 
-    ours = w.standalone(o)
-    stalls = w.broadcast_stalls(o, gpus)
-    mine = ours.stall(o)
-    best_bcast = min(stalls["ring"], stalls["tree"])
-    tables["standalone"] = [("TensorHub (planned pull of each slice)", mine, "GPU-s"),
-                            ("... with a staged flip (overlap "
-                             f"{o.overlap_s:g} s)", ours.stall(o, o.overlap_s), "GPU-s"),
-                            *((f"baseline {k}", v, "GPU-s") for k, v in stalls.items()),
-                            ("makespan", ours.makespan, "s"),
-                            ("simulated readers (GPU x slice)", ours.readers, ""),
-                            ("wall time of this run", ours.wall_s, "s")]
-    figs.append(figure("standalone_stall_vs_broadcast", best_bcast / mine, "x", 6.7, "higher"))
-    eta = w.logdepth_bound(o, o.rollout_hosts) / ours.makespan
-    figs.append(figure("eta_vs_logdepth_bound", eta, "ratio", 0.85, "higher"))
-    figs.append(figure("standalone_wall_s", ours.wall_s, "s", 120, "lower"))
+    if "ablations" in only:
+        say(f"ablations, {o.chunks} chunks per slice ...")
+        base = w.standalone(o)
+        ablations = [("no pipelining (one chunk per slice)", w.standalone(o, chunks=1)),
+                     ("no topology awareness", w.standalone(o, topology_aware=False))]
+        killed, victim = w.resourcing(o, base)
+        tables["ablations (standalone)"] = [
+            (f"all on ({o.chunks} chunks per slice)", base.makespan, "s"),
+            *((what, x.makespan, "s") for what, x in ablations),
+            (f"relay {victim} killed mid-transfer, re-sourced", killed.makespan, "s"),
+            ("staged flip: stall over the plain pull",
+             base.stall(o, o.overlap_s) / base.stall(o), "x")]
+        live = sum(1 for t in killed.instance_s if t != float("inf")) / len(killed.instance_s)
+        figs.append(figure("resourcing_instances_done", live, "share", 1.0, "higher"))
 
-    say("ablations ...")
-    ablations = [("no pipelining (one chunk per slice)", w.standalone(o, chunks=1)),
-                 ("no topology awareness", w.standalone(o, topology_aware=False))]
-    killed, victim = w.resourcing(o, ours)
-    tables["ablations (standalone)"] = [
-        ("all on", ours.makespan, "s"),
-        *((what, x.makespan, "s") for what, x in ablations),
-        (f"relay {victim} killed mid-transfer, re-sourced", killed.makespan, "s"),
-        ("staged flip: stall over the plain pull", ours.stall(o, o.overlap_s) / mine, "x")]
-    live = sum(1 for t in killed.instance_s if t != float("inf")) / len(killed.instance_s)
-    figs.append(figure("resourcing_instances_done", live, "share", 1.0, "higher"))
+    if "elastic" in only:
+        say("elastic ...")
+        (mine_e, there_e), (star_e, star_there) = w.elastic(o), w.elastic(o, star=True)
+        tables["elastic"] = [("TensorHub, joiners' update (join to switch), mean",
+                              w.mean(mine_e.instance_s), "s"),
+                             ("star from the trainer, joiners' update, mean",
+                              w.mean(star_e.instance_s), "s"),
+                             ("TensorHub, instances there at the publish, mean",
+                              w.mean(there_e.instance_s), "s"),
+                             ("star, instances there at the publish, mean",
+                              w.mean(star_there.instance_s), "s"),
+                             ("readers per trainer GPU (star)", o.rollout_hosts, "")]
+        figs.append(figure("elastic_speedup_vs_star", w.mean(star_e.instance_s)
+                           / w.mean(mine_e.instance_s), "x", 4.8, "higher"))
 
-    say("elastic ...")
-    (mine_e, there_e), (star_e, star_there) = w.elastic(o), w.elastic(o, star=True)
-    tables["elastic"] = [("TensorHub, joiners' update (join to switch), mean",
-                          w.mean(mine_e.instance_s), "s"),
-                         ("star from the trainer, joiners' update, mean",
-                          w.mean(star_e.instance_s), "s"),
-                         ("TensorHub, instances there at the publish, mean",
-                          w.mean(there_e.instance_s), "s"),
-                         ("star, instances there at the publish, mean",
-                          w.mean(star_there.instance_s), "s"),
-                         ("joiners per trainer GPU (star)", o.rollout_hosts // 2, "")]
-    figs.append(figure("elastic_speedup_vs_star", w.mean(star_e.instance_s)
-                       / w.mean(mine_e.instance_s), "x", 4.8, "higher"))
+    if "crossdc" in only:
+        say("cross-DC ...")
+        dc_ours, dc_unaware = w.crossdc(o), w.crossdc(o, topology_aware=False)
+        dc_seeds = w.crossdc(o, seeds_per_dc=4)
+        naive = w.crossdc_naive_stalls(o)
+        wan = {k: sum(v for n, v in x.result.carried.items() if n.startswith("wan:")) / o.size
+               for k, x in (("ours", dc_ours), ("no DC labels", dc_unaware),
+                            ("four seeds", dc_seeds))}
+        tables["cross-DC"] = [("TensorHub, one seed per DC", dc_ours.stall(o), "GPU-s"),
+                              ("TensorHub, four seeds per DC", dc_seeds.stall(o), "GPU-s"),
+                              ("TensorHub without DC labels", dc_unaware.stall(o), "GPU-s"),
+                              *((f"baseline: {k}", v, "GPU-s") for k, v in naive.items()),
+                              *((f"WAN bytes / model, {k}", v, "x") for k, v in wan.items())]
+        pulls = naive["every GPU pulls (remote ones over the WAN)"]
+        figs.append(figure("crossdc_stall_vs_naive", pulls / dc_ours.stall(o), "x", 19,
+                           "higher"))
+        figs.append(figure("crossdc_stall_vs_wan_broadcast",
+                           naive["stop-and-broadcast across the WAN"] / dc_ours.stall(o), "x",
+                           1.0, "higher"))
 
-    say("cross-DC ...")
-    dc_ours, dc_unaware = w.crossdc(o), w.crossdc(o, topology_aware=False)
-    dc_seeds = w.crossdc(o, seeds_per_dc=4)
-    naive = w.crossdc_naive_stalls(o)
-    wan = {k: sum(v for n, v in x.result.carried.items() if n.startswith("wan:")) / o.size
-           for k, x in (("ours", dc_ours), ("no DC labels", dc_unaware),
-                        ("four seeds", dc_seeds))}
-    tables["cross-DC"] = [("TensorHub, one seed per DC", dc_ours.stall(o), "GPU-s"),
-                          ("TensorHub, four seeds per DC", dc_seeds.stall(o), "GPU-s"),
-                          ("TensorHub without DC labels", dc_unaware.stall(o), "GPU-s"),
-                          *((f"baseline: {k}", v, "GPU-s") for k, v in naive.items()),
-                          *((f"WAN bytes / model, {k}", v, "x") for k, v in wan.items())]
-    pulls = naive["every GPU pulls (remote ones over the WAN)"]
-    figs.append(figure("crossdc_stall_vs_naive", pulls / dc_ours.stall(o), "x", 19,
-                       "higher"))
-    figs.append(figure("crossdc_stall_vs_wan_broadcast",
-                       naive["stop-and-broadcast across the WAN"] / dc_ours.stall(o), "x",
-                       1.0, "higher"))
+    if "kraken" in only:
+        say("kraken ...")
+        chunk = choose_chunk_size(w.KRAKEN_BLOB)[0]
+        n_chunks = kraken_chunks or -(-w.KRAKEN_BLOB // chunk)
+        kr = w.kraken(kraken_hosts, kraken_chunks or None, o.seed)
+        p50, p99 = w.percentile(kr.instance_s, 0.5), w.percentile(kr.instance_s, 0.99)
+        fine_hosts = min(kraken_hosts, 256)
+        say(f"kraken, {fine_hosts} hosts at 32 and 128 chunks ...")
+        fine = {c: w.percentile(w.kraken(fine_hosts, c, o.seed).instance_s, 0.5)
+                for c in (32, 128)}
+        tables["kraken"] = [
+            (f"p50, {kraken_hosts} hosts, {n_chunks} chunks", p50, "s"),
+            (f"p99, {kraken_hosts} hosts, {n_chunks} chunks", p99, "s"),
+            ("bound (3 GB / 300 MB/s)", 10.0, "s"),
+            *((f"p50, {fine_hosts} hosts, {c} chunks", v, "s") for c, v in fine.items()),
+            *((f"relay lag at {kraken_hosts} hosts, {c} chunks (closed form)",
+               w.kraken_lag_s(kraken_hosts, c), "s") for c in (n_chunks, 750)),
+            ("wall time of the run", kr.wall_s, "s")]
+        figs.append(figure("kraken_p50_s", p50, "s", 10.5, "lower"))
+        figs.append(figure("kraken_p99_s", p99, "s", 18, "lower"))
 
-    say("kraken ...")
-    chunk = choose_chunk_size(w.KRAKEN_BLOB)[0]
-    n_chunks = kraken_chunks or -(-w.KRAKEN_BLOB // chunk)
-    kr = w.kraken(kraken_hosts, kraken_chunks or None, o.seed)
-    p50, p99 = w.percentile(kr.instance_s, 0.5), w.percentile(kr.instance_s, 0.99)
-    fine_hosts = min(kraken_hosts, 256)
-    say(f"kraken, {fine_hosts} hosts at 32 and 128 chunks ...")
-    fine = {c: w.percentile(w.kraken(fine_hosts, c, o.seed).instance_s, 0.5)
-            for c in (32, 128)}
-    tables["kraken"] = [
-        (f"p50, {kraken_hosts} hosts, {n_chunks} chunks", p50, "s"),
-        (f"p99, {kraken_hosts} hosts, {n_chunks} chunks", p99, "s"),
-        ("bound (3 GB / 300 MB/s)", 10.0, "s"),
-        *((f"p50, {fine_hosts} hosts, {c} chunks", v, "s") for c, v in fine.items()),
-        *((f"relay lag at {kraken_hosts} hosts, {c} chunks (closed form)",
-           w.kraken_lag_s(kraken_hosts, c), "s") for c in (n_chunks, 750)),
-        ("wall time of the run", kr.wall_s, "s")]
-    figs.append(figure("kraken_p50_s", p50, "s", 10.5, "lower"))
-    figs.append(figure("kraken_p99_s", p99, "s", 18, "lower"))
-
-    rows = compare()
-    tables["validation (netns)"] = [(f"{r['name']}: measured / simulated / error",
-                                     r["measured_s"], f"{r['simulated_s']:.3f} s, "
-                                     f"{r['error']:.3f}") for r in rows]
-    figs.append(figure("sim_vs_netns_error", max(r["error"] for r in rows), "ratio", 0.15,
-                       "lower"))
+    if "validation" in only:
+        rows = compare()
+        tables["validation (netns)"] = [(f"{r['name']}: measured / simulated / error",
+                                         r["measured_s"], f"{r['simulated_s']:.3f} s, "
+                                         f"{r['error']:.3f}") for r in rows]
+        figs.append(figure("sim_vs_netns_error", max(r["error"] for r in rows), "ratio", 0.15,
+                           "lower"))
     return figs, tables
 
 
@@ -157,23 +174,33 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--rollout-hosts", type=int, default=128,
                         help="rollout hosts of 8 GPUs (default 128: 1,024 GPUs)")
-    parser.add_argument("--chunks", type=int, default=16, help="chunks per slice")
+    parser.add_argument("--chunks", type=int, default=16,
+                        help="chunks per slice, but for the standalone figures")
+    parser.add_argument("--standalone-chunks", type=int, default=0,
+                        help="chunks per slice of the standalone figures (default 0: the "
+                        "chunk size a peer chooses, 64 MiB: 66 chunks)")
     parser.add_argument("--oversubscription", type=float, default=1.0)
     parser.add_argument("--kraken-hosts", type=int, default=2600)
     parser.add_argument("--kraken-chunks", type=int, default=0,
                         help="chunks of the 3 GB blob (default 0: a peer's own choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default=",".join(PARTS),
+                        help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args(argv)
-    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2 or a.kraken_chunks < 0:
+    if a.rollout_hosts < 2 or a.chunks < 1 or a.kraken_hosts < 2 or a.kraken_chunks < 0 \
+            or a.standalone_chunks < 0:
         parser.error("need --rollout-hosts >= 2, --chunks >= 1, --kraken-hosts >= 2, "
-                     "--kraken-chunks >= 0")
+                     "--kraken-chunks >= 0, --standalone-chunks >= 0")
     o = replace(w.Options(), rollout_hosts=a.rollout_hosts, chunks=a.chunks,
                 oversubscription=a.oversubscription, seed=a.seed)
     print(f"seed {a.seed}")
     started = time.perf_counter()
-    figs, tables = run(o, a.kraken_hosts, a.kraken_chunks)
+    only = frozenset(a.only.split(","))
+    if not only or not only <= set(PARTS):
+        parser.error(f"--only takes parts of {','.join(PARTS)}")
+    figs, tables = run(o, a.kraken_hosts, a.kraken_chunks, a.standalone_chunks, only)
     for name, rows in tables.items():
         print(f"\n{name}")
         for what, value, unit in rows:
@@ -182,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_figures(figs)
     settings = {**asdict(o), "kraken_hosts": a.kraken_hosts, "kraken_chunks": a.kraken_chunks,
+                "standalone_chunks": a.standalone_chunks,
                 "wall_s": round(time.perf_counter() - started, 1), "plots": plots}
     out = {"figures": figs, "tables": {k: [list(r) for r in v] for k, v in tables.items()},
            "settings": settings}
