@@ -224,12 +224,13 @@ class Fetch:
             ready = conn
 
             landing = self.local.landing
+            # this holder could write our memory anyway: the manifest's fast digests
+            local = ready.holder_shares_memory and bool(self.manifest.local_digests)
 
             def take(budget: int) -> list[tuple[int, Any, Verifier | None]]:
                 if landing is not None:  # no more than the staging ring has slots for
                     budget = min(budget, landing.budget(session.window))
                 run = session.next_run(trio.current_time(), stream, budget)
-                local = ready.holder_shares_memory
                 if landing is not None:
                     return [(c, *landing.take(c, self._verifier(c, name, local)))
                             for c in run]
@@ -250,8 +251,7 @@ class Fetch:
                     self._notify()  # a chunk to fetch again
                 else:  # no news for waiting workers: nothing new to fetch
                     self.local.mark_verified(c)
-                    if ready.holder_shares_memory and self.manifest.local_digests:
-                        self._report.local_digest_chunks += 1
+                    self._report.local_digest_chunks += local
                     session.landed(now, stream, c, result)
                     self._report.transport_by_source[name] = ready.transport
                     self.on_progress()
@@ -295,11 +295,11 @@ class Fetch:
 
     def _verifier(self, chunk: int, source: str, local: bool = False) -> PassingVerifier:
         """The check of ``chunk`` read from ``source``: against the manifest's local
-        digest where it has them and ``local`` says the holder could write this
-        process's memory anyway (see ``Connection.holder_shares_memory``)."""
+        digest where ``local`` (it has them, and the holder could write this process's
+        memory anyway: see ``Connection.holder_shares_memory``)."""
         m = self.manifest
         algo, expected = m.digest_algo, m.chunk_digests[chunk]
-        if local and m.local_digests:
+        if local:
             algo, expected = LOCAL_ALGO, m.local_digests[chunk]
 
         def verify(landed: Sequence[memoryview],
