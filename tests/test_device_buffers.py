@@ -124,3 +124,24 @@ async def test_torch_cuda_tensors_publish_and_land_in_torch_cuda_tensors() -> No
         dst = {"w": torch.zeros_like(src["w"])}
         await reader.fetch("m", 1, into=dst)
         assert torch.equal(dst["w"], src["w"])
+
+
+@pytest.mark.skipif(not cuda_available(), reason=NO_GPU)
+async def test_cupy_arrays_are_read_over_cuda_ipc_in_place() -> None:
+    """Two peers of one host: the holder grants its GPU arrays themselves (its staging
+    ring copies nothing for the reader); the reader lands them in its GPU arrays."""
+    import cupy
+    async with mesh(2, transports=("cuda-ipc", "tcp"), labels=(("host", "gpu"),),
+                    chunk_size=1 << 20, planning=False) as (pub, reader):
+        src = {"w": cupy.arange(3 << 20, dtype=cupy.float32),
+               "b": cupy.arange(1001, dtype=cupy.int16)}
+        manifest = await pub.publish("m", 1, src)
+        staged = pub.device_rings.serve_cache(0).ring.statistics().claims
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", None)
+        dst = {k: cupy.zeros_like(v) for k, v in src.items()}
+        got = await reader.fetch("m", 1, into=dst)
+        assert got.report.verified and manifest.num_chunks > 4
+        assert got.report.transport_by_source == {"p0": "cuda-ipc"}
+        assert all(bool(cupy.array_equal(dst[k], v)) for k, v in src.items())
+        assert pub.device_rings.serve_cache(0).ring.statistics().claims == staged

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import trio
 from test_mesh import mesh, weights
+from test_staging import HostAsDevice, host_rings
 
 import tensorhub
 from tensorhub import ConfigError, PeerConfig
@@ -111,6 +112,29 @@ async def test_same_host_peers_read_over_the_cuda_ipc_stand_in() -> None:
         assert got.report.transport_by_source == {"p0": "cuda-ipc-standin"}
 
 
+async def test_a_device_version_is_read_over_cuda_ipc_in_place_not_staged() -> None:
+    """A version held in device memory (host memory posing as it, through host-copier
+    rings) is granted to a CUDA IPC reader as its tensors themselves: the holder's
+    staging ring copies nothing, and the reader lands it through its own ring."""
+    async with mesh(2, transports=("cuda-ipc-standin", "tcp"), labels=HOST,
+                    planning=False) as (pub, reader):
+        for p in (pub, reader):
+            host_rings(p)
+        src = {"w": np.random.default_rng(3).standard_normal((300, 1000), np.float32),
+               "b": np.arange(777, dtype=np.int64)}
+        manifest = await pub.publish("m", 1, {k: HostAsDevice(v) for k, v in src.items()})
+        assert manifest.num_chunks > 1
+        staged = pub.device_rings.serve_cache(0).ring.statistics().claims  # the digests
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", None)
+        dst = {k: HostAsDevice(np.zeros_like(v)) for k, v in src.items()}
+        got = await reader.fetch("m", 1, into=dst)
+        assert got.report.verified
+        assert got.report.transport_by_source == {"p0": "cuda-ipc-standin"}
+        assert all(np.array_equal(dst[k].arr, v) for k, v in src.items())
+        assert pub.device_rings.serve_cache(0).ring.statistics().claims == staged
+
+
 async def test_without_tcp_a_holder_no_transport_reaches_is_not_read() -> None:
     async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, _):
         seed = pub.info.control.removeprefix("tcp://")
@@ -122,8 +146,8 @@ async def test_without_tcp_a_holder_no_transport_reaches_is_not_read() -> None:
                 await reader.wait_for_version("m", 0)
             with pytest.raises(tensorhub.VersionUnavailable):
                 await reader.fetch("m", 1)
-            assert "another host" in reader.statistics().transport_refusals["p0"][
-                "cuda-ipc-standin"]
+            assert "cannot tell whether p0 shares this host" in \
+                reader.statistics().transport_refusals["p0"]["cuda-ipc-standin"]
 
 
 async def test_a_chunk_the_holder_cannot_serve_one_sided_is_read_over_the_next() -> None:

@@ -124,3 +124,32 @@ def layout_array(place: Place) -> np.ndarray[Any, Any]:
     (a broadcast view), for building a manifest of memory the host cannot read."""
     from ..dtypes import storage_dtype
     return np.broadcast_to(np.zeros((), storage_dtype(place.dtype)), place.shape)
+
+
+class DeviceBytes:
+    """``nbytes`` of device memory at ``ptr`` as a flat byte array
+    (``__cuda_array_interface__``), for a one-sided backend that reads device memory in
+    place (CUDA IPC).  ``base``: the :class:`DeviceBytes` of the whole tensor a piece
+    lies in (None for a whole one), which a backend registers once."""
+
+    __slots__ = ("__weakref__", "base", "device", "nbytes", "owner", "ptr")
+
+    def __init__(self, ptr: int, nbytes: int, device: int, owner: Any,
+                 base: DeviceBytes | None = None) -> None:
+        self.ptr, self.nbytes, self.device, self.owner, self.base = (
+            ptr, nbytes, device, owner, base)
+
+    @classmethod
+    def of(cls, place: Place) -> DeviceBytes:
+        return cls(place.ptr, place.nbytes, place.device, place.owner)
+
+    def piece(self, start: int, stop: int) -> DeviceBytes:
+        """Bytes ``[start, stop)`` of this tensor."""
+        if not 0 <= start <= stop <= self.nbytes:
+            raise ValueError(f"bytes {start}..{stop} outside a tensor of {self.nbytes}")
+        return DeviceBytes(self.ptr + start, stop - start, self.device, self.owner, self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"data": (self.ptr, False), "shape": (self.nbytes,), "typestr": "|u1",
+                "strides": None, "version": 3}

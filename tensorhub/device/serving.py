@@ -28,7 +28,7 @@ from ..manifest import THREADED_HASH_BYTES, Manifest, digest_of
 from ..protocol.dataplane import NOT_HELD, NOT_YET
 from ..transport import copy_threads
 from ..transport.base import NotServing
-from .buffers import Place
+from .buffers import DeviceBytes, Place
 from .copier import Copier
 from .ring import Claim, StagingRing
 
@@ -95,6 +95,16 @@ class DeviceSource:
         self.places = list(places)
         self.cache = cache
         self.closed = False
+        self._wholes: list[DeviceBytes] | None = None
+
+    def device_pieces(self, chunk: int) -> list[DeviceBytes]:
+        """``chunk``'s bytes in the tensors themselves, one piece per tensor it spans
+        (for a backend that reads device memory in place; nothing is staged)."""
+        if self._wholes is None:
+            self._wholes = [DeviceBytes.of(p) for p in self.places]
+        start, stop = self.manifest.chunk_range(chunk)
+        return [self._wholes[seg.index].piece(seg.start, seg.stop)
+                for seg in self.manifest.segments(start, stop) if seg.stop > seg.start]
 
     @contextmanager
     def lease(self, chunk: int) -> Iterator[list[memoryview]]:

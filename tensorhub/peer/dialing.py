@@ -71,7 +71,12 @@ class Dialer:
                                                                timeout, auth)
             elif name in refused:
                 continue
-            elif name in SAME_HOST and (host is None or peer.label("host") != host):
+            elif name in SAME_HOST and (host is None or peer.label("host") is None):
+                refused[name] = (f"cannot tell whether {peer.name} shares this host: give "
+                                 f"both peers a 'host' label (PeerConfig.labels; host label "
+                                 f"{peer.label('host')!r}, ours {host!r})")
+                continue
+            elif name in SAME_HOST and peer.label("host") != host:
                 refused[name] = (f"{peer.name} is on another host (host label "
                                  f"{peer.label('host')!r}, ours {host!r})")
                 continue

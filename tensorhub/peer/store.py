@@ -182,7 +182,10 @@ class Store:
             raise NotServing(NOT_HELD, f"{key} is not held here")
         return local.encoded_manifest
 
-    async def wait_chunk(self, key: VersionKey, chunk: int) -> None:
+    async def wait_chunk(self, key: VersionKey, chunk: int, stage: bool = True) -> None:
+        """Return once ``chunk`` can be leased (or it never will, or ``chunk_wait``
+        passed): the version is in, the chunk verified, and -- unless not ``stage`` --
+        a device version's chunk copied to its staging ring."""
         with trio.move_on_after(self.chunk_wait):
             arriving = self.expected.get(key)
             if arriving is not None and key not in self.versions:
@@ -192,11 +195,12 @@ class Store:
                 return
             while local.receiving and not local.hidden and not local.verified[chunk]:
                 await local.progress.wait()
-            if local.source is not None and local.verified[chunk] and not local.hidden:
+            if stage and local.source is not None and local.verified[chunk] \
+                    and not local.hidden:
                 await local.source.stage(chunk)
 
-    @contextmanager
-    def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:
+    def _leasable(self, key: VersionKey, chunk: int) -> LocalVersion:
+        """The version ``chunk`` of which a reader may lease, or why not."""
         local = self.versions.get(key)
         if local is None and key in self.expected:
             raise NotServing(NOT_YET, f"{key} is being fetched here: manifest not in yet")
@@ -206,12 +210,29 @@ class Store:
             raise NotServing(BAD_REQUEST, f"{key} has no chunk {chunk}")
         if not local.verified[chunk]:
             raise NotServing(NOT_YET, f"chunk {chunk} of {key} is not verified here yet")
+        return local
+
+    @contextmanager
+    def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:
+        local = self._leasable(key, chunk)
         with self._pinned(local):
             if local.source is None:
                 yield local.segments(chunk)
             else:
                 with local.source.lease(chunk) as staged:
                     yield staged
+
+    @contextmanager
+    def lease_device(self, key: VersionKey, chunk: int) -> Iterator[Sequence[Any] | None]:
+        """As :meth:`lease`, for a backend that reads device memory in place: a device
+        version's chunk as pieces of its tensors (nothing staged), or None for a
+        version in host memory (lease it the usual way)."""
+        local = self._leasable(key, chunk)
+        if local.source is None:
+            yield None
+            return
+        with self._pinned(local):
+            yield local.source.device_pieces(chunk)
 
     @contextmanager
     def hold(self, key: VersionKey) -> Iterator[LocalVersion | None]:

@@ -15,13 +15,15 @@ cannot take back a handle a reader has opened, so for CUDA IPC the lease, the dr
 the reader's check of the connection after each copy (as for shared memory) are what
 keep a reader from using bytes of an unpublished version -- not the key.
 
-Only device memory is served: a holder whose chunk lies in host memory refuses the
-grant (the reader then uses ``shm``).  Tested here only through its stand-in; see
-``docs/transports.md`` for what ran on a GPU.
+Only device memory is served: a version held in device memory is granted as its tensors
+themselves (not the host copies its staging ring makes for other transports); a holder
+whose chunk lies in host memory refuses the grant (the reader then uses ``shm``).
+Tested on every run through its stand-in; ``docs/transports.md`` says what ran on a GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import struct
@@ -59,6 +61,7 @@ class CudaIpcBackend:
     name = "cuda-ipc"
     same_host = True
     depth = 8
+    device_memory = True
 
     def __init__(self, cupy: Any) -> None:
         self._cp = cupy
@@ -80,12 +83,13 @@ class CudaIpcBackend:
         region.key = bytes(self._rt.ipcGetMemHandle(base)) + _BASE.pack(base)
 
     def _base(self, addr: int) -> int:
-        """The start of the allocation ``addr`` lies in (an IPC handle names that)."""
+        """The start of the allocation ``addr`` lies in (an IPC handle names that: a
+        tensor of a caching allocator lies inside a larger allocation)."""
         try:
             driver = importlib.import_module("cupy.cuda.driver")
             return int(driver.memGetAddressRange(addr)[0])
-        except (AttributeError, ImportError):  # an older cupy: assume addr is the base
-            return addr
+        except (AttributeError, ImportError):  # a cupy without it: ask the driver
+            return _address_range_base(addr)
 
     def revoke(self, region: Region) -> None:
         region.key = b""
@@ -97,6 +101,18 @@ class CudaIpcBackend:
         if len(endpoint) != _ENDPOINT.size:
             raise ValueError("malformed CUDA IPC endpoint")
         return _HolderEnd(), _ENDPOINT.pack(os.getpid(), self.device)
+
+
+def _address_range_base(addr: int) -> int:
+    """``cuMemGetAddressRange``'s base of ``addr``, through the driver library."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                         ctypes.c_uint64(addr))
+    if status != 0:
+        raise TransportError(f"cuda-ipc: cuMemGetAddressRange failed ({status}) for "
+                             f"{addr:#x}")
+    return int(base.value)
 
 
 class _HolderEnd:

@@ -81,6 +81,7 @@ class RdmaBackend:
     name = "rdma"
     same_host = False
     depth = 16
+    device_memory = False
 
     def __init__(self, device: str) -> None:
         self._v = v = _verbs()

@@ -78,6 +78,9 @@ class Backend(Protocol):
     """Only between processes of one host (offered on the same-host socket only)."""
     depth: int
     """Reads a link keeps posted at once."""
+    device_memory: bool
+    """Serves a version held in device memory from its tensors in place (CUDA IPC);
+    otherwise such a version is served from the host copies its staging ring makes."""
 
     def register(self, memory: Any) -> Region:
         """Register ``memory`` (a byte view of a whole buffer, or a device array),

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Hashable, Iterable, Sequence
-from contextlib import ExitStack, suppress
-from typing import Any
+from contextlib import AbstractContextManager, ExitStack, suppress
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 
@@ -38,6 +38,17 @@ from ..frames import recv_frame, send_frame
 from ..samehost.holder import LeaseTerms
 from .backend import Backend, Link
 from .registry import Registrations, RegistrationStats
+
+
+@runtime_checkable
+class DeviceProvider(Protocol):
+    """A provider that can hand a backend reading device memory (CUDA IPC) a device
+    version's tensors in place (the peer's store)."""
+
+    async def wait_chunk(self, key: VersionKey, chunk: int, stage: bool = True) -> None: ...
+
+    def lease_device(self, key: VersionKey, chunk: int
+                     ) -> AbstractContextManager[Sequence[Any] | None]: ...
 
 
 class OneSidedHost:
@@ -143,10 +154,20 @@ async def _grant(sock: trio.socket.SocketType, provider: Provider, reg: Registra
                          else Reply(req_id, status, 0, detail))
         return []
 
+    # a backend that reads device memory gets a device version's tensors in place
+    in_place = provider if reg.backend.device_memory \
+        and isinstance(provider, DeviceProvider) else None
     try:
-        await provider.wait_chunk(key, chunk)
+        if in_place is not None:
+            await in_place.wait_chunk(key, chunk, stage=False)
+        else:
+            await provider.wait_chunk(key, chunk)
         with ExitStack() as lease:
-            segments: Sequence[Any] = lease.enter_context(provider.lease(key, chunk))
+            segments: Sequence[Any] | None = None
+            if in_place is not None:
+                segments = lease.enter_context(in_place.lease_device(key, chunk))
+            if segments is None:
+                segments = lease.enter_context(provider.lease(key, chunk))
             ranges = reg.remote_ranges(segments, user)
             leases.push(lease.pop_all())
     except NotServing as ns:

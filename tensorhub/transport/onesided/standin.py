@@ -42,6 +42,9 @@ class StandinBackend:
     def __init__(self, name: str = "rdma-standin") -> None:
         self.name = name
         self.same_host = name.startswith("cuda-ipc")
+        self.device_memory = self.same_host
+        """As CUDA IPC: a device version's tensors are served in place (in tests, host
+        memory posing as device memory)."""
         self.id = next(_ids)
         self._keys: dict[bytes, Region] = {}
         self._links: dict[int, _HolderLink] = {}
@@ -51,7 +54,8 @@ class StandinBackend:
         _backends[self.id] = self
 
     def register(self, memory: Any) -> Region:
-        if not isinstance(memory, memoryview):
+        if not isinstance(memory, memoryview) and not (
+                self.device_memory and hasattr(memory, "__cuda_array_interface__")):
             raise TransportError(f"{self.name}: host memory only, not "
                                  f"{type(memory).__name__}")
         return Region(*extent(memory), None)
