@@ -7,7 +7,7 @@
 #   tools/device_check.sh                 # 4 GiB, 3 fetches per leg, <= 5 minutes on an H200
 #   tools/device_check.sh --size 1GiB --runs 2
 #
-# Needs CUDA 12 and cupy (torch with CUDA is used too when present).  Offline machines:
+# Needs cupy for the CUDA it has (cupy-cuda12x or -cuda13x; torch with CUDA is used too when present).  Offline machines:
 # wheels fetched beforehand by tools/device_wheels.sh into .whl/ are installed from there.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,8 +3,9 @@
 Two processes on one host (one GPU or two with peer access): the holder exports a CUDA
 IPC memory handle of each device buffer it serves (``cudaIpcGetMemHandle``), the reader
 opens it once (``cudaIpcOpenMemHandle``, kept open while the connection lives) and copies
-device to device (or device to host, for a host destination) with ``cudaMemcpyAsync`` on
-its own stream; no byte bounces through host memory or a socket.  cupy is imported only
+with ``cudaMemcpyAsync`` on its own stream to wherever the fetch lands the chunk (a fetch
+into GPU tensors lands each chunk in a pinned slot of its staging ring, to check its
+digest on the host, then copies it to its place); no byte crosses a socket.  cupy is imported only
 when a peer names ``cuda-ipc`` in ``PeerConfig.transports`` (``pip install
 cupy-cuda12x``); the transport is usable only where ``cupy.cuda.is_available()``.
 
