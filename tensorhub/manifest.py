@@ -144,6 +144,12 @@ class Manifest:
     too, so a cryptographic digest guards against nothing it could not do anyway, while
     these still catch every corruption (a stale mapping, a buffer changed while leased)
     at memory speed.  Under the publisher's signature like every other field."""
+    device_digests: tuple[bytes, ...] = ()
+    """Per-chunk ``dsum-128`` digests (:mod:`tensorhub.device.digest`) of a version
+    published from device memory, computed on the device (empty otherwise).  Checked,
+    like ``local_digests`` and only where those would be, by a reader that lands chunks
+    straight in its own device memory (CUDA IPC), on its device.  Under the publisher's
+    signature like every other field."""
     table: TensorTable = field(init=False, repr=False, compare=False)
     """Derived columns, shared with every manifest of the same tensor tuple."""
 
@@ -222,7 +228,8 @@ class Manifest:
             "digest_algo": self.digest_algo,
             "chunk_digests": b"".join(self.chunk_digests),
             "shard": [self.shard, self.world, self.layout],
-        } | ({"local_digests": b"".join(self.local_digests)} if self.local_digests else {})
+        } | ({"local_digests": b"".join(self.local_digests)} if self.local_digests else {}) \
+          | ({"device_digests": b"".join(self.device_digests)} if self.device_digests else {})
 
     def encode(self) -> bytes:
         """The wire form (computed once: a manifest is immutable)."""
@@ -305,7 +312,7 @@ def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
     def bad(what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"malformed manifest: {what}")
 
-    if not isinstance(obj, dict) or set(obj) - {"local_digests"} != _FIELDS:
+    if not isinstance(obj, dict) or set(obj) - _OPTIONAL != _FIELDS:
         raise bad("wrong fields")
     sh = obj["shard"]
     if not (isinstance(sh, list) and len(sh) == 3 and _is_count(sh[0]) and _is_count(sh[1])
@@ -336,12 +343,21 @@ def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
     if "local_digests" in obj and (type(local) is not bytes or algo in TRUSTED_ONLY
                                    or not 0 < len(local) == expected * size):
         raise bad("local digests")  # present only when it has every chunk's, canonical
+    on_device = obj.get("device_digests", b"")
+    if "device_digests" in obj and (type(on_device) is not bytes
+                                    or not 0 < len(on_device) == expected * DSUM_SIZE):
+        raise bad("device digests")
     return Manifest(model, version, tensors, chunk_size, algo, digests, shard, world, layout,
-                    tuple(local[i:i + size] for i in range(0, len(local), size)))
+                    tuple(local[i:i + size] for i in range(0, len(local), size)),
+                    tuple(on_device[i:i + DSUM_SIZE]
+                          for i in range(0, len(on_device), DSUM_SIZE)))
 
 
 _FIELDS = {"model", "version", "tensors", "chunk_size", "digest_algo", "chunk_digests",
            "shard"}
+_OPTIONAL = {"local_digests", "device_digests"}
+DSUM_SIZE = 16
+"""Bytes of one of :attr:`Manifest.device_digests` (``dsum-128``)."""
 
 
 _TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}
@@ -490,11 +506,13 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
                    chunk_size: int, algo: str, world: int = 1,
                    placed: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
                    limits: ManifestLimits = DEFAULT_LIMITS,
-                   digests: Callable[[Manifest], list[bytes]] | None = None) -> Manifest:
+                   digests: Callable[[Manifest], list[bytes]] | None = None,
+                   on_device: Callable[[Manifest], list[bytes]] | None = None) -> Manifest:
     """Specs, chunking and digests of arrays laid end to end (runs in a worker thread).
     ``placed`` gives, per array, its global shape and start when it is a slice.
     ``digests``, when given, computes the chunk digests from the manifest without them
-    (memory the host cannot read: the arrays then only describe the tensors).
+    (memory the host cannot read: the arrays then only describe the tensors), and
+    ``on_device`` the :attr:`Manifest.device_digests`.
 
     Anything a reader would refuse (see :mod:`tensorhub.limits`) raises
     :class:`LocalProtocolError` naming the tensor and the bound, before any hashing."""
@@ -533,10 +551,11 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
             fast = new_hasher(LOCAL_ALGO)  # fed each block while it is in the cache
             found.append(digest_of(algo, pieces, threads, _feeder(fast)))
             local.append(fast.digest())
+    device = on_device(skeleton) if on_device is not None else []
     manifest = Manifest(key.model, key.version, tensors, chunk_size, algo, tuple(found),
-                        key.shard, world, key.layout, tuple(local))
-    if local and len(manifest.encode()) > limits.max_manifest_bytes:  # optional: dropped
-        manifest = replace(manifest, local_digests=())
+                        key.shard, world, key.layout, tuple(local), tuple(device))
+    if (local or device) and len(manifest.encode()) > limits.max_manifest_bytes:
+        manifest = replace(manifest, local_digests=(), device_digests=())  # optional
     _check_size(key, len(manifest.encode()), limits)
     return manifest
 

@@ -129,7 +129,8 @@ async def test_torch_cuda_tensors_publish_and_land_in_torch_cuda_tensors() -> No
 @pytest.mark.skipif(not cuda_available(), reason=NO_GPU)
 async def test_cupy_arrays_are_read_over_cuda_ipc_in_place() -> None:
     """Two peers of one host: the holder grants its GPU arrays themselves (its staging
-    ring copies nothing for the reader); the reader lands them in its GPU arrays."""
+    ring copies nothing for the reader); the reader copies them device to device into
+    its GPU arrays and checks them there (device digests)."""
     import cupy
     async with mesh(2, transports=("cuda-ipc", "tcp"), labels=(("host", "gpu"),),
                     chunk_size=1 << 20, planning=False) as (pub, reader):
@@ -143,5 +144,6 @@ async def test_cupy_arrays_are_read_over_cuda_ipc_in_place() -> None:
         got = await reader.fetch("m", 1, into=dst)
         assert got.report.verified and manifest.num_chunks > 4
         assert got.report.transport_by_source == {"p0": "cuda-ipc"}
+        assert got.report.device_digest_chunks == manifest.num_chunks  # landed in place
         assert all(bool(cupy.array_equal(dst[k], v)) for k, v in src.items())
         assert pub.device_rings.serve_cache(0).ring.statistics().claims == staged

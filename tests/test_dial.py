@@ -114,16 +114,17 @@ async def test_same_host_peers_read_over_the_cuda_ipc_stand_in() -> None:
 
 async def test_a_device_version_is_read_over_cuda_ipc_in_place_not_staged() -> None:
     """A version held in device memory (host memory posing as it, through host-copier
-    rings) is granted to a CUDA IPC reader as its tensors themselves: the holder's
-    staging ring copies nothing, and the reader lands it through its own ring."""
+    rings) is granted to a CUDA IPC reader as its tensors themselves, and lands in the
+    reader's tensors themselves, checked there against the device digests: neither
+    staging ring copies anything."""
     async with mesh(2, transports=("cuda-ipc-standin", "tcp"), labels=HOST,
-                    planning=False) as (pub, reader):
+                    chunk_size=1 << 18, planning=False) as (pub, reader):
         for p in (pub, reader):
             host_rings(p)
         src = {"w": np.random.default_rng(3).standard_normal((300, 1000), np.float32),
                "b": np.arange(777, dtype=np.int64)}
         manifest = await pub.publish("m", 1, {k: HostAsDevice(v) for k, v in src.items()})
-        assert manifest.num_chunks > 1
+        assert manifest.num_chunks > 4
         staged = pub.device_rings.serve_cache(0).ring.statistics().claims  # the digests
         with trio.fail_after(10):
             await reader.wait_for_version("m", None)
@@ -133,6 +134,10 @@ async def test_a_device_version_is_read_over_cuda_ipc_in_place_not_staged() -> N
         assert got.report.transport_by_source == {"p0": "cuda-ipc-standin"}
         assert all(np.array_equal(dst[k].arr, v) for k, v in src.items())
         assert pub.device_rings.serve_cache(0).ring.statistics().claims == staged
+        assert len(manifest.device_digests) == manifest.num_chunks
+        assert got.report.device_digest_chunks == manifest.num_chunks
+        with reader.device_rings.landing_ring(0) as ring:
+            assert ring.statistics().claims == 0
 
 
 async def test_without_tcp_a_holder_no_transport_reaches_is_not_read() -> None:

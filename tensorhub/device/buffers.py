@@ -10,14 +10,18 @@ calls CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import LocalProtocolError
 from ..model import as_host_array
 from ..torch import dtype_of, is_tensor
+
+if TYPE_CHECKING:
+    from ..manifest import Manifest
 
 _DLPACK_CUDA = (2, 13)
 """DLPack device types of CUDA memory: kDLCUDA, kDLCUDAManaged."""
@@ -133,6 +137,7 @@ class DeviceBytes:
     lies in (None for a whole one), which a backend registers once."""
 
     __slots__ = ("__weakref__", "base", "device", "nbytes", "owner", "ptr")
+    readonly = False
 
     def __init__(self, ptr: int, nbytes: int, device: int, owner: Any,
                  base: DeviceBytes | None = None) -> None:
@@ -153,3 +158,18 @@ class DeviceBytes:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         return {"data": (self.ptr, False), "shape": (self.nbytes,), "typestr": "|u1",
                 "strides": None, "version": 3}
+
+
+class DeviceChunks:
+    """The chunks of a version as pieces of its tensors in device memory, for a backend
+    that reads or writes them in place (each tensor's :class:`DeviceBytes` is made once,
+    so the backend registers it once)."""
+
+    def __init__(self, manifest: Manifest, places: Sequence[Place]) -> None:
+        self.manifest = manifest
+        self.wholes = [DeviceBytes.of(p) for p in places]
+
+    def pieces(self, chunk: int) -> list[DeviceBytes]:
+        start, stop = self.manifest.chunk_range(chunk)
+        return [self.wholes[seg.index].piece(seg.start, seg.stop)
+                for seg in self.manifest.segments(start, stop) if seg.stop > seg.start]

@@ -41,6 +41,10 @@ class Copier(Protocol):
         """Copy ``nbytes`` from address ``src`` to ``dst``; return once they are there."""
         ...
 
+    def synchronize(self) -> None:
+        """Return once work queued on the device (the caller's writes) is done."""
+        ...
+
 
 class HostCopier:
     name = "host"
@@ -55,6 +59,9 @@ class HostCopier:
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
+
+    def synchronize(self) -> None:
+        pass
 
 
 class CudaCopier:
@@ -87,6 +94,10 @@ class CudaCopier:
             self._cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT,
                                                 stream.ptr)
             stream.synchronize()
+
+    def synchronize(self) -> None:
+        with self._cupy.cuda.Device(self.device):
+            self._cupy.cuda.Device().synchronize()
 
 
 def cuda_available() -> bool:

@@ -27,7 +27,8 @@ from ..errors import LocalProtocolError, TransportError
 from ..manifest import Manifest
 from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import Verifier
-from .buffers import Place
+from .buffers import DeviceBytes, DeviceChunks, Place
+from .digest import dsum_for
 from .ring import Claim, StagingRing
 
 
@@ -50,6 +51,23 @@ class Landing:
         self.ring = ring
         self._claims: dict[int, Claim] = {}
         self.overflows = 0
+        self.on_device = bool(self.places) and all(p.on_device for p in self.places)
+        """Whether every tensor is in device memory (then a transport that copies into
+        device memory may land chunks in place: :meth:`in_place`)."""
+        self._in_place: DeviceChunks | None = None
+
+    def in_place(self, chunk: int) -> list[DeviceBytes]:
+        """``chunk``'s places themselves (no slot), for a transport that copies into
+        device memory; the chunk is then checked where it landed, on the device
+        (:func:`~tensorhub.device.digest.dsum_for`)."""
+        if self._in_place is None:
+            self._in_place = DeviceChunks(self.manifest, self.places)
+        return self._in_place.pieces(chunk)
+
+    def dsum(self, landed: Sequence[Any]) -> bytes:
+        """The ``dsum-128`` of a chunk landed in place."""
+        device = self.places[0].device if self.places else 0
+        return dsum_for(self.ring.copier.name, device)([(d.ptr, d.nbytes) for d in landed])
 
     def streams(self, most: int) -> int:
         """Streams the fetch may run: each keeps at least ``MIN_CHUNKS`` chunks in

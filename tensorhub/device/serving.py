@@ -10,8 +10,9 @@ is needed: the least recently staged chunk no reader leases gives its slot up, w
 version it belongs to (one :class:`ServeCache` per GPU, shared by the versions on it).
 The host never holds more of them than the ring.
 
-The manifest's digests are computed the same way (:func:`device_digests`): chunk by
-chunk through one slot, hashed on the host copy.
+The manifest's digests are computed the same way (:func:`staged_digests`): chunk by
+chunk through one slot, hashed on the host copy; its ``dsum-128`` device digests
+(:func:`dsum_digests`) on the device, in place.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from ..manifest import THREADED_HASH_BYTES, Manifest, digest_of
 from ..protocol.dataplane import NOT_HELD, NOT_YET
 from ..transport import copy_threads
 from ..transport.base import NotServing
-from .buffers import DeviceBytes, Place
+from .buffers import DeviceBytes, DeviceChunks, Place
 from .copier import Copier
+from .digest import dsum_for
 from .ring import Claim, StagingRing
 
 READ_AHEAD = 4
@@ -95,16 +97,14 @@ class DeviceSource:
         self.places = list(places)
         self.cache = cache
         self.closed = False
-        self._wholes: list[DeviceBytes] | None = None
+        self._in_place: DeviceChunks | None = None
 
     def device_pieces(self, chunk: int) -> list[DeviceBytes]:
         """``chunk``'s bytes in the tensors themselves, one piece per tensor it spans
         (for a backend that reads device memory in place; nothing is staged)."""
-        if self._wholes is None:
-            self._wholes = [DeviceBytes.of(p) for p in self.places]
-        start, stop = self.manifest.chunk_range(chunk)
-        return [self._wholes[seg.index].piece(seg.start, seg.stop)
-                for seg in self.manifest.segments(start, stop) if seg.stop > seg.start]
+        if self._in_place is None:
+            self._in_place = DeviceChunks(self.manifest, self.places)
+        return self._in_place.pieces(chunk)
 
     @contextmanager
     def lease(self, chunk: int) -> Iterator[list[memoryview]]:
@@ -205,7 +205,28 @@ class DeviceSource:
         return out
 
 
-def device_digests(places: Sequence[Place], ring: StagingRing, claim: Claim
+def chunk_extents(manifest: Manifest, places: Sequence[Place], chunk: int
+                  ) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of each tensor piece of ``chunk``, in order."""
+    start, stop = manifest.chunk_range(chunk)
+    return [(places[seg.index].ptr + seg.start, seg.stop - seg.start)
+            for seg in manifest.segments(start, stop) if seg.stop > seg.start]
+
+
+def dsum_digests(places: Sequence[Place], copier: Copier
+                 ) -> Callable[[Manifest], list[bytes]]:
+    """For ``build_manifest(on_device=...)``: each chunk's ``dsum-128``, computed where
+    the tensors are (run in a worker thread)."""
+    device = places[0].device if places else 0
+    dsum = dsum_for(copier.name, device)
+
+    def digests(skeleton: Manifest) -> list[bytes]:
+        copier.synchronize()  # the caller's writes to its tensors are done
+        return [dsum(chunk_extents(skeleton, places, c)) for c in range(skeleton.num_chunks)]
+    return digests
+
+
+def staged_digests(places: Sequence[Place], ring: StagingRing, claim: Claim
                    ) -> Callable[[Manifest], list[bytes]]:
     """For ``build_manifest(digests=...)``: each chunk's digest, hashed on its host copy
     in ``claim``'s slot (run in a worker thread; the slot is released at the end)."""

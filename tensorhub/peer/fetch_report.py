@@ -33,6 +33,10 @@ class FetchReport:
     """Chunks checked against the manifest's fast local digests (xxh3-128) instead of
     its cryptographic ones: read from a same-host holder that could write this process's
     memory anyway (``Connection.holder_shares_memory``)."""
+    device_digest_chunks: int = 0
+    """Chunks that such a holder's transport (CUDA IPC) copied straight into the
+    destination's device memory, checked there against the manifest's device digests
+    (``dsum-128``) instead of through the staging ring."""
     integrity_failures: dict[str, int] = field(default_factory=dict)
     dropped_sources: dict[str, str] = field(default_factory=dict)
     banned_sources: dict[str, str] = field(default_factory=dict)

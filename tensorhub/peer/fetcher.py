@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from ..device.landing import PassingVerifier
+from ..device.landing import Landing, PassingVerifier
 from ..errors import (
     IntegrityError,
     RemoteProtocolError,
@@ -226,11 +226,17 @@ class Fetch:
             landing = self.local.landing
             # this holder could write our memory anyway: the manifest's fast digests
             local = ready.holder_shares_memory and bool(self.manifest.local_digests)
+            # ... and, copying into our device memory, chunks land and are checked there
+            in_place = landing is not None and landing.on_device and ready.lands_device \
+                and ready.holder_shares_memory and bool(self.manifest.device_digests)
 
             def take(budget: int) -> list[tuple[int, Any, Verifier | None]]:
-                if landing is not None:  # no more than the staging ring has slots for
+                if landing is not None and not in_place:  # no more than the ring holds
                     budget = min(budget, landing.budget(session.window))
                 run = session.next_run(trio.current_time(), stream, budget)
+                if landing is not None and in_place:
+                    return [(c, landing.in_place(c), self._in_place_check(c, name, landing))
+                            for c in run]
                 if landing is not None:
                     return [(c, *landing.take(c, self._verifier(c, name, local)))
                             for c in run]
@@ -251,7 +257,10 @@ class Fetch:
                     self._notify()  # a chunk to fetch again
                 else:  # no news for waiting workers: nothing new to fetch
                     self.local.mark_verified(c)
-                    self._report.local_digest_chunks += local
+                    if in_place:
+                        self._report.device_digest_chunks += 1
+                    else:
+                        self._report.local_digest_chunks += local
                     session.landed(now, stream, c, result)
                     self._report.transport_by_source[name] = ready.transport
                     self.on_progress()
@@ -309,6 +318,22 @@ class Fetch:
             self._verify_times.append(time.perf_counter() - began)
             if not ok:
                 raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
+                                     source=source)
+
+        return verify
+
+
+    def _in_place_check(self, chunk: int, source: str, landing: Landing) -> Verifier:
+        """The check of ``chunk`` landed in place in device memory: its ``dsum-128``,
+        computed on the device, against the manifest's."""
+        expected = self.manifest.device_digests[chunk]
+
+        def verify(landed: Sequence[Any]) -> None:
+            began = time.perf_counter()
+            ok = landing.dsum(landed) == expected
+            self._verify_times.append(time.perf_counter() - began)
+            if not ok:
+                raise IntegrityError(f"chunk {chunk} of {self.key} failed its device digest",
                                      source=source)
 
         return verify

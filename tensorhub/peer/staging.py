@@ -17,7 +17,7 @@ from ..device.buffers import Place, is_device, layout_array, place_of
 from ..device.copier import Copier, copier_for
 from ..device.landing import Landing, ThroughRing, landing_places
 from ..device.ring import StagingRing
-from ..device.serving import DeviceSource, ServeCache, device_digests
+from ..device.serving import DeviceSource, ServeCache, dsum_digests, staged_digests
 from ..errors import LocalProtocolError
 from ..manifest import Manifest
 from ..torch import destination
@@ -87,17 +87,19 @@ class DevicePublish:
     places: list[Place]
     cache: ServeCache
 
-    async def manifest(self, build: Callable[[Digests], Manifest], chunk_size: int
+    async def manifest(self, build: Callable[..., Manifest], chunk_size: int
                        ) -> Manifest:
-        """``build(digests)`` in a worker thread, the digests hashed on host copies of
-        the chunks made in one slot of the serving ring."""
+        """``build(digests=, on_device=)`` in a worker thread: the digests hashed on
+        host copies of the chunks made in one slot of the serving ring, the device
+        digests computed on the device."""
         ring = self.cache.ring
         ring.fit(chunk_size)
         await ring.ready()
         claim = await ring.acquire()
         try:
-            return await trio.to_thread.run_sync(build,
-                                                 device_digests(self.places, ring, claim))
+            return await trio.to_thread.run_sync(partial(
+                build, digests=staged_digests(self.places, ring, claim),
+                on_device=dsum_digests(self.places, ring.copier)))
         finally:
             ring.release(claim)  # a no-op once the digests released it
 

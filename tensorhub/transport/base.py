@@ -69,6 +69,10 @@ class Connection(Protocol):
     transport: str
     peer: str
     lands_arrays: bool
+    lands_device: bool
+    """Whether ``dest`` may be device memory (objects with ``__cuda_array_interface__``,
+    :class:`~tensorhub.device.buffers.DeviceBytes`): a fetch into GPU tensors then
+    lands chunks in place instead of in its staging ring (CUDA IPC)."""
     holder_shares_memory: bool
     """Whether the holder is shown to be a process of this host run by this user (or
     root): one that could write this reader's memory anyway.  The fetcher then checks

@@ -52,6 +52,7 @@ class MemoryConnection:
 
     transport = "memory"
     lands_arrays = False
+    lands_device = False
     holder_shares_memory = False
     batch_bytes = 0
 

@@ -98,6 +98,7 @@ class TcpConnection:
 
     transport = "tcp"
     lands_arrays = True
+    lands_device = False
     holder_shares_memory = False
     """:meth:`read_chunk` takes any C-contiguous buffers as ``dest`` (numpy arrays
     included, sized by ``nbytes``), not only byte views (see ``Connection``)."""

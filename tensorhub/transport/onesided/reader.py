@@ -38,7 +38,7 @@ from .. import copy_threads
 from ..base import Landed, NotServing, Take, Verifier, read_each, stream_each
 from ..frames import recv_frame, send_frame
 from ..handshake import DataAuth
-from ..local import local_name
+from ..local import credentials, local_name, same_user
 from ..sockio import tune
 from ..tcp import TcpConnection, dial, greeted
 from .backend import Backend, Link, Region, pair_up, read_ranges
@@ -69,6 +69,8 @@ class OneSidedConnection(TcpConnection):
 
     lands_arrays = False
     holder_shares_memory = False
+    """Set for a same-host backend: the kernel's credentials of the holder's end of
+    the same-host socket show its user (see ``Connection.holder_shares_memory``)."""
     batch_bytes = 64 << 20
     """Bytes of consecutive chunks a stream hands one :meth:`read_chunks`: one round
     trip leases them all."""
@@ -78,6 +80,7 @@ class OneSidedConnection(TcpConnection):
                  on_refused: Callable[[str], None] | None = None) -> None:
         super().__init__(sock, peer)
         self.transport = backend.name
+        self.lands_device = backend.device_memory
         self._backend = backend
         self._reg = registrations
         self._on_refused = on_refused
@@ -106,6 +109,8 @@ class OneSidedConnection(TcpConnection):
         await dial(sock, where, peer, timeout, auth,
                    f"cannot connect to {peer} at {address} for {backend.name}")
         conn = cls(sock, peer, backend, registrations, on_refused)
+        if backend.same_host:
+            conn.holder_shares_memory = same_user(credentials(sock)[1])
         return await greeted(conn, conn._hello, timeout,
                              f"{peer} did not open a {backend.name} link")
 

@@ -136,7 +136,8 @@ class ShmConnection(TcpConnection):
     transport = "shm"
     """``shm-memfd`` once the last chunk came from the holder's memory files, ``shm`` when
     it came through ``process_vm_readv``."""
-    lands_arrays = False  # chunks are copied into byte views
+    lands_arrays = False
+    lands_device = False  # chunks are copied into byte views
     holder_shares_memory = False
     """True once the handshake showed the holder is this user's (or root's) process
     whose memory this one reads: it could write this process's memory too."""
