@@ -18,10 +18,12 @@ worker is copying it, when that copy ends.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+import trio
 
 from ..errors import LocalProtocolError, TransportError
 from ..manifest import Manifest
@@ -55,6 +57,20 @@ class Landing:
         """Whether every tensor is in device memory (then a transport that copies into
         device memory may land chunks in place: :meth:`in_place`)."""
         self._in_place: DeviceChunks | None = None
+        self._checking = 0
+        """Checks running now (in a transport's threads): each writes to the tensors."""
+        self._lock = threading.Lock()
+
+    async def settled(self) -> None:
+        """Return once no check of this fetch's chunks is running: a transport's thread
+        may still be checking (and placing) one after its stream was cancelled, and the
+        caller gets its tensors back only after that."""
+        while self._checking:
+            await trio.sleep(0.001)
+
+    def _checks(self, step: int) -> None:
+        with self._lock:
+            self._checking += step
 
     def in_place(self, chunk: int) -> list[DeviceBytes]:
         """``chunk``'s places themselves (no slot), for a transport that copies into
@@ -99,18 +115,26 @@ class Landing:
             spill = np.empty(stop - start, np.uint8)
 
             def check_spill(landed: Sequence[memoryview]) -> None:
-                self._check_and_place(verify, landed, start, int(spill.ctypes.data))
+                self._checks(1)
+                try:
+                    self._check_and_place(verify, landed, start, int(spill.ctypes.data))
+                finally:
+                    self._checks(-1)
             return [memoryview(spill)], check_spill  # type: ignore[arg-type]
         self._claims[chunk] = claim
         ring = self.ring
 
         def check_then_place(landed: Sequence[memoryview]) -> None:
-            if not ring.begin(claim):
-                raise TransportError(f"chunk {chunk} was given up before its check")
+            self._checks(1)
             try:
-                self._check_and_place(verify, landed, start, claim.ptr)
+                if not ring.begin(claim):
+                    raise TransportError(f"chunk {chunk} was given up before its check")
+                try:
+                    self._check_and_place(verify, landed, start, claim.ptr)
+                finally:
+                    ring.release(claim)
             finally:
-                ring.release(claim)
+                self._checks(-1)
 
         return [claim.view[:stop - start]], check_then_place
 

@@ -228,6 +228,8 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
     finally:
         if staged is not None:
             local.landing = None
+            with trio.CancelScope(shield=True):
+                await staged.landing.settled()  # the tensors are the caller's again
             staged.close()
     local.end_receiving()
     plane.announce(local)
