@@ -205,14 +205,6 @@ class DeviceSource:
         return out
 
 
-def chunk_extents(manifest: Manifest, places: Sequence[Place], chunk: int
-                  ) -> list[tuple[int, int]]:
-    """``(address, nbytes)`` of each tensor piece of ``chunk``, in order."""
-    start, stop = manifest.chunk_range(chunk)
-    return [(places[seg.index].ptr + seg.start, seg.stop - seg.start)
-            for seg in manifest.segments(start, stop) if seg.stop > seg.start]
-
-
 def dsum_digests(places: Sequence[Place], copier: Copier
                  ) -> Callable[[Manifest], list[bytes]]:
     """For ``build_manifest(on_device=...)``: each chunk's ``dsum-128``, computed where
@@ -222,7 +214,9 @@ def dsum_digests(places: Sequence[Place], copier: Copier
 
     def digests(skeleton: Manifest) -> list[bytes]:
         copier.synchronize()  # the caller's writes to its tensors are done
-        return [dsum(chunk_extents(skeleton, places, c)) for c in range(skeleton.num_chunks)]
+        chunks = DeviceChunks(skeleton, places)
+        return [dsum([(p.ptr, p.nbytes) for p in chunks.pieces(c)])
+                for c in range(skeleton.num_chunks)]
     return digests
 
 
