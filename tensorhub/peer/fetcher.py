@@ -322,7 +322,6 @@ class Fetch:
 
         return verify
 
-
     def _in_place_check(self, chunk: int, source: str, landing: Landing) -> Verifier:
         """The check of ``chunk`` landed in place in device memory: its ``dsum-128``,
         computed on the device, against the manifest's."""
