@@ -516,6 +516,35 @@ async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
         assert sorted(holder.sent) == sorted(len(pub.chunk(c)) for c in range(count))
 
 
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_first_batch_asks_for_the_lease_then_reads_the_rest_in_one_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's first batch on a fresh connection: the first chunk gets the version
+    lease, the others are copied under it in one worker-thread call, not one by one."""
+    calls: list[int] = []
+    land = shm_reader._land_batch
+
+    def counted(files: Any, jobs: Any) -> Any:
+        calls.append(len(jobs))
+        return land(files, jobs)
+
+    monkeypatch.setattr(shm_reader, "_land_batch", counted)
+    rng = rng_for("first-batch")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [1_000_000, 1_100_000], chunk_size=300_000)
+        key, count = pub.local.manifest.key, pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        bufs = [np.zeros(len(pub.chunk(c)), dtype=np.uint8) for c in range(count)]
+        got = await conn.read_chunks(key, range(count), [[memoryview(b)] for b in bufs],  # type: ignore[arg-type]
+                                     [None] * count)
+        assert got == [len(pub.chunk(c)) for c in range(count)]
+        assert all(np.array_equal(b, pub.chunk(c)) for c, b in enumerate(bufs))
+        assert calls == [1, count - 1]
+        assert isinstance(conn, ShmConnection) and conn.version_leases == 1
+        await conn.aclose()
+
+
 def reader_mappings(inode: int) -> list[str]:
     """The address ranges of this process's read-only shared mappings of the file
     ``inode`` (a reader's; the holder's own are writable)."""

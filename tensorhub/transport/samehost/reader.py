@@ -353,8 +353,17 @@ class ShmConnection(TcpConnection):
                           dests: Sequence[Sequence[memoryview]],
                           verifies: Sequence[Verifier | None]) -> list[int | Exception]:
         """Under a version lease of ``key``, every chunk in one worker-thread call (the
-        holder is checked once, after it); otherwise one read after another."""
+        holder is checked once, after it); otherwise one read after another.  Without
+        a lease yet, the first read asks for one, and under it the rest go in one call."""
         lease = self._lease
+        if (lease is None or lease.key != key) and key not in self._unleased \
+                and len(chunks) > 1:
+            first = await self.read_chunk(key, chunks[0], dests[0], verifies[0])
+            try:
+                rest = await self.read_chunks(key, chunks[1:], dests[1:], verifies[1:])
+            except Exception as exc:  # the first chunk's bytes stand
+                rest = [exc]
+            return [first, *rest]
         if lease is None or lease.key != key or len(chunks) < 2 or self._sock.fileno() < 0:
             return await read_each(self, key, chunks, dests, verifies)
         for chunk, dest in zip(chunks, dests, strict=True):
