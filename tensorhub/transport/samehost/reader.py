@@ -158,6 +158,11 @@ class ShmConnection(TcpConnection):
         self.chunk_grants = 0
         """Chunks granted one by one on this connection (statistics, tests)."""
 
+    @property
+    def holder_pid(self) -> int:
+        """The holder's process id, as its handshake showed (0 before it)."""
+        return self._pid
+
     @classmethod
     async def connect(cls, address: str, peer: str, timeout: float,
                       auth: DataAuth | None = None) -> ShmConnection:
