@@ -545,6 +545,52 @@ async def test_a_first_batch_asks_for_the_lease_then_reads_the_rest_in_one_call(
         await conn.aclose()
 
 
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_leased_batch_from_mapped_files_is_shared_by_the_copy_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once every file a batch reads is mapped, the batch goes to the copy threads as
+    consecutive parts of about equal bytes, queued at once; results stay in chunk order,
+    a failed check in the last part included."""
+    if shm_reader.copy_threads.pool.threads < 2:
+        pytest.skip("one usable core: one copy thread")
+    calls: list[list[int]] = []
+    land = shm_reader._land_batch
+
+    def counted(files: Any, jobs: Any) -> Any:
+        calls.append([int(p[0, 2]) for p, _, _ in jobs])  # each chunk's offset
+        return land(files, jobs)
+
+    monkeypatch.setattr(shm_reader, "_land_batch", counted)
+    rng = rng_for("split-batch")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [3_000_000], chunk_size=300_000)  # one file
+        key, count = pub.local.manifest.key, pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        buf = np.zeros(len(pub.chunk(0)), dtype=np.uint8)
+        await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+
+        class Bad(Exception):
+            pass
+
+        def refuse(_landed: Sequence[memoryview]) -> None:
+            raise Bad("refused by the check")
+
+        bufs = [np.zeros(len(pub.chunk(c)), dtype=np.uint8) for c in range(1, count)]
+        verifies = [None] * (count - 2) + [refuse]
+        got = await conn.read_chunks(key, range(1, count), [[memoryview(b)] for b in bufs],  # type: ignore[arg-type]
+                                     verifies)
+        assert got[:-1] == [len(pub.chunk(c)) for c in range(1, count - 1)]
+        assert isinstance(got[-1], Bad)
+        assert all(np.array_equal(b, pub.chunk(c)) for c, b in enumerate(bufs, 1))
+        threads = shm_reader.copy_threads.pool.threads
+        parts = calls[1:]
+        assert len(parts) == min(threads, count - 1)
+        assert [o for p in parts for o in p] == [c * 300_000 for c in range(1, count)]
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        await conn.aclose()
+
+
 def reader_mappings(inode: int) -> list[str]:
     """The address ranges of this process's read-only shared mappings of the file
     ``inode`` (a reader's; the holder's own are writable)."""

@@ -51,6 +51,7 @@ This module is the reader side.  The holder side is :mod:`.holder`; the kernel c
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 from collections.abc import Sequence
@@ -425,7 +426,8 @@ class ShmConnection(TcpConnection):
                                           f"has {stop - start} bytes, not {want}")
             jobs.append((lease.pieces_of(start, stop), dest, verify))
         self.transport = "shm-memfd"
-        bad = await copy_threads.pool.run(_land_batch, self._files, jobs)
+        bad = [b for part in await copy_threads.pool.run_each(
+            _land_batch, [(self._files, p) for p in self._split(jobs)]) for b in part]
         dead, spoke = self._holder_state()
         if dead:
             raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
@@ -436,6 +438,22 @@ class ShmConnection(TcpConnection):
         if any(b is not None for b in bad):
             await self._release()  # in step, so the holder counts the copies; then fail
         return bad
+
+    def _split(self, jobs: list[tuple[Pieces, Sequence[memoryview], Verifier | None]]
+               ) -> list[list[tuple[Pieces, Sequence[memoryview], Verifier | None]]]:
+        """A batch as consecutive parts of about equal bytes, one per copy thread, so
+        every thread has work queued while the event loop hands out the next batch; one
+        part until every file the batch reads is mapped (a mapping is made by one
+        thread at a time)."""
+        parts = min(copy_threads.pool.threads, len(jobs))
+        mapped = self._files.mapped
+        if parts < 2 or any((int(fd), int(inode)) not in mapped
+                            for pieces, _, _ in jobs for fd, inode in pieces[:, :2].tolist()):
+            return [jobs]
+        sizes = np.cumsum([int(pieces[:, 3].sum()) for pieces, _, _ in jobs])
+        cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts, side="right")
+        bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(jobs))), len(jobs)]
+        return [jobs[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def _heard(self, lease: _VersionLease) -> None:
         """The holder spoke while we hold its version lease: only a revoke is in turn."""
