@@ -482,18 +482,25 @@ async def test_unpublish_waits_for_the_version_lease_to_end(ending: str) -> None
         await conn.aclose()
 
 
-@needs_shm
-@pytest.mark.usefixtures("shared_arrays")
-async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
+@pytest.fixture
+def landings(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Each worker-thread call of the same-host reader's leased copies: the offset in
+    the holder's file of each chunk it landed."""
+    calls: list[list[int]] = []
     land = shm_reader._land_batch
 
     def counted(files: Any, jobs: Any) -> Any:
-        calls.append(len(jobs))
+        calls.append([int(pieces[0, 2]) for pieces, _, _ in jobs])
         return land(files, jobs)
 
     monkeypatch.setattr(shm_reader, "_land_batch", counted)
+    return calls
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
+        landings: list[list[int]]) -> None:
     rng = rng_for("leased-batch")
     async with tcp_holder(ShmConnection) as holder:
         pub = publish(holder.store, rng, [1_000_000, 1_100_000], chunk_size=300_000)
@@ -506,7 +513,7 @@ async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
                                      [None] * (count - 1))
         assert got == [len(pub.chunk(c)) for c in range(1, count)]
         assert all(np.array_equal(b, pub.chunk(c)) for c, b in enumerate(bufs, 1))
-        assert calls == [1, count - 1]
+        assert list(map(len, landings)) == [1, count - 1]
         assert isinstance(conn, ShmConnection) and conn.version_leases == 1
         await conn.aclose()
         with trio.fail_after(5):  # the holder counts every chunk copied under its lease
@@ -514,6 +521,65 @@ async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
             while len(holder.sent) < count:
                 await trio.sleep(0.001)
         assert sorted(holder.sent) == sorted(len(pub.chunk(c)) for c in range(count))
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_first_batch_asks_for_the_lease_then_reads_the_rest_in_one_call(
+        landings: list[list[int]]) -> None:
+    """A stream's first batch on a fresh connection: the first chunk gets the version
+    lease, the others are copied under it in one worker-thread call, not one by one."""
+    rng = rng_for("first-batch")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [1_000_000, 1_100_000], chunk_size=300_000)
+        key, count = pub.local.manifest.key, pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        bufs = [np.zeros(len(pub.chunk(c)), dtype=np.uint8) for c in range(count)]
+        got = await conn.read_chunks(key, range(count), [[memoryview(b)] for b in bufs],  # type: ignore[arg-type]
+                                     [None] * count)
+        assert got == [len(pub.chunk(c)) for c in range(count)]
+        assert all(np.array_equal(b, pub.chunk(c)) for c, b in enumerate(bufs))
+        assert list(map(len, landings)) == [1, count - 1]
+        assert isinstance(conn, ShmConnection) and conn.version_leases == 1
+        await conn.aclose()
+
+
+@needs_shm
+@pytest.mark.usefixtures("shared_arrays")
+async def test_a_leased_batch_from_mapped_files_is_shared_by_the_copy_threads(
+        landings: list[list[int]]) -> None:
+    """Once every file a batch reads is mapped, the batch goes to the copy threads as
+    consecutive parts of about equal bytes, queued at once; results stay in chunk order,
+    a failed check in the last part included."""
+    if shm_reader.copy_threads.pool.threads < 2:
+        pytest.skip("one usable core: one copy thread")
+    rng = rng_for("split-batch")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [3_000_000], chunk_size=300_000)  # one file
+        key, count = pub.local.manifest.key, pub.local.manifest.num_chunks
+        conn = await holder.connect()
+        buf = np.zeros(len(pub.chunk(0)), dtype=np.uint8)
+        await read_into(conn, pub, 0, [memoryview(buf)])  # type: ignore[arg-type]
+
+        class Bad(Exception):
+            pass
+
+        def refuse(_landed: Sequence[memoryview]) -> None:
+            raise Bad("refused by the check")
+
+        bufs = [np.zeros(len(pub.chunk(c)), dtype=np.uint8) for c in range(1, count)]
+        verifies = [None] * (count - 2) + [refuse]
+        got = await conn.read_chunks(key, range(1, count), [[memoryview(b)] for b in bufs],  # type: ignore[arg-type]
+                                     verifies)
+        assert got[:-1] == [len(pub.chunk(c)) for c in range(1, count - 1)]
+        assert isinstance(got[-1], Bad)
+        assert all(np.array_equal(b, pub.chunk(c)) for c, b in enumerate(bufs, 1))
+        threads = shm_reader.copy_threads.pool.threads
+        parts = landings[1:]
+        assert len(parts) == min(threads, count - 1)
+        assert [o for p in parts for o in p] == [c * 300_000 for c in range(1, count)]
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        await conn.aclose()
 
 
 def reader_mappings(inode: int) -> list[str]:

@@ -211,7 +211,8 @@ class Worker:
             st = self.peer.statistics()
             return {"event": "stats", "bytes_served": st.bytes_served,
                     "bytes_by_transport": st.bytes_by_transport, "members": st.members,
-                    "security": st.security, "digest": st.digest}
+                    "security": st.security, "digest": st.digest,
+                    "tcp_local_digests": st.tcp_local_digests}
         raise ValueError(f"unknown command {kind!r}")
 
     async def publish_step(self, cmd: dict[str, Any]) -> dict[str, Any]:

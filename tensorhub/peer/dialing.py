@@ -10,7 +10,11 @@ cannot be set up, a chunk lies in memory it cannot serve that way) is skipped fr
 on for that holder; each reason is kept and
 shown (``statistics().transports`` and ``transport_refusals``, the fetch report's
 ``transport_refusals``).  ``tcp``, when named, is the last resort and its failure is
-the read's failure.  The peer serves every one-sided transport it names.
+the read's failure.  A TCP connection to a holder labelled on this host also tries to
+show that the holder shares memory with this process
+(:mod:`tensorhub.transport.samehost.loopback`), so its chunks are checked against the
+fast local digests; the outcome is kept per holder (``statistics().tcp_local_digests``).
+The peer serves every one-sided transport it names.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..transport.handshake import DataAuth
 from ..transport.onesided.holder import OneSidedHost
 from ..transport.onesided.reader import OneSidedConnection
 from ..transport.onesided.registry import Registrations
+from ..transport.samehost.loopback import prove_holder_shares_memory
 from ..transport.samehost.reader import ShmConnection
 from ..transport.tcp import TcpConnection
 
@@ -55,6 +60,9 @@ class Dialer:
         """Per holder: the transports skipped for it, and why."""
         self.chosen: dict[str, str] = {}
         """Per holder: the transport of the last connection opened to it."""
+        self.local_digests: dict[str, str] = {}
+        """Per holder on this host: whether the last TCP connection opened to it checks
+        chunks against the fast local digests, and why (not)."""
 
     def describe(self) -> dict[str, str]:
         return {name: ("available: " if ok else "unavailable: ") + why
@@ -67,8 +75,7 @@ class Dialer:
         host = me.label("host")
         for name in self.transports:
             if name == "tcp":
-                conn: Connection = await TcpConnection.connect(peer.data, peer.name,
-                                                               timeout, auth)
+                conn: Connection = await self._tcp(peer, host, timeout, auth)
             elif name in refused:
                 continue
             elif name in SAME_HOST and (host is None or peer.label("host") is None):
@@ -93,6 +100,21 @@ class Dialer:
             return conn
         raise TransportError(f"no transport reaches {peer.name}: " + "; ".join(
             f"{name}: {refused.get(name, '?')}" for name in self.transports))
+
+    async def _tcp(self, peer: PeerInfo, host: str | None, timeout: float,
+                   auth: DataAuth | None) -> TcpConnection:
+        """A TCP connection to ``peer``; to a holder labelled on this host, one that
+        checks chunks against the fast local digests where the holder is shown to
+        share memory with this process (:mod:`..transport.samehost.loopback`)."""
+        conn = await TcpConnection.connect(peer.data, peer.name, timeout, auth)
+        if host is not None and peer.label("host") == host:
+            try:
+                self.local_digests[peer.name] = await prove_holder_shares_memory(
+                    conn, peer.data, timeout, auth)
+            except BaseException:
+                await conn.aclose()
+                raise
+        return conn
 
     async def _open(self, name: str, peer: PeerInfo, timeout: float,
                     auth: DataAuth | None, refused: dict[str, str]) -> Connection:

@@ -141,6 +141,7 @@ class FetchReport:
             "chunk_size": self.chunk_size, "windows": dict(self.windows),
             "first_byte_seconds": self.first_byte_seconds,
             "transfer_seconds": self.transfer_seconds, "verify_seconds": self.verify_seconds,
+            "local_digest_chunks": self.local_digest_chunks,
             "delta_bytes": self.delta_bytes, "delta_chunks": self.delta_chunks,
             "unchanged_chunks": self.unchanged_chunks,
             "delta_encode_seconds": self.delta_encode_seconds,

@@ -51,6 +51,10 @@ class PeerStats:
     """Per holder read from: the transport of the last connection to it."""
     transport_refusals: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per holder: each transport preferred over the chosen one and skipped, and why."""
+    tcp_local_digests: dict[str, str] = field(default_factory=dict)
+    """Per holder on this host read over TCP: whether its last connection checks chunks
+    against the manifest's fast local digests (the holder shown to share memory with
+    this process), and why or why not (:mod:`tensorhub.transport.samehost.loopback`)."""
     registrations: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per one-sided transport served: buffers registered, reused, keys granted and
     revoked (:mod:`tensorhub.transport.onesided.registry`)."""
@@ -147,6 +151,7 @@ def peer_statistics(peer: Peer) -> PeerStats:
         shm_fallbacks={h: r["shm"] for h, r in peer.dialer.refusals.items() if "shm" in r},
         transports=peer.dialer.describe(), transport_chosen=dict(peer.dialer.chosen),
         transport_refusals={h: dict(r) for h, r in peer.dialer.refusals.items() if r},
+        tcp_local_digests=dict(peer.dialer.local_digests),
         registrations={name: asdict(st) for name, st in
                        peer.dialer.host.statistics().items()},
         security=_security_text(peer), refused=_refused(peer),

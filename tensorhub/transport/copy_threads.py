@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
+from functools import partial
 from typing import Any, TypeVar
 
 import outcome
@@ -67,6 +68,42 @@ class CopyPool:
         with trio.CancelScope(shield=True):
             await done.wait()
         return result[0].unwrap()
+
+
+    async def run_each(self, fn: Callable[..., _T], calls: Sequence[tuple[Any, ...]]
+                       ) -> list[_T]:
+        """``fn(*args)`` for each ``args`` of ``calls``, all queued at once (each taken
+        by the next free thread); waits for every one, even when cancelled, and returns
+        their results in order, or raises the first one's error once all are done."""
+        if not calls:
+            return []
+        for _ in calls:
+            self._start()
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        results: list[outcome.Outcome[_T] | None] = [None] * len(calls)
+        left = [len(calls)]
+        lock = threading.Lock()
+
+        def job(i: int, args: tuple[Any, ...]) -> None:
+            results[i] = outcome.capture(fn, *args)
+            with lock:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                with suppress(trio.RunFinishedError):
+                    token.run_sync_soon(done.set)
+
+        for i, args in enumerate(calls):
+            self._jobs.put(partial(job, i, args))
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return [r.unwrap() for r in results if r is not None]
+
+    @property
+    def threads(self) -> int:
+        """How many threads the pool runs at most (one per usable core, up to 8)."""
+        return self._limit
 
 
 pool = CopyPool()

@@ -98,10 +98,13 @@ class TcpConnection:
 
     transport = "tcp"
     lands_arrays = True
-    lands_device = False
-    holder_shares_memory = False
     """:meth:`read_chunk` takes any C-contiguous buffers as ``dest`` (numpy arrays
     included, sized by ``nbytes``), not only byte views (see ``Connection``)."""
+    lands_device = False
+    holder_shares_memory = False
+    """True once :func:`~tensorhub.transport.samehost.loopback.prove_holder_shares_memory`
+    showed the holder to be a process of this host and user whose memory this one reads
+    (see ``Connection``)."""
     batch_bytes = 0
 
     def __init__(self, sock: trio.socket.SocketType, peer: str) -> None:
@@ -116,6 +119,11 @@ class TcpConnection:
         self._last_end: float | None = None  # when the reader thread last landed a chunk
         self.min_rtt: float | None = None
         """The least time from a request sent with none in flight to its reply."""
+
+    @property
+    def sock(self) -> trio.socket.SocketType:
+        """The connection's socket (to look up its ends; reads go through the methods)."""
+        return self._sock
 
     @classmethod
     async def connect(cls, address: str, peer: str, timeout: float,

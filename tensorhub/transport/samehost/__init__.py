@@ -15,6 +15,8 @@ The pieces:
 - :mod:`.process_vm` -- copying another process's plain memory with ``process_vm_readv``
   (arrays not in memory files, and the handshake).
 - :mod:`.streaming_copy` -- the copy out of mapped memory files, with non-temporal stores.
+- :mod:`.loopback` -- showing that a TCP connection's holder is such a process too, so
+  its chunks are checked against the fast local digests.
 
 The worker threads the reader copies in are :mod:`tensorhub.transport.copy_threads`,
 shared with the TCP reader.

@@ -51,6 +51,7 @@ This module is the reader side.  The holder side is :mod:`.holder`; the kernel c
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 from collections.abc import Sequence
@@ -158,6 +159,11 @@ class ShmConnection(TcpConnection):
         """Versions the holder leased whole to this connection (statistics, tests)."""
         self.chunk_grants = 0
         """Chunks granted one by one on this connection (statistics, tests)."""
+
+    @property
+    def holder_pid(self) -> int:
+        """The holder's process id, as its handshake showed (0 before it)."""
+        return self._pid
 
     @classmethod
     async def connect(cls, address: str, peer: str, timeout: float,
@@ -354,8 +360,17 @@ class ShmConnection(TcpConnection):
                           dests: Sequence[Sequence[memoryview]],
                           verifies: Sequence[Verifier | None]) -> list[int | Exception]:
         """Under a version lease of ``key``, every chunk in one worker-thread call (the
-        holder is checked once, after it); otherwise one read after another."""
+        holder is checked once, after it); otherwise one read after another.  Without
+        a lease yet, the first read asks for one, and under it the rest go in one call."""
         lease = self._lease
+        if (lease is None or lease.key != key) and key not in self._unleased \
+                and len(chunks) > 1:
+            first = await self.read_chunk(key, chunks[0], dests[0], verifies[0])
+            try:
+                rest = await self.read_chunks(key, chunks[1:], dests[1:], verifies[1:])
+            except Exception as exc:  # the first chunk's bytes stand
+                rest = [exc]
+            return [first, *rest]
         if lease is None or lease.key != key or len(chunks) < 2 or self._sock.fileno() < 0:
             return await read_each(self, key, chunks, dests, verifies)
         for chunk, dest in zip(chunks, dests, strict=True):
@@ -412,7 +427,8 @@ class ShmConnection(TcpConnection):
                                           f"has {stop - start} bytes, not {want}")
             jobs.append((lease.pieces_of(start, stop), dest, verify))
         self.transport = "shm-memfd"
-        bad = await copy_threads.pool.run(_land_batch, self._files, jobs)
+        bad = [b for part in await copy_threads.pool.run_each(
+            _land_batch, [(self._files, p) for p in self._split(jobs)]) for b in part]
         dead, spoke = self._holder_state()
         if dead:
             raise TransportError(f"{self.peer} (pid {self._pid}) exited or ended the "
@@ -423,6 +439,22 @@ class ShmConnection(TcpConnection):
         if any(b is not None for b in bad):
             await self._release()  # in step, so the holder counts the copies; then fail
         return bad
+
+    def _split(self, jobs: list[tuple[Pieces, Sequence[memoryview], Verifier | None]]
+               ) -> list[list[tuple[Pieces, Sequence[memoryview], Verifier | None]]]:
+        """A batch as consecutive parts of about equal bytes, one per copy thread, so
+        every thread has work queued while the event loop hands out the next batch; one
+        part until every file the batch reads is mapped (a mapping is made by one
+        thread at a time)."""
+        parts = min(copy_threads.pool.threads, len(jobs))
+        mapped = self._files.mapped
+        if parts < 2 or any((int(fd), int(inode)) not in mapped
+                            for pieces, _, _ in jobs for fd, inode in pieces[:, :2].tolist()):
+            return [jobs]
+        sizes = np.cumsum([int(pieces[:, 3].sum()) for pieces, _, _ in jobs])
+        cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts, side="right")
+        bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(jobs))), len(jobs)]
+        return [jobs[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def _heard(self, lease: _VersionLease) -> None:
         """The holder spoke while we hold its version lease: only a revoke is in turn."""
