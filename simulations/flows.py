@@ -1,4 +1,5 @@
-"""A flow-level network for the transfer simulator (:mod:`simulations.transfer`).
+"""A flow-level network for the transfer simulators (:mod:`simulations.transfer`,
+:mod:`simulations.dataplane`).
 
 Theory of operation
 -------------------
@@ -7,16 +8,20 @@ WAN link.  A *flow* carries one chunk over one connection: it crosses its sender
 uplink, its receiver's downlink and, between DCs, the pair's WAN link; it may also have
 a rate cap of its own (what one TCP connection keeps in flight over its round trip).
 
-Sharing is **equal share per link**: a flow runs at the least, over the links it
-crosses, of the link's rate divided by the number of flows on that link now (and at
-most its own cap).  No link ever carries more than its rate, so a simulation cannot beat
-physics; unlike max-min fairness, the share a flow cannot use (it is held back on
-another link) is not handed to the others on this one, so the model errs on the slow
-side when flows with different bottlenecks share a link.  Rates change only when a flow
-starts or ends, and only for the flows that share a link with it: a start slows only
-those above the link's new share, an end may speed up only those held to its old share,
-so an event costs a comparison per flow on the links it touches, and a recomputation
-and a new completion only for the flows whose rate changes.
+Sharing is **max-min fair**: the rates are those of progressive filling (raise every
+flow's rate together; a link that fills freezes the flows on it; a flow that reaches its
+cap freezes), so no link carries more than its rate and every flow has a *bottleneck*:
+a full link on which no flow runs faster (or its own cap).  That allocation is unique,
+and it is what the bottleneck condition recognises, which is what keeps an update
+local: rates change only when a flow starts or ends, and the update refills only a set
+``S`` of flows, holding every other flow at its rate (the links' capacity left over by
+them is ``S``'s to share).  ``S`` starts with the new flow (a start) or empty (an end),
+and grows until no flow outside it is wronged: a flow of ``S`` frozen on a link where an
+outside flow runs faster brings that flow in (it must give way), and an outside flow
+whose recorded bottleneck is no longer full, or now has a faster flow of ``S`` on it,
+comes in too (it may speed up or must slow down).  At that fixed point every flow has a
+bottleneck, so the rates are the max-min ones; the work is the ripple of flows whose
+rates change, not the connected component of the network.
 
 Completions go into the caller's event queue through ``schedule(time, callback)``; a
 flow that speeds up is armed anew (the entry made stale is recognised by the flow's
@@ -27,19 +32,21 @@ Bytes are counted per link as they are carried (a cancelled flow counts what it 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 Schedule = Callable[[float, Callable[[float], None]], None]
 """``schedule(time, callback)``: call ``callback(time)`` then."""
 
 _DONE_SLACK = 1e-6
 """Bytes left that count as none (floating-point residue of rate x time)."""
+_EPS = 1e-9
+"""Relative slack of the bottleneck tests (rates are sums of floats)."""
 
 
 class Link:
     """One direction of one NIC, or one WAN direction."""
 
-    __slots__ = ("carried", "flows", "name", "rate")
+    __slots__ = ("carried", "flows", "name", "rate", "used")
 
     def __init__(self, name: str, rate: float) -> None:
         if not (math.isfinite(rate) and rate > 0):
@@ -48,6 +55,8 @@ class Link:
         self.rate = rate
         self.flows: dict[Flow, None] = {}
         """Flows on this link now, in the order they started."""
+        self.used = 0.0
+        """The sum of their rates."""
         self.carried = 0.0
         """Bytes carried so far."""
 
@@ -55,8 +64,8 @@ class Link:
 class Flow:
     """One chunk in flight on one connection."""
 
-    __slots__ = ("cap", "due", "left", "links", "nbytes", "on_done", "rate", "since",
-                 "version")
+    __slots__ = ("bottleneck", "cap", "due", "left", "links", "nbytes", "on_done", "rate",
+                 "since", "version")
 
     def __init__(self, links: tuple[Link, ...], cap: float, nbytes: int,
                  on_done: Callable[[float], None]) -> None:
@@ -65,6 +74,8 @@ class Flow:
         self.nbytes = nbytes
         self.left = float(nbytes)
         self.rate = 0.0
+        self.bottleneck: Link | None = None
+        """The full link it is frozen on (None: its cap, or not yet running)."""
         self.since = 0.0
         self.version = 0
         self.due = math.inf
@@ -96,7 +107,7 @@ class Network:
         for link in links:
             link.flows[flow] = None
         self.active += 1
-        self._reshare(now, flow)
+        self._refill(now, {flow: None, **_held_on(links)}, ())
         return flow
 
     def cancel(self, now: float, flow: Flow) -> float:
@@ -107,15 +118,50 @@ class Network:
         self._remove(now, flow)
         return flow.nbytes - flow.left
 
-    # -- sharing ------------------------------------------------------------------------
+    # -- max-min sharing ----------------------------------------------------------------
 
-    def _rate(self, flow: Flow) -> float:
-        rate = flow.cap
-        for link in flow.links:
-            share = link.rate / len(link.flows)
-            if share < rate:
-                rate = share
-        return rate
+    def _refill(self, now: float, grow: dict[Flow, None], freed: Iterable[Link]) -> None:
+        """Find the max-min rates by refilling a growing set of flows (see the module
+        docstring); ``freed``: links a flow just left."""
+        group: dict[Flow, None] = {}
+        while True:
+            group.update(grow)
+            rate, frozen_on = _fill(group)
+            grow = {}
+            touched: dict[Link, float] = dict.fromkeys(freed, 0.0)
+            for f in group:
+                for link in f.links:
+                    touched[link] = 0.0
+            for link in touched:  # used once refilled, and the fastest of the group
+                used, top = link.used, 0.0
+                for f in link.flows:
+                    if f in group:
+                        r = rate[f]
+                        used += r - f.rate
+                        if r > top:
+                            top = r
+                touched[link] = used
+                slack = _EPS * link.rate
+                full = used >= link.rate - slack
+                for g in link.flows:
+                    if g in group:
+                        continue
+                    if g.bottleneck is link and (not full or top > g.rate + slack):
+                        grow[g] = None  # it may speed up, or must give way
+                    elif g.rate > top + slack and any(
+                            frozen_on[f] is link for f in link.flows if f in group):
+                        grow[g] = None  # it runs faster on a group flow's bottleneck
+            if not grow:
+                break
+        for f in group:
+            new = rate[f]
+            f.bottleneck = frozen_on[f]
+            if new != f.rate:
+                self._settle(now, f)
+                f.rate = new
+                self._retime(now, f)
+        for link, used in touched.items():
+            link.used = used if link.flows else 0.0
 
     def _settle(self, now: float, flow: Flow) -> None:
         """Account for what ``flow`` sent since its last rate change."""
@@ -126,25 +172,10 @@ class Network:
                 link.carried += sent
         flow.since = now
 
-    def _reshare(self, now: float, changed: Flow) -> None:
-        """``changed`` started: a flow sharing a link with it whose rate was above that
-        link's new share now runs at the share (every other constraint of it is as
-        before); ``changed`` gets its rate and its completion."""
-        for link in changed.links:
-            share = link.rate / len(link.flows)
-            for flow in link.flows:
-                if flow is not changed and flow.rate > share:
-                    self._settle(now, flow)
-                    flow.rate = share
-                    self._retime(now, flow)
-        changed.since = now
-        changed.rate = self._rate(changed)
-        self._retime(now, changed)
-
     def _retime(self, now: float, flow: Flow) -> None:
         """``flow``'s rate changed: arm its completion if it now comes sooner than the
         armed one (a later one is found when the armed one fires: it re-arms)."""
-        if now + flow.left / flow.rate < flow.due:
+        if flow.rate > 0 and now + flow.left / flow.rate < flow.due:
             flow.version += 1
             self._arm(now, flow)
 
@@ -155,10 +186,13 @@ class Network:
             if flow.version != version:
                 return  # rescheduled since
             self._settle(at, flow)
-            if flow.left > _DONE_SLACK and at + flow.left / flow.rate > at:  # slowed
-                # since it was armed, or rounding (unless below the clock's resolution)
+            if flow.left > _DONE_SLACK and (flow.rate <= 0 or at + flow.left / flow.rate > at):
+                # slowed since it was armed, or rounding (unless below the clock's
+                # resolution); a stopped flow is armed again when it gets a rate
                 flow.version += 1
-                self._arm(at, flow)
+                flow.due = math.inf
+                if flow.rate > 0:
+                    self._arm(at, flow)
                 return
             for link in flow.links:
                 link.carried += flow.left
@@ -170,17 +204,59 @@ class Network:
         self.schedule(flow.due, fire)
 
     def _remove(self, now: float, flow: Flow) -> None:
-        """``flow`` ended: only a flow held to a link's old share may speed up."""
-        shares = [link.rate / len(link.flows) for link in flow.links]
+        """``flow`` ended: the flows it held back may speed up."""
         for link in flow.links:
             del link.flows[flow]
+            link.used -= flow.rate
         flow.version = -1
         self.active -= 1
-        for link, share in zip(flow.links, shares, strict=True):
-            for other in link.flows:
-                if other.rate >= share:
-                    rate = self._rate(other)
-                    if rate != other.rate:
-                        self._settle(now, other)
-                        other.rate = rate
-                        self._retime(now, other)
+        self._refill(now, _held_on(flow.links), flow.links)
+
+
+def _held_on(links: tuple[Link, ...]) -> dict[Flow, None]:
+    """The flows frozen on ``links``: the first to change when a flow joins or leaves
+    them (starting ``S`` with them saves rounds of growing it)."""
+    return {f: None for link in links for f in link.flows if f.bottleneck is link}
+
+
+def _fill(group: dict[Flow, None]) -> tuple[dict[Flow, float], dict[Flow, Link | None]]:
+    """Progressive filling of ``group`` on what the other flows leave of each link:
+    each flow's rate and the link it froze on (None: its cap).  Each round freezes the
+    flows of the link with the least left per unfrozen flow (groups are small: a scan
+    of their links costs less than a heap)."""
+    left: dict[Link, float] = {}
+    members: dict[Link, list[Flow]] = {}
+    for f in group:
+        for link in f.links:
+            on = members.get(link)
+            if on is None:
+                members[link] = [f]
+                left[link] = link.rate - link.used + f.rate
+            else:
+                on.append(f)
+                left[link] += f.rate
+    count = {link: len(on) for link, on in members.items()}
+    capped = sorted((f for f in group if f.cap < math.inf), key=lambda f: f.cap)
+    rate: dict[Flow, float] = {}
+    frozen_on: dict[Flow, Link | None] = {}
+    while len(rate) < len(group):
+        share, at = math.inf, None
+        for link, n in count.items():
+            if n and left[link] < share * n:
+                share, at = left[link] / n, link
+        while capped and (capped[0] in rate or capped[0].cap <= share):
+            f = capped.pop(0)
+            if f not in rate:
+                share, at = f.cap, None
+                todo = [f]
+                break
+        else:
+            assert at is not None
+            todo = [f for f in members[at] if f not in rate]
+        share = max(share, 0.0)
+        for f in todo:
+            rate[f], frozen_on[f] = share, at
+            for link in f.links:
+                left[link] -= share
+                count[link] -= 1
+    return rate, frozen_on

@@ -197,7 +197,7 @@ def run(o: Options) -> tuple[list[Row], list[dict[str, Any]], dict[str, Any]]:
                 "wan_rtt_s": o.wan_rtt, "rtt_s": o.rtt, "depth": o.depth,
                 "gossip_delay_s": o.gossip_delay, "seed": o.seed,
                 "socket_window_bytes": o.socket_window,
-                "network": "flow-level, equal share per link, store-and-forward per chunk",
+                "network": "flow-level, max-min fair, store-and-forward per chunk",
                 "trace": res.trace[:16]}
     return rows, figures, settings
 

@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 One virtual clock and one heap of callbacks (ties broken by insertion order, so the same
 setup and seed give the same run).  Hosts sit in DCs; bytes move over the flow-level
-network of :mod:`simulations.flows` (equal share per link, store-and-forward per chunk:
+network of :mod:`simulations.flows` (max-min fair sharing, store-and-forward per chunk:
 a holder sends a chunk only once it has it verified, as real relays do).  Each request
 takes half a round trip to reach its holder and each reply half a round trip back.
 

@@ -10,8 +10,8 @@ uplink and the receiver's NIC downlink; between leaves it also crosses the sende
 leaf's uplink to the spine and the receiver leaf's downlink from it, each carrying
 ``gpus under the leaf x nic_bps / oversubscription``, when oversubscribed (a
 non-blocking leaf carries at most what the NICs under it send, so it never limits a
-flow; as a shared link of :mod:`simulations.flows`, which shares equally, not max-min,
-it would hold back flows no switch holds back); between DCs it also crosses the
+flow, and leaving it out saves the max-min sharing of :mod:`simulations.flows` the
+work); between DCs it also crosses the
 DC pair's WAN link (``wan_bps`` each way).  Round trips: ``rtt_s`` inside a DC,
 ``wan_rtt_s`` across.  Links are those of :class:`simulations.flows.Network`, shared by
 every fan-out that runs at once on the fabric.
