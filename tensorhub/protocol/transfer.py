@@ -51,9 +51,7 @@ the limit applies to progress, chunk by chunk, not to a whole run.  The stalled 
 gets twice as long next time; its chunks go to another holder that has them, and only
 when there is none is the same source asked again at once: a slow but live sole source is
 never dropped.  What ends a fetch is a real timeout: no chunk landed for
-``stall_timeout`` with nothing in flight and no stream open
-(:meth:`~TransferSession.expired`: a stream being opened to a source has claimed
-nothing yet, and a worker that finds no job meanwhile must not end the fetch); then, or
+``stall_timeout`` with nothing in flight (:meth:`~TransferSession.expired`); then, or
 when no holder is left for some chunk, the shell raises ``VersionUnavailable`` with
 :meth:`~TransferSession.missing_text`.  A worker with nothing to do waits for news --
 a chunk back in pending, gossip, a benched holder coming back -- at most until
@@ -241,11 +239,9 @@ class TransferSession:
         return self.pace.limit(name, self.manifest.chunk_size)
 
     def expired(self, now: float) -> bool:
-        """Nothing in flight (no chunk claimed, no stream open: one still connecting
-        has claimed nothing yet) and no chunk landed for ``stall_timeout``: the fetch
-        fails (with :meth:`missing_text`)."""
-        return not self.claimed and now - self.last_progress > self.stall_timeout \
-            and not any(self.load.values())
+        """Nothing in flight and no chunk landed for ``stall_timeout``: the fetch fails
+        (with :meth:`missing_text`)."""
+        return not self.claimed and now - self.last_progress > self.stall_timeout
 
     def wake_at(self, now: float) -> float:
         """When a worker that found nothing to do should look again, news or not: the
