@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 
-DEVICE_ALGO = "dsum-128"
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _BLOCK = 1 << 20
 """Bytes hashed at once on the host (bounds the temporaries: 8 bytes per byte)."""
 
-Pieces = Sequence[tuple[int, int]]
+Extents = Sequence[tuple[int, int]]
 """A chunk as ``(address, nbytes)`` pieces, laid end to end."""
 
 
@@ -39,7 +38,7 @@ def _mix(z: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return out
 
 
-def host_dsum(pieces: Pieces) -> bytes:
+def host_dsum(pieces: Extents) -> bytes:
     """``dsum-128`` of pieces in host memory (numpy; the reference)."""
     s1 = s2 = np.uint64(0)
     pos = 0
@@ -101,7 +100,7 @@ class GpuDsum:
         self._local = threading.local()
         self._lock = threading.Lock()
 
-    def __call__(self, pieces: Pieces) -> bytes:
+    def __call__(self, pieces: Extents) -> bytes:
         cp = self._cupy
         with cp.cuda.Device(self.device):
             if self._kernel is None:
@@ -126,7 +125,7 @@ class GpuDsum:
 
 
 @functools.cache
-def dsum_for(copier_name: str, device: int) -> Callable[[Pieces], bytes]:
+def dsum_for(copier_name: str, device: int) -> Callable[[Extents], bytes]:
     """The ``dsum-128`` of memory a copier named ``copier_name`` reaches: the GPU
     kernel for ``"cuda"``, numpy for host memory (tests pose it as device memory)."""
     return GpuDsum(device) if copier_name == "cuda" else host_dsum
