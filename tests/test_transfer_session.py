@@ -219,7 +219,7 @@ def test_refusal_and_bad_bytes_drop_a_source_for_the_whole_fetch() -> None:
     assert s.failed(0.1, b, s.next_run(0.1, b, 64)[0], "refused", "unpublished")
     s.stream_ended(0.1, b)
     assert s.tally.dropped_sources["h2"] == "refused: unpublished"
-    assert s.pick(1e9) is None and not s.expired(30.0) and s.expired(30.1)
+    assert s.pick(1e9) is None and not s.expired(30.1) and s.expired(30.2)  # from the last open
     assert s.missing_text().startswith("no live holder for 4 of 4 chunks (tensors ['t0'])")
     assert "h1: chunk 0 failed its digest" in s.missing_text()
 
@@ -251,6 +251,33 @@ def test_the_fetch_fails_only_after_stall_timeout_with_nothing_in_flight() -> No
     assert s.missing_text().startswith("no live holder for 1 of 2 chunks (tensors ['t1'])")
     with pytest.raises(LocalProtocolError):
         s.landed(111.0, stream, 3, 64)  # not in flight
+
+
+def test_the_fetch_does_not_give_up_while_a_stream_to_a_live_holder_is_opening() -> None:
+    """The cross-DC pull without DC labels at 1,024 GPUs: a reader's planned parent,
+    itself still receiving, landed nothing within stall_timeout and was benched; when
+    the bench ended a worker opened a stream to it again, and while that stream was
+    connecting (open, nothing claimed yet) another worker found no job and ended the
+    fetch with VersionUnavailable, although the parent was live and the publisher
+    held every chunk.  A stream that never gets going ends the fetch a stall_timeout
+    after it was opened, not never."""
+    w = World(manifest(4), {"h0": None, "h1": set()}, timeout=10.0, window=2,
+              plan=[("h1", 0, 4)])
+    s = w.session
+    first = s.open_stream(0.0, 0, info("h1"))
+    assert s.next_run(0.0, first, 1 << 20) == [0, 1]  # half: work for both workers
+    assert s.pick(0.0) is None  # one stream to a planned parent
+    s.stream_ended(10.0, first, "stalled")  # a real timeout: benched for stall_timeout
+    assert "h1" in s.tally.dropped_sources and not s.usable(19.0, "h1")
+    assert s.pick(20.0) == (0, info("h1"))  # back, and its chunks are its again
+    again = s.open_stream(20.0, 0, info("h1"))  # connecting: nothing claimed yet
+    assert s.pick(20.0) is None  # one stream to a planned parent: the other worker waits
+    assert not s.expired(20.0) and not s.expired(30.0)  # ... and must not end the fetch
+    assert s.expired(30.5)  # but a stream that never claims does not hold it forever
+    assert s.next_run(20.01, again, 1 << 20) == [0, 1]
+    assert not s.expired(100.0)  # in flight: its stall limit decides
+    s.stream_ended(30.01, again, "stalled")  # again: now the publisher serves them
+    assert s.pick(30.01) == (0, info("h0"))
 
 
 def test_first_and_last_landing_times_are_kept() -> None:
@@ -296,7 +323,7 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
               wanted=wanted, verified=verified, plan=plan, upstream=upstream)
     s = w.session
     planned = {c: name for name, a, b in plan for c in range(a, b)}
-    now, progress = 0.0, 0.0
+    now, progress, opened = 0.0, 0.0, 0.0
     done = set(verified)
     streams: list[Stream] = []
     never: set[str] = set()  # refused, bad bytes, protocol errors: not for this fetch
@@ -336,6 +363,7 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
                 if p is not None and s.usable(now, p) and chunk not in s.lacks.get(p, ()):
                     assert peer.name == p  # its planned source while usable
                 streams.append(s.open_stream(now, chunk, peer))
+                opened = now
         elif streams:
             stream = data.draw(st.sampled_from(streams))
             name = stream.source.name
@@ -399,7 +427,7 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
         assert {k: v for k, v in s.load.items() if v} == {
             name: sum(x.source.name == name for x in streams)
             for name in {x.source.name for x in streams}}
-        assert s.expired(now) == (not claimed and now - progress > timeout)
+        assert s.expired(now) == (not claimed and now - max(progress, opened) > timeout)
         assert s.wake_at(now) > now
 
 

@@ -51,7 +51,10 @@ the limit applies to progress, chunk by chunk, not to a whole run.  The stalled 
 gets twice as long next time; its chunks go to another holder that has them, and only
 when there is none is the same source asked again at once: a slow but live sole source is
 never dropped.  What ends a fetch is a real timeout: no chunk landed for
-``stall_timeout`` with nothing in flight (:meth:`~TransferSession.expired`); then, or
+``stall_timeout`` with nothing in flight and no stream opened for as long
+(:meth:`~TransferSession.expired`: a stream still connecting has claimed nothing yet,
+and a worker that finds no job meanwhile must not end the fetch; one that never gets
+going ends it ``stall_timeout`` after it was opened); then, or
 when no holder is left for some chunk, the shell raises ``VersionUnavailable`` with
 :meth:`~TransferSession.missing_text`.  A worker with nothing to do waits for news --
 a chunk back in pending, gossip, a benched holder coming back -- at most until
@@ -186,6 +189,8 @@ class TransferSession:
         self.stall_timeout = stall_timeout
         self.started = now
         self.last_progress = now
+        self.last_open = now
+        """When the latest stream was opened (:meth:`expired`)."""
         wanted = sorted(set(wanted))
         self.wanted = len(wanted)
         self.pending = [c for c in wanted if not verified[c]]
@@ -239,9 +244,12 @@ class TransferSession:
         return self.pace.limit(name, self.manifest.chunk_size)
 
     def expired(self, now: float) -> bool:
-        """Nothing in flight and no chunk landed for ``stall_timeout``: the fetch fails
-        (with :meth:`missing_text`)."""
-        return not self.claimed and now - self.last_progress > self.stall_timeout
+        """Nothing in flight, no chunk landed and no stream opened for
+        ``stall_timeout``: the fetch fails (with :meth:`missing_text`).  A stream being
+        opened has claimed nothing yet; counting it as in flight for as long as it is
+        open would let one that never gets going hold the fetch forever."""
+        return not self.claimed and \
+            now - max(self.last_progress, self.last_open) > self.stall_timeout
 
     def wake_at(self, now: float) -> float:
         """When a worker that found nothing to do should look again, news or not: the
@@ -310,6 +318,7 @@ class TransferSession:
     def open_stream(self, now: float, chunk: int, source: PeerInfo) -> Stream:
         """A worker opens a stream to ``source``, picked as the source of ``chunk``."""
         name = source.name
+        self.last_open = max(self.last_open, now)
         if name not in self.windows:
             self.windows[name] = StreamWindow(self.manifest.chunk_size, self.window_cap)
         self.load[name] = self.load.get(name, 0) + 1
