@@ -18,6 +18,7 @@ from test_mesh import mesh, weights
 
 import tensorhub
 from tensorhub import BlockingPeer, LocalProtocolError, PeerClosed, PeerConfig
+from tensorhub.peer import destination
 from tensorhub.transport.samehost import memory_files
 
 
@@ -56,6 +57,26 @@ async def test_into_arrays_that_share_memory_are_refused_before_any_byte_moves()
         assert pub.statistics().bytes_served == 0 and reader.store.versions == {}
         got = await reader.fetch("m", 1, into={k: np.zeros_like(v) for k, v in w.items()})
         assert got.report.verified and not got.report.served_arrays
+
+
+def test_the_same_into_arrays_are_not_checked_again_until_one_of_them_is_gone() -> None:
+    names = ["a", "b", "c"]
+    arrays = [np.zeros(4, np.float32) for _ in names]
+    assert destination.disjoint(names, arrays) is arrays
+    last = destination._last
+    assert last is not None and last.valid and last.ids == [id(a) for a in arrays]
+    buf = np.zeros(8, np.float32)  # other arrays, overlapping: still refused
+    with pytest.raises(LocalProtocolError, match="share memory"):
+        destination.disjoint(names, [arrays[0], buf[:4], buf[2:6]])
+    assert destination._last is last  # a refusal is not remembered
+    destination.disjoint(names, arrays)
+    assert destination._last is last  # the same arrays: the record is reused
+    del arrays[2]
+    gc.collect()
+    assert not last.valid  # one is gone: its id may be reused, so check again
+    arrays.append(np.zeros(4, np.float32))
+    destination.disjoint(names, arrays)
+    assert destination._last is not last and destination._last.valid  # checked anew
 
 
 async def test_a_fetch_of_a_version_held_here_says_it_returns_the_served_arrays() -> None:
