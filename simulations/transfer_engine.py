@@ -3,11 +3,12 @@ reader runs the real :class:`~tensorhub.protocol.transfer.TransferSession`.
 
 Theory of operation
 -------------------
-One virtual clock and one heap of callbacks (ties broken by insertion order, so the same
-setup and seed give the same run).  Hosts sit in DCs; bytes move over the flow-level
-network of :mod:`simulations.flows` (max-min fair sharing, store-and-forward per chunk:
-a holder sends a chunk only once it has it verified, as real relays do).  Each request
-takes half a round trip to reach its holder and each reply half a round trip back.
+One virtual clock and one queue of callbacks (:class:`~simulations.events.EventQueue`:
+ties broken by insertion order, so the same setup and seed give the same run).  Hosts
+sit in DCs; bytes move over the flow-level network of :mod:`simulations.flows` (max-min
+fair sharing, store-and-forward per chunk: a holder sends a chunk only once it has it
+verified, as real relays do).  Each request takes half a round trip to reach its holder
+and each reply half a round trip back.
 
 *Readers* do what the shell (``tensorhub.peer.fetcher``) does, as events: ``window``
 workers each ask the session for a job (:meth:`~TransferSession.pick`), open a stream
@@ -37,7 +38,6 @@ and a newer plan goes to :meth:`~TransferSession.replan`.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import random
 from bisect import bisect_left
@@ -50,6 +50,7 @@ from tensorhub.protocol.refs import Holding
 from tensorhub.protocol.sizing import MIN_CHUNKS
 from tensorhub.protocol.transfer import REASK_FIRST, REASK_MAX, FailureKind, TransferSession
 
+from .events import EventQueue
 from .flows import Link, Network
 from .transfer_coord import SimCoordinator
 from .transfer_setup import (
@@ -72,9 +73,8 @@ class Sim:
         self.setup = setup
         self.rng = random.Random(setup.seed)
         self.now = 0.0
-        self.heap: list[tuple[float, int, Callable[[float], None]]] = []
-        self.seq = 0
-        self.net = Network(self.at)
+        self.queue = EventQueue()
+        self.net = Network(self.queue)
         self.hosts = {h.name: h for h in setup.hosts}
         self.infos = {h.name: PeerInfo(h.name, f"tcp://{h.name}:1", f"{h.name}:2",
                                        (("dc", h.dc),)) for h in setup.hosts}
@@ -106,8 +106,7 @@ class Sim:
     # -- the clock ----------------------------------------------------------------------
 
     def at(self, when: float, fn: Callable[[float], None]) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (when, self.seq, fn))
+        self.queue.at(when, fn)
 
     def run(self, until: float = math.inf) -> Result:
         for name in self.setup.readers:
@@ -116,8 +115,11 @@ class Sim:
         for when, host in self.setup.kills:
             self.at(when, partial(self.kill, host))
         limit = MAX_EVENTS_PER_CHUNK * len(self.readers) * self.m.num_chunks + 100_000
-        while self.heap and len(self.done) + len(self.failed) < len(self.readers):
-            when, _, fn = heapq.heappop(self.heap)
+        while len(self.done) + len(self.failed) < len(self.readers):
+            nxt = self.queue.pop()
+            if nxt is None:
+                break
+            when, fn = nxt
             if when > until:
                 break
             self.now = when
