@@ -41,7 +41,7 @@ import hashlib
 import math
 import random
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 from tensorhub.model import PeerInfo
@@ -91,12 +91,21 @@ class Sim:
         self.dead: set[str] = set()
         self.listeners: set[Reader] = set()
         """Readers with a waiting worker or chunks a holder said it lacks."""
+        self.wanting: list[set[Reader]] = [set() for _ in range(n)]
+        """Per chunk, the readers that may have it pending (a superset, pruned when
+        looked at: chunks go back to pending only through ``failed`` and
+        ``stream_ended``, and this follows them there)."""
+        self.lacking: set[Reader] = set()
+        """Readers that may have been told a holder lacks a chunk (a superset, as
+        above: ``lacks`` grows only through the same two calls)."""
         self.trace = hashlib.sha256()
         self.events = 0
         self.done: dict[str, float] = {}
         self.failed: dict[str, str] = {}
         self.coordinator = self.new_coordinator()
         self.readers = {name: self._reader(name) for name in setup.readers}
+        for r in self.readers.values():
+            self._returned(r, r.session.pending)
         self.quiet_pokes = setup.socket_window == 0
 
     def new_coordinator(self) -> SimCoordinator:
@@ -264,17 +273,35 @@ class Sim:
         else changes a pick unannounced; with a ``socket_window`` the streams per source
         follow each stream's measurements, so then every listener is woken, as the
         shell's ``Fetch.poke`` does on every change of the control plane."""
-        listeners, self.listeners = self.listeners, set()
-        for r in sorted(listeners, key=lambda r: r.name):
-            if r.dead or r.name in self.done:
-                continue
-            s = r.session
-            if not self.quiet_pokes or chunk is None or complete or s.lacks \
-                    or _has(s.pending, chunk):
-                s.view_changed()
+        listeners = self.listeners
+        if not self.quiet_pokes or chunk is None or complete:
+            woken, self.listeners = listeners, set()
+        else:  # the listeners that lack nothing and have not ``chunk`` pending stay
+            woken = set()
+            concerned = self.wanting[chunk]
+            for r in list(concerned):
+                if not _has(r.session.pending, chunk):
+                    concerned.discard(r)
+                elif r in listeners:
+                    woken.add(r)
+            for r in list(self.lacking):
+                if not r.session.lacks:
+                    self.lacking.discard(r)
+                elif r in listeners:
+                    woken.add(r)
+            listeners -= woken
+        for r in sorted(woken, key=lambda r: r.name):
+            if not r.dead and r.name not in self.done:
+                r.session.view_changed()
                 self.notify(r)
-            else:
-                self.listeners.add(r)
+
+    def _returned(self, r: Reader, chunks: Iterable[int]) -> None:
+        """``chunks`` went (back) to ``r``'s pending, and its holders' lacks may have
+        grown (see ``wanting`` and ``lacking``)."""
+        for c in chunks:
+            self.wanting[c].add(r)
+        if r.session.lacks:
+            self.lacking.add(r)
 
     # -- readers: workers ---------------------------------------------------------------
 
@@ -417,6 +444,7 @@ class Sim:
             conn.last_end = None
             stop = s.failed(now, st.s, chunk, "not_yet",
                             f"chunk {chunk} is not verified at {name} yet")
+            self._returned(r, (chunk,))
             self.listeners.add(r)
             self.notify(r)
         else:
@@ -446,7 +474,9 @@ class Sim:
         st.over = True
         r = st.conn.reader
         r.streams.remove(st)
+        taken = list(st.s.taken)
         stop = r.session.stream_ended(self.now, st.s, kind, detail)
+        self._returned(r, taken)
         st.conn.stream = None
         if stop or kind is not None:
             self.close(st.conn)
