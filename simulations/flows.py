@@ -23,10 +23,10 @@ comes in too (it may speed up or must slow down).  At that fixed point every flo
 bottleneck, so the rates are the max-min ones; the work is the ripple of flows whose
 rates change, not the connected component of the network.
 
-Completions go into the caller's event queue through ``schedule(time, callback)``; a
-flow that speeds up is armed anew (the entry made stale is recognised by the flow's
-version and ignored), one that slows down keeps its entry, which re-arms when it fires.
-Bytes are counted per link as they are carried (a cancelled flow counts what it sent).
+Completions go into the caller's :class:`~simulations.events.EventQueue`; a flow that
+speeds up is armed anew (its earlier entry cancelled), one that slows down keeps its
+entry, which re-arms when it fires.  Bytes are counted per link as they are carried (a
+cancelled flow counts what it sent).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-Schedule = Callable[[float, Callable[[float], None]], None]
-"""``schedule(time, callback)``: call ``callback(time)`` then."""
+from .events import Entry, EventQueue
 
 _DONE_SLACK = 1e-6
 """Bytes left that count as none (floating-point residue of rate x time)."""
@@ -64,8 +63,8 @@ class Link:
 class Flow:
     """One chunk in flight on one connection."""
 
-    __slots__ = ("bottleneck", "cap", "due", "left", "links", "nbytes", "on_done", "rate",
-                 "since", "version")
+    __slots__ = ("bottleneck", "cap", "due", "ended", "entry", "left", "links", "nbytes",
+                 "on_done", "rate", "since")
 
     def __init__(self, links: tuple[Link, ...], cap: float, nbytes: int,
                  on_done: Callable[[float], None]) -> None:
@@ -77,17 +76,19 @@ class Flow:
         self.bottleneck: Link | None = None
         """The full link it is frozen on (None: its cap, or not yet running)."""
         self.since = 0.0
-        self.version = 0
+        self.entry: Entry | None = None
+        """Its armed completion in the event queue."""
         self.due = math.inf
-        """When its armed completion fires (it may be early: it then re-arms)."""
+        """When that fires (it may be early: it then re-arms)."""
+        self.ended = False
         self.on_done = on_done
 
 
 class Network:
     """Links and the flows on them (see the module docstring)."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
+    def __init__(self, queue: EventQueue) -> None:
+        self.queue = queue
         self.links: dict[str, Link] = {}
         self.active = 0
 
@@ -112,7 +113,7 @@ class Network:
 
     def cancel(self, now: float, flow: Flow) -> float:
         """Stop ``flow`` (its connection closed); returns the bytes it had sent."""
-        if flow.version < 0:
+        if flow.ended:
             return float(flow.nbytes)
         self._settle(now, flow)
         self._remove(now, flow)
@@ -176,20 +177,17 @@ class Network:
         """``flow``'s rate changed: arm its completion if it now comes sooner than the
         armed one (a later one is found when the armed one fires: it re-arms)."""
         if flow.rate > 0 and now + flow.left / flow.rate < flow.due:
-            flow.version += 1
+            if flow.entry is not None:
+                self.queue.cancel(flow.entry)
             self._arm(now, flow)
 
     def _arm(self, now: float, flow: Flow) -> None:
-        version = flow.version
-
         def fire(at: float) -> None:
-            if flow.version != version:
-                return  # rescheduled since
+            flow.entry = None
             self._settle(at, flow)
             if flow.left > _DONE_SLACK and (flow.rate <= 0 or at + flow.left / flow.rate > at):
                 # slowed since it was armed, or rounding (unless below the clock's
                 # resolution); a stopped flow is armed again when it gets a rate
-                flow.version += 1
                 flow.due = math.inf
                 if flow.rate > 0:
                     self._arm(at, flow)
@@ -201,14 +199,17 @@ class Network:
             flow.on_done(at)
 
         flow.due = now + flow.left / flow.rate
-        self.schedule(flow.due, fire)
+        flow.entry = self.queue.at(flow.due, fire)
 
     def _remove(self, now: float, flow: Flow) -> None:
         """``flow`` ended: the flows it held back may speed up."""
         for link in flow.links:
             del link.flows[flow]
             link.used -= flow.rate
-        flow.version = -1
+        if flow.entry is not None:
+            self.queue.cancel(flow.entry)
+            flow.entry = None
+        flow.ended = True
         self.active -= 1
         self._refill(now, _held_on(flow.links), flow.links)
 

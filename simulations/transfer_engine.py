@@ -3,11 +3,12 @@ reader runs the real :class:`~tensorhub.protocol.transfer.TransferSession`.
 
 Theory of operation
 -------------------
-One virtual clock and one heap of callbacks (ties broken by insertion order, so the same
-setup and seed give the same run).  Hosts sit in DCs; bytes move over the flow-level
-network of :mod:`simulations.flows` (max-min fair sharing, store-and-forward per chunk:
-a holder sends a chunk only once it has it verified, as real relays do).  Each request
-takes half a round trip to reach its holder and each reply half a round trip back.
+One virtual clock and one queue of callbacks (:class:`~simulations.events.EventQueue`:
+ties broken by insertion order, so the same setup and seed give the same run).  Hosts
+sit in DCs; bytes move over the flow-level network of :mod:`simulations.flows` (max-min
+fair sharing, store-and-forward per chunk: a holder sends a chunk only once it has it
+verified, as real relays do).  Each request takes half a round trip to reach its holder
+and each reply half a round trip back.
 
 *Readers* do what the shell (``tensorhub.peer.fetcher``) does, as events: ``window``
 workers each ask the session for a job (:meth:`~TransferSession.pick`), open a stream
@@ -37,11 +38,10 @@ and a newer plan goes to :meth:`~TransferSession.replan`.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import random
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 from tensorhub.model import PeerInfo
@@ -50,6 +50,7 @@ from tensorhub.protocol.refs import Holding
 from tensorhub.protocol.sizing import MIN_CHUNKS
 from tensorhub.protocol.transfer import REASK_FIRST, REASK_MAX, FailureKind, TransferSession
 
+from .events import EventQueue
 from .flows import Link, Network
 from .transfer_coord import SimCoordinator
 from .transfer_setup import (
@@ -72,9 +73,8 @@ class Sim:
         self.setup = setup
         self.rng = random.Random(setup.seed)
         self.now = 0.0
-        self.heap: list[tuple[float, int, Callable[[float], None]]] = []
-        self.seq = 0
-        self.net = Network(self.at)
+        self.queue = EventQueue()
+        self.net = Network(self.queue)
         self.hosts = {h.name: h for h in setup.hosts}
         self.infos = {h.name: PeerInfo(h.name, f"tcp://{h.name}:1", f"{h.name}:2",
                                        (("dc", h.dc),)) for h in setup.hosts}
@@ -91,12 +91,21 @@ class Sim:
         self.dead: set[str] = set()
         self.listeners: set[Reader] = set()
         """Readers with a waiting worker or chunks a holder said it lacks."""
+        self.wanting: list[set[Reader]] = [set() for _ in range(n)]
+        """Per chunk, the readers that may have it pending (a superset, pruned when
+        looked at: chunks go back to pending only through ``failed`` and
+        ``stream_ended``, and this follows them there)."""
+        self.lacking: set[Reader] = set()
+        """Readers that may have been told a holder lacks a chunk (a superset, as
+        above: ``lacks`` grows only through the same two calls)."""
         self.trace = hashlib.sha256()
         self.events = 0
         self.done: dict[str, float] = {}
         self.failed: dict[str, str] = {}
         self.coordinator = self.new_coordinator()
         self.readers = {name: self._reader(name) for name in setup.readers}
+        for r in self.readers.values():
+            self._returned(r, r.session.pending)
         self.quiet_pokes = setup.socket_window == 0
 
     def new_coordinator(self) -> SimCoordinator:
@@ -106,8 +115,7 @@ class Sim:
     # -- the clock ----------------------------------------------------------------------
 
     def at(self, when: float, fn: Callable[[float], None]) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (when, self.seq, fn))
+        self.queue.at(when, fn)
 
     def run(self, until: float = math.inf) -> Result:
         for name in self.setup.readers:
@@ -116,8 +124,11 @@ class Sim:
         for when, host in self.setup.kills:
             self.at(when, partial(self.kill, host))
         limit = MAX_EVENTS_PER_CHUNK * len(self.readers) * self.m.num_chunks + 100_000
-        while self.heap and len(self.done) + len(self.failed) < len(self.readers):
-            when, _, fn = heapq.heappop(self.heap)
+        while len(self.done) + len(self.failed) < len(self.readers):
+            nxt = self.queue.pop()
+            if nxt is None:
+                break
+            when, fn = nxt
             if when > until:
                 break
             self.now = when
@@ -262,17 +273,35 @@ class Sim:
         else changes a pick unannounced; with a ``socket_window`` the streams per source
         follow each stream's measurements, so then every listener is woken, as the
         shell's ``Fetch.poke`` does on every change of the control plane."""
-        listeners, self.listeners = self.listeners, set()
-        for r in sorted(listeners, key=lambda r: r.name):
-            if r.dead or r.name in self.done:
-                continue
-            s = r.session
-            if not self.quiet_pokes or chunk is None or complete or s.lacks \
-                    or _has(s.pending, chunk):
-                s.view_changed()
+        listeners = self.listeners
+        if not self.quiet_pokes or chunk is None or complete:
+            woken, self.listeners = listeners, set()
+        else:  # the listeners that lack nothing and have not ``chunk`` pending stay
+            woken = set()
+            concerned = self.wanting[chunk]
+            for r in list(concerned):
+                if not _has(r.session.pending, chunk):
+                    concerned.discard(r)
+                elif r in listeners:
+                    woken.add(r)
+            for r in list(self.lacking):
+                if not r.session.lacks:
+                    self.lacking.discard(r)
+                elif r in listeners:
+                    woken.add(r)
+            listeners -= woken
+        for r in sorted(woken, key=lambda r: r.name):
+            if not r.dead and r.name not in self.done:
+                r.session.view_changed()
                 self.notify(r)
-            else:
-                self.listeners.add(r)
+
+    def _returned(self, r: Reader, chunks: Iterable[int]) -> None:
+        """``chunks`` went (back) to ``r``'s pending, and its holders' lacks may have
+        grown (see ``wanting`` and ``lacking``)."""
+        for c in chunks:
+            self.wanting[c].add(r)
+        if r.session.lacks:
+            self.lacking.add(r)
 
     # -- readers: workers ---------------------------------------------------------------
 
@@ -415,6 +444,7 @@ class Sim:
             conn.last_end = None
             stop = s.failed(now, st.s, chunk, "not_yet",
                             f"chunk {chunk} is not verified at {name} yet")
+            self._returned(r, (chunk,))
             self.listeners.add(r)
             self.notify(r)
         else:
@@ -444,7 +474,9 @@ class Sim:
         st.over = True
         r = st.conn.reader
         r.streams.remove(st)
+        taken = list(st.s.taken)
         stop = r.session.stream_ended(self.now, st.s, kind, detail)
+        self._returned(r, taken)
         st.conn.stream = None
         if stop or kind is not None:
             self.close(st.conn)

@@ -112,7 +112,8 @@ class PeerConfig:
     chunk_size: int | None = None
     """Bytes per chunk of what this peer publishes: the unit of verification, so of
     store-and-forward.  ``None`` (the default) lets the system choose from each
-    version's size: about 64 chunks, a power of two from 4 to 64 MiB
+    version's size and the live peers it knows: about 64 chunks a version and per level
+    of the relay tree that many peers can form, a power of two from 4 to 64 MiB
     (:func:`tensorhub.protocol.sizing.choose_chunk_size`; ``statistics().chunking``
     and each fetch report say what was chosen).  Each level of a transfer tree lags its
     parent by one chunk-time; per-chunk costs grow below ~4 MiB.  Measured (8 emulated

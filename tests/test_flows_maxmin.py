@@ -12,12 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulations.events import COMPACT_AT, EventQueue
 from simulations.flows import Flow, Link, Network
 
 
-def _net() -> tuple[Network, list[tuple[float, object]]]:
-    heap: list[tuple[float, object]] = []
-    return Network(lambda t, fn: heap.append((t, fn))), heap
+def _net() -> tuple[Network, EventQueue]:
+    queue = EventQueue()
+    return Network(queue), queue
 
 
 def _start(net: Network, links: tuple[Link, ...], cap: float = math.inf) -> Flow:
@@ -69,12 +70,14 @@ def test_an_end_ripples_through_a_chain_of_links() -> None:
 
 
 def test_bytes_and_completion_follow_the_rates() -> None:
-    net, heap = _net()
+    net, queue = _net()
     up = net.link("up:a", 100.0)
     slow, fast = net.link("down:b", 30.0), net.link("down:c", 1000.0)
     net.start(0.0, (up, slow), 300, lambda t: None)
     f2 = net.start(0.0, (up, fast), 700, lambda t: None)
-    assert min(t for t, _ in heap) == pytest.approx(10.0)  # both end together
+    assert len(queue) == 2
+    nxt = queue.pop()
+    assert nxt is not None and nxt[0] == pytest.approx(10.0)  # both end together
     assert net.cancel(5.0, f2) == pytest.approx(350.0)
 
 
@@ -132,3 +135,27 @@ def test_rates_are_max_min_after_every_start_and_end(
                 and f.rate >= max(g.rate for g in link.flows) * (1 - 1e-9)
                 for link in f.links), "a flow without a bottleneck"
         assert [f.rate for f in flows] == pytest.approx(_reference(flows), rel=1e-6)
+
+
+def test_re_arming_keeps_the_queue_bounded_and_the_times_exact() -> None:
+    """n flows of 1..n units on one link, all from t=0: each end speeds up every flow
+    left, which re-arms it (about n^2 / 2 re-arms).  The queue never holds more
+    cancelled entries than there are flows (or :data:`COMPACT_AT`), and the ends are
+    processor sharing's: the k-th smallest ends ``(s_k - s_{k-1}) x (n - k + 1) / rate``
+    after the one before it."""
+    n, unit, rate = 400, 1000, 100.0
+    net, queue = _net()
+    link = net.link("up:a", rate)
+    ended: dict[int, float] = {}
+    for i in range(n):
+        net.start(0.0, (link,), (i + 1) * unit, lambda t, i=i: ended.setdefault(i, t))
+    assert queue.held == len(queue) == n
+    while (nxt := queue.pop()) is not None:
+        nxt[1](nxt[0])
+        assert queue.held - len(queue) <= max(n, COMPACT_AT)
+    assert queue.compactions > 0
+    t, want = 0.0, {}
+    for k in range(n):
+        t += unit * (n - k) / rate
+        want[k] = t
+    assert ended == pytest.approx(want, rel=1e-9)

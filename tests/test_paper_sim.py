@@ -13,6 +13,7 @@ import pytest
 from simulations.dataplane import workloads as w
 from simulations.dataplane.fabric import FabricSpec
 from simulations.dataplane.fanouts import Fanout, new_fabric, run
+from simulations.events import EventQueue
 from simulations.flows import Network
 from simulations.paper.__main__ import main
 from tensorhub.model import VersionKey
@@ -23,16 +24,12 @@ NIC = FabricSpec().nic_bps
 SMALL = replace(w.Options(), size=8e9, rollout_hosts=4, chunks=8)
 
 
-def _net() -> tuple[Network, list[tuple[float, object]]]:
-    heap: list[tuple[float, object]] = []
-    return Network(lambda t, fn: heap.append((t, fn))), heap
-
-
 def test_one_flow_on_one_link_takes_bytes_over_rate() -> None:
-    net, heap = _net()
+    net = Network(EventQueue())
     link = net.link("up:a", 100.0)
     flow = net.start(0.0, (link,), 250, lambda t: None)
-    assert flow.rate == 100.0 and heap[-1][0] == pytest.approx(2.5)
+    nxt = net.queue.pop()
+    assert flow.rate == 100.0 and nxt is not None and nxt[0] == pytest.approx(2.5)
 
 
 def _fabric_fan(readers: int, chunks: int, **kw: object) -> tuple[object, Fanout]:

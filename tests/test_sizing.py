@@ -3,6 +3,8 @@ against what they promise for any input."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,33 +23,47 @@ from tensorhub.protocol.sizing import (
 MIB = 1 << 20
 
 
-@given(st.integers(0, 1 << 45))
-def test_automatic_chunks_are_powers_of_two_within_bounds_near_the_target(total: int) -> None:
-    size, why = choose_chunk_size(total)
+@given(st.integers(0, 1 << 45), st.integers(1, 1 << 16))
+def test_automatic_chunks_are_powers_of_two_within_bounds_near_the_target(
+        total: int, peers: int) -> None:
+    size, why = choose_chunk_size(total, peers=peers)
     assert MIN_AUTO_CHUNK <= size <= MAX_AUTO_CHUNK
     assert size & (size - 1) == 0
     chunks = -(-total // size)
+    target = TARGET_CHUNKS * max(1.0, math.log2(peers))  # a level of the tree a chunk-time
     if MIN_AUTO_CHUNK < size < MAX_AUTO_CHUNK:
-        assert TARGET_CHUNKS // 2 < chunks <= TARGET_CHUNKS, (total, size)
+        assert target / 2 < chunks <= target, (total, peers, size)
     if size == MIN_AUTO_CHUNK:
-        assert chunks <= TARGET_CHUNKS
-    assert "automatic" in why
+        assert chunks <= target
+    assert "automatic" in why and (peers <= 2) == ("levels" not in why)
 
 
-@given(st.integers(0, 1 << 40), st.integers(0, 1 << 40))
-def test_bigger_versions_never_get_smaller_chunks(a: int, b: int) -> None:
+@given(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 16))
+def test_bigger_versions_and_smaller_meshes_never_get_smaller_chunks(
+        a: int, b: int, p: int, q: int) -> None:
     lo, hi = sorted((a, b))
-    assert choose_chunk_size(lo)[0] <= choose_chunk_size(hi)[0]
+    few, many = sorted((p, q))
+    assert choose_chunk_size(lo, peers=many)[0] <= choose_chunk_size(hi, peers=many)[0]
+    assert choose_chunk_size(hi, peers=many)[0] <= choose_chunk_size(hi, peers=few)[0]
 
 
 def test_known_sizes_and_the_override() -> None:
     assert choose_chunk_size(256 * MIB)[0] == 4 * MIB  # the cluster's best (1.16x bound)
-    assert choose_chunk_size(1 << 30)[0] == 16 * MIB
+    assert choose_chunk_size(256 * MIB, peers=8)[0] == 4 * MIB  # that cluster's mesh
+    assert choose_chunk_size(1 << 30)[0] == choose_chunk_size(1 << 30, peers=2)[0] == 16 * MIB
+    assert choose_chunk_size(1 << 30, peers=8)[0] == 8 * MIB  # 3 levels: 128 chunks
     assert choose_chunk_size(1 << 40)[0] == MAX_AUTO_CHUNK
-    assert choose_chunk_size(1 << 30, 4 * MIB) == (4 * MIB,
-                                                   "4 MiB: set by PeerConfig.chunk_size")
+    assert choose_chunk_size(1 << 40, peers=1 << 12)[0] == MAX_AUTO_CHUNK
+    size, why = choose_chunk_size(3_000_000_000, peers=2601)  # Uber Kraken's test
+    assert size == 4 * MIB and "726 chunks" in why and "11.3 levels" in why
+    assert choose_chunk_size(3_000_000_000)[0] == 64 * MIB
+    assert choose_chunk_size(1 << 30, 4 * MIB, peers=100) == (
+        4 * MIB, "4 MiB: set by PeerConfig.chunk_size")
     with pytest.raises(LocalProtocolError):
         choose_chunk_size(-1)
+    with pytest.raises(LocalProtocolError):
+        choose_chunk_size(1 << 30, peers=0)
 
 
 def test_a_window_starts_at_the_floor_and_follows_the_bandwidth_delay_product() -> None:

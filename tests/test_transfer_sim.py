@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulations.events import EventQueue
 from simulations.flows import Network
 from simulations.transfer import MBIT, Options, chain, main, one_dc, two_dc, with_kill
 from simulations.transfer_engine import Sim, simulate
@@ -38,8 +39,7 @@ def test_waking_only_the_readers_gossip_concerns_changes_nothing(plan: bool) -> 
 
 
 def test_two_flows_on_one_uplink_share_it_equally() -> None:
-    heap: list[tuple[float, str]] = []
-    net = Network(lambda t, fn: heap.append((t, "x")))
+    net = Network(EventQueue())
     up = net.link("up:a", 100.0)
     downs = [net.link(f"down:{n}", 1000.0) for n in "bc"]
     first = net.start(0.0, (up, downs[0]), 100, lambda t: None)

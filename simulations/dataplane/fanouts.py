@@ -11,7 +11,7 @@ its original holders, its readers and when each joins.  Every fan-out gets its o
 of events and one :class:`~simulations.flows.Network` on one
 :class:`~simulations.dataplane.fabric.Fabric`: a GPU that reads four shards at once
 shares its NIC between them, and shards that cross the same leaf uplink share it.
-Ties on the heap are broken by insertion order, and the readers' start jitter comes
+Ties in the queue are broken by insertion order, and the readers' start jitter comes
 from the seed, so one seed gives one run.  The coordinator plans with the topology a
 peer gossips (DC, leaf as rack, host labels; NIC rates) unless ``topology_aware`` is
 off (every peer then looks alike), and with the fabric's speeds per locality class (a
@@ -25,7 +25,6 @@ with its own chunk size.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import random
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from tensorhub.protocol.planner import Planner, PlannerConfig
 from tensorhub.protocol.sizing import MIN_CHUNKS
 from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig
 
+from ..events import EventQueue
 from ..flows import Link, Network
 from ..transfer_coord import SimCoordinator
 from ..transfer_engine import Sim
@@ -65,17 +65,12 @@ class Fanout:
     rebuild: bool = True
 
 
-class Clock:
-    """The shared virtual clock and heap of every fan-out of one run."""
+class Clock(EventQueue):
+    """The shared virtual clock and queue of every fan-out of one run."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.now = 0.0
-        self.heap: list[tuple[float, int, Callable[[float], None]]] = []
-        self.seq = 0
-
-    def at(self, when: float, fn: Callable[[float], None]) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (when, self.seq, fn))
 
 
 class FabricCoordinator(SimCoordinator):
@@ -171,7 +166,7 @@ def run(fans: list[Fanout], fabric: Fabric, *, seed: int = 0,
         kills: tuple[tuple[float, str], ...] = ()) -> RunResult:
     """Run every fan-out at once on ``fabric`` until each reader is done or failed."""
     clock = Clock()
-    fabric.net.schedule = clock.at
+    fabric.net.queue = clock
     sims = [FanoutSim(setup_of(f, fabric, seed), f, fabric, clock) for f in fans]
     rng = random.Random(seed)
     for sim in sims:
@@ -183,8 +178,8 @@ def run(fans: list[Fanout], fabric: Fabric, *, seed: int = 0,
             if gpu in sim.hosts:
                 clock.at(when, partial(sim.kill, gpu))
     events = 0
-    while clock.heap:
-        when, _, fn = heapq.heappop(clock.heap)
+    while (nxt := clock.pop()) is not None:
+        when, fn = nxt
         clock.now = when
         events += 1
         fn(when)
@@ -209,5 +204,5 @@ def run(fans: list[Fanout], fabric: Fabric, *, seed: int = 0,
 
 
 def new_fabric(spec: FabricSpec) -> Fabric:
-    """A fabric on a fresh network (:func:`run` points its schedule at the clock)."""
-    return Fabric(spec, Network(lambda t, fn: None))
+    """A fabric on a fresh network (:func:`run` gives it the run's clock)."""
+    return Fabric(spec, Network(EventQueue()))

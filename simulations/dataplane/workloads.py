@@ -221,13 +221,15 @@ def resourcing(o: Options, base: Outcome) -> tuple[Outcome, str]:
 def kraken(hosts: int, chunks: int | None = None, seed: int = 0) -> Outcome:
     """Uber Kraken's published test: a 3 GB blob to ``hosts`` hosts, each NIC capped at
     300 MB/s both ways; one origin; one plan with every agent (they all ask at once).
-    ``chunks``: None, the chunk size a peer chooses for 3 GB (64 MiB, 45 chunks)."""
+    ``chunks``: None, the chunk size the origin chooses for 3 GB in a mesh of ``hosts +
+    1`` peers (2,601 peers: 4 MiB, 716 chunks)."""
     spec = FabricSpec(gpus_per_host=1, hosts_per_leaf=40, nic_bps=300e6, rtt_s=2e-4)
     fabric = new_fabric(spec)
     origin = fabric.add_hosts("dc0", 1, "o")[0][0]
     agents = [h[0] for h in fabric.add_hosts("dc0", hosts, "a")]
     size = KRAKEN_BLOB
-    chunk = choose_chunk_size(size)[0] if chunks is None else -(-size // chunks)
+    chunk = choose_chunk_size(size, peers=hosts + 1)[0] if chunks is None else \
+        -(-size // chunks)
     fan = Fanout("blob", (origin,), tuple(agents), size, chunk)
     o = Options(seed=seed)
     return simulate(o, fabric, [fan], [[a] for a in agents])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorhub.bench.figures import figure, print_figures
-from tensorhub.protocol.sizing import choose_chunk_size
+from tensorhub.protocol.sizing import MAX_AUTO_CHUNK, choose_chunk_size
 
 from ..dataplane import workloads as w
 from ..dataplane.validate import compare
@@ -29,12 +29,18 @@ RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 PARTS = ("standalone", "ablations", "elastic", "crossdc", "kraken", "validation")
 
+STANDALONE_CHUNK = MAX_AUTO_CHUNK
+"""The standalone figures' chunk size: 64 MiB (66 chunks per 4.4 GB slice), what a
+publisher gets with ``PeerConfig.chunk_size`` set so.  The automatic choice in a mesh
+of 1,056 GPUs is 8 MiB (522 chunks: 64 for each of its 10 levels), about eight times the
+chunks and so the events of a run, past the 120 s this run is to take here."""
+
 
 def run(o: w.Options, kraken_hosts: int, kraken_chunks: int, standalone_chunks: int = 0,
         only: frozenset[str] = frozenset(PARTS)
         ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[str, float, str]]]]:
     """Every part in ``only``.  The standalone figures at ``standalone_chunks`` per slice
-    (0: the chunk size a peer chooses), the rest at ``o.chunks``."""
+    (0: :data:`STANDALONE_CHUNK`), the rest at ``o.chunks``."""
     figs: list[dict[str, Any]] = []
     tables: dict[str, list[tuple[str, float, str]]] = {}
     gpus = o.rollout_hosts * o.roll_tp
@@ -44,8 +50,7 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int, standalone_chunks: 
         print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
 
     if "standalone" in only:
-        so = replace(o, chunks=standalone_chunks
-                     or -(-o.slice_bytes // choose_chunk_size(o.slice_bytes)[0]))
+        so = replace(o, chunks=standalone_chunks or -(-o.slice_bytes // STANDALONE_CHUNK))
         say(f"standalone, {so.chunks} chunks per slice ...")
         ours = w.standalone(so)
         stalls = w.broadcast_stalls(so, gpus)
@@ -117,7 +122,7 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int, standalone_chunks: 
 
     if "kraken" in only:
         say("kraken ...")
-        chunk = choose_chunk_size(w.KRAKEN_BLOB)[0]
+        chunk = choose_chunk_size(w.KRAKEN_BLOB, peers=kraken_hosts + 1)[0]
         n_chunks = kraken_chunks or -(-w.KRAKEN_BLOB // chunk)
         kr = w.kraken(kraken_hosts, kraken_chunks or None, o.seed)
         p50, p99 = w.percentile(kr.instance_s, 0.5), w.percentile(kr.instance_s, 0.99)
@@ -177,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=16,
                         help="chunks per slice, but for the standalone figures")
     parser.add_argument("--standalone-chunks", type=int, default=0,
-                        help="chunks per slice of the standalone figures (default 0: the "
-                        "chunk size a peer chooses, 64 MiB: 66 chunks)")
+                        help="chunks per slice of the standalone figures (default 0: "
+                        "64 MiB chunks, 66)")
     parser.add_argument("--oversubscription", type=float, default=1.0)
     parser.add_argument("--kraken-hosts", type=int, default=2600)
     parser.add_argument("--kraken-chunks", type=int, default=0,
-                        help="chunks of the 3 GB blob (default 0: a peer's own choice)")
+                        help="chunks of the 3 GB blob (default 0: the origin's own "
+                        "choice in a mesh of --kraken-hosts + 1 peers)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=",".join(PARTS),
                         help=f"comma-separated parts to run (default all: {','.join(PARTS)})")

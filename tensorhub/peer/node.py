@@ -354,7 +354,8 @@ class Peer:
             [(str(name), as_host_array(t, str(name))) for name, t in tensors.items()]
         placed = [spec.place(name, a.shape) for name, a in arrays]
         chunk_size, self.chunking = choose_chunk_size(
-            sum(a.nbytes for _, a in arrays), self.config.chunk_size)
+            sum(a.nbytes for _, a in arrays), self.config.chunk_size,
+            peers=len(self.control.membership.live_members()))
         build = functools.partial(build_manifest, key, arrays, chunk_size,
                                   self.config.digest_algo, spec.size, placed,
                                   self.config.manifest_limits)

@@ -154,6 +154,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         t = manifests[s].tensors[index]
         return temps[s][t.offset:t.end] if s in temps else None
 
+    peers = len(peer.control.membership.live_members())  # read here, not in the thread
+
     def assemble() -> Manifest:
         for t, dest in zip(plan.tensors, arrays, strict=True):
             bufs = {s: b for s in manifests if (b := source(s, t.name)) is not None}
@@ -161,7 +163,8 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
         return build_manifest(key, [(t.name, a) for t, a in zip(plan.tensors, arrays,
                                                               strict=True)],
                               choose_chunk_size(sum(a.nbytes for a in arrays),
-                                                peer.config.chunk_size)[0],
+                                                peer.config.chunk_size,
+                                                peers=peers)[0],
                               peer.config.digest_algo,
                               spec.size, [(t.global_shape, t.start)
                                           for t in plan.tensors])

@@ -164,7 +164,8 @@ def peer_statistics(peer: Peer) -> PeerStats:
         reports=tuple(peer._reports), data_server=peer._server.statistics(),
         switches=peer._switches, switch_seconds=peer._switch_seconds,
         casts=peer._casts, cast_seconds=peer._cast_seconds, delta=_delta(peer),
-        chunking=("automatic (about 64 chunks a version, 4 to 64 MiB)"
+        chunking=("automatic (about 64 chunks a version and per level of the relay tree "
+                  "the mesh allows, 4 to 64 MiB)"
                   if peer.config.chunk_size is None else
                   f"{peer.config.chunk_size} bytes (PeerConfig.chunk_size)")
         + f"; last publish: {peer.chunking}",
