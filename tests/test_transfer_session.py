@@ -24,6 +24,7 @@ from tensorhub.protocol.transfer import (
     FailureKind,
     Stream,
     TransferSession,
+    chunk_size_note,
 )
 
 KEY = VersionKey("m", 1)
@@ -525,3 +526,19 @@ def test_a_relay_chain_lags_one_chunk_time_a_level() -> None:
     chunks, chunk, rate = 32, 1 << 20, 50e6
     ends = relay_chain(4, chunks, chunk, rate)
     assert ends == pytest.approx([(chunks + level) * chunk / rate for level in range(4)])
+
+
+def test_the_chunk_size_note_allows_for_the_publishers_mesh() -> None:
+    """A publisher's automatic chunk size counts its live peers, which the reader does
+    not know: a power of two between the floor and the choice for a publisher alone
+    may be automatic; anything else is the publisher's setting."""
+    mib = 1 << 20
+    for chunk, says in ((16 * mib, "automatic for 1 GiB"),
+                        (8 * mib, "automatic for 1 GiB in its mesh"),
+                        (4 * mib, "automatic for 1 GiB in its mesh"),
+                        (2 * mib, "its PeerConfig.chunk_size (automatic would be 16 MiB"),
+                        (12 * mib, "its PeerConfig.chunk_size")):
+        m = build_manifest(KEY, [("w", np.zeros(1 << 30, np.uint8))], chunk, "xxh3-128")
+        note = chunk_size_note(m)
+        assert note.startswith(f"{chunk // mib} MiB chosen by the publisher: ")
+        assert says in note, note

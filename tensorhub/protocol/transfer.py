@@ -79,7 +79,7 @@ from ..model import PeerInfo
 from .bans import Ban
 from .pace import Pace
 from .refs import Holding
-from .sizing import StreamWindow, choose_chunk_size, size_text
+from .sizing import MIN_AUTO_CHUNK, StreamWindow, choose_chunk_size, size_text
 
 RELAY_DEPTH = 1
 """Streams to one planned parent (or named parent still receiving).  One: chunks arrive
@@ -150,12 +150,20 @@ class Stream:
 
 def chunk_size_note(manifest: Manifest) -> str:
     """The version's chunk size, as its publisher chose it, and whether that is the
-    automatic choice for its size."""
-    size = manifest.chunk_size
-    auto, _ = choose_chunk_size(manifest.total_bytes)
-    return f"{size_text(size)} chosen by the publisher: " + (
-        f"automatic for {size_text(manifest.total_bytes)}" if size == auto else
-        f"its PeerConfig.chunk_size (automatic would be {size_text(auto)})")
+    automatic choice for its size.  The automatic choice also counts the publisher's
+    live peers, which a reader does not know: any power of two from the floor up to the
+    choice for a publisher alone may be automatic in a wider mesh."""
+    size, total = manifest.chunk_size, manifest.total_bytes
+    auto, _ = choose_chunk_size(total)
+    if size == auto:
+        return f"{size_text(size)} chosen by the publisher: automatic for {size_text(total)}"
+    if MIN_AUTO_CHUNK <= size < auto and size & (size - 1) == 0:
+        return (f"{size_text(size)} chosen by the publisher: automatic for "
+                f"{size_text(total)} in its mesh (smaller chunks for a wider relay tree; "
+                f"{size_text(auto)} alone), or its PeerConfig.chunk_size")
+    return (f"{size_text(size)} chosen by the publisher: its PeerConfig.chunk_size "
+            f"(automatic would be {size_text(auto)} alone, at least "
+            f"{size_text(min(auto, MIN_AUTO_CHUNK))} in a wide mesh)")
 
 
 class TransferSession:
