@@ -182,7 +182,7 @@ def plot(tables: dict[str, list[tuple[str, float, str]]], out: Path) -> list[str
         ax.set_xscale("log")
         fig.tight_layout()
         path = out / f"{name.split(' ')[0].replace('-', '')}.png"
-        fig.savefig(path, dpi=90)
+        fig.savefig(path, dpi=90, bbox_inches="tight")  # long row labels
         plt.close(fig)
         made.append(str(path.name))
     return made
