@@ -11,7 +11,7 @@ fetcher can check a manifest it got from any holder.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -96,6 +96,11 @@ def digest_of(algo: str, segments: Sequence[Any], threads: bool = False,
     is handed to ``each(offset, block)`` just after it was hashed (while it is in the
     cache): one pass over memory for a check and a copy."""
     h = new_hasher(algo, threads)
+    if each is None and algo != "blake3":
+        # One C-level pass over the pieces: no view or loop step of ours per piece (a
+        # chunk of 1,000 small tensors: 0.2 ms against 0.4 ms here).
+        deque(map(h.update, segments), maxlen=0)
+        return bytes(h.digest())
     at = 0
     for s in segments:
         view = s if isinstance(s, memoryview) else memoryview(s)

@@ -36,6 +36,7 @@ class TensorTable:
         self._starts: np.ndarray[Any, Any] | None = None
         self._ends: np.ndarray[Any, Any] | None = None
         self._expected: tuple[list[tuple[int, ...]], list[np.dtype[Any]]] | None = None
+        self._sizes: list[int] | None = None
         self._spans: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._exports: bool | None = None
         self._schema: bytes | None = None
@@ -96,6 +97,12 @@ class TensorTable:
                 out.append(dt)
             self._expected = ([t.shape for t in self.tensors], out)
         return self._expected
+
+    def sizes(self) -> list[int]:
+        """Every tensor's bytes, in manifest order."""
+        if self._sizes is None:
+            self._sizes = [t.nbytes for t in self.tensors]
+        return self._sizes
 
     def spans(self, chunk_size: int, total: int) -> tuple[list[int], list[int]]:
         """Per chunk, ``lo`` and ``hi``: the chunk overlaps exactly the tensors at

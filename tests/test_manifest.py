@@ -118,6 +118,36 @@ def test_local_digests_are_xxh3_of_each_chunk_next_to_cryptographic_ones() -> No
     assert fast.local_digests == () and "local_digests" not in fast.to_wire()
 
 
+_PIECE_DTYPES = (np.uint8, np.float32, np.int64, np.float16)
+
+
+@given(st.lists(st.tuples(st.sampled_from(range(len(_PIECE_DTYPES))),
+                          st.integers(0, 300), st.booleans()), max_size=40),
+       st.sampled_from(["blake3", "sha256", "xxh3-128"]))
+@settings(max_examples=60, deadline=None)
+def test_digest_of_pieces_is_the_digest_of_their_bytes_in_order(
+        spec: list[tuple[int, int, bool]], algo: str) -> None:
+    """Arrays of any dtype, byte views and empty pieces, as a chunk of many small tensors
+    hands them over, hash to what their bytes laid end to end hash to."""
+    from tensorhub.manifest import digest_of, new_hasher
+    rng = np.random.default_rng(len(spec))
+    pieces: list[object] = []
+    for kind, n, as_view in spec:
+        arr = rng.integers(0, 255, n * 8, dtype=np.uint8).view(_PIECE_DTYPES[kind])
+        pieces.append(memoryview(arr).cast("B") if as_view else arr)
+    whole = b"".join(bytes(memoryview(p).cast("B")) if not isinstance(p, memoryview)
+                     else bytes(p) for p in pieces)
+    h = new_hasher(algo)
+    h.update(whole)
+    assert digest_of(algo, pieces) == h.digest()
+    # one changed byte anywhere changes it
+    if whole:
+        at = len(whole) // 2
+        flipped = bytearray(whole)
+        flipped[at] ^= 1
+        assert digest_of(algo, [memoryview(flipped)]) != h.digest()
+
+
 @pytest.mark.parametrize("bad", [b"", b"\0" * 16, b"\0" * 48, "text", 7])
 def test_malformed_local_digests_are_refused(bad: object) -> None:
     m = build_manifest(VersionKey("m", 1), [("w", np.ones(2048, np.float32))], 4096,

@@ -66,7 +66,7 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
             and all(map(eq, map(_DTYPE, given), dtypes)) and all(map(_C_CONTIGUOUS, given))
             and all(map(_WRITEABLE, given))
             and not any(d.hasobject or d.metadata for d in set(dtypes))):
-        return disjoint(names, given)
+        return disjoint(names, given, table.sizes())  # sizes follow from shapes and dtypes
     out = []
     for t, obj, dt in zip(manifest.tensors, given, dtypes, strict=True):
         if is_tensor(obj):
@@ -109,12 +109,14 @@ array's memory moves only through ``ndarray.resize``, which refuses while the ``
 mapping holds the array.)"""
 
 
-def disjoint(names: Sequence[str], arrays: list[np.ndarray[Any, Any]]
-             ) -> list[np.ndarray[Any, Any]]:
+def disjoint(names: Sequence[str], arrays: list[np.ndarray[Any, Any]],
+             sizes: list[int] | None = None) -> list[np.ndarray[Any, Any]]:
     """``arrays``, if no two share a byte (each is C-contiguous); else the fetch would
-    land two tensors in the same memory, and its digests fail, blaming the holder."""
+    land two tensors in the same memory, and its digests fail, blaming the holder.
+    ``sizes``: their bytes, where the caller knows them already."""
     global _last
-    ids, nbytes = list(map(id, arrays)), list(map(_NBYTES, arrays))
+    ids = list(map(id, arrays))
+    nbytes = list(map(_NBYTES, arrays)) if sizes is None else sizes
     last = _last
     if last is not None and last.valid and last.ids == ids and last.sizes == nbytes:
         return arrays
