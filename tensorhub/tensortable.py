@@ -56,7 +56,7 @@ class TensorTable:
     def _columns(self) -> None:
         n = len(self.tensors)
         offsets = np.fromiter((t.offset for t in self.tensors), np.int64, n)
-        sizes = np.fromiter((t.nbytes for t in self.tensors), np.int64, n)
+        sizes = np.array(self.sizes(), np.int64)
         keep = np.flatnonzero(sizes)
         self._nonempty = keep.tolist()
         self._starts = offsets[keep]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import numpy as np
 import pytest
@@ -131,12 +133,11 @@ def test_digest_of_pieces_is_the_digest_of_their_bytes_in_order(
     hands them over, hash to what their bytes laid end to end hash to."""
     from tensorhub.manifest import digest_of, new_hasher
     rng = np.random.default_rng(len(spec))
-    pieces: list[object] = []
+    pieces: list[Any] = []
     for kind, n, as_view in spec:
         arr = rng.integers(0, 255, n * 8, dtype=np.uint8).view(_PIECE_DTYPES[kind])
         pieces.append(memoryview(arr).cast("B") if as_view else arr)
-    whole = b"".join(bytes(memoryview(p).cast("B")) if not isinstance(p, memoryview)
-                     else bytes(p) for p in pieces)
+    whole = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
     h = new_hasher(algo)
     h.update(whole)
     assert digest_of(algo, pieces) == h.digest()
