@@ -171,15 +171,21 @@ async def test_a_cancelled_fetch_leaks_nothing_and_the_next_fetch_succeeds(
         if own_arrays:  # the caller's shared memory, reused after the cancel
             into = {k: tensorhub.shared_empty(v.shape, v.dtype) for k, v in w.items()}
         gc.collect()
+        memory_files.drop_spare()
         fds, regions = open_fds(), memory_files.registered()
         await _cancel_after_first_chunk(reader, into)
         # The cancelled fetch lets go of its partial version, memory file, connections
-        # and their threads (a thread mid-recv ends once its socket is shut).
+        # and their threads (a thread mid-recv ends once its socket is shut).  A memory
+        # file the fetch made is kept as the spare for the next fetch buffer: closed here.
+        spare = False
         with trio.fail_after(10):
             while reader.store.versions or memory_files.registered() != regions \
                     or not open_fds() <= fds:
                 gc.collect()
+                spare |= memory_files.drop_spare()
                 await trio.sleep(0.01)
+        spare |= memory_files.drop_spare()  # (its descriptor number may be an old one's)
+        assert spare == (into is None)
         got = await reader.fetch("m", 1, into=into)
         assert got.report.verified
         for k, v in w.items():
@@ -216,3 +222,39 @@ def test_shared_empty_is_thread_safe() -> None:
     kept.clear()
     gc.collect()
     assert memory_files.registered() == before and open_fds() <= fds
+
+
+def _inode(arr: np.ndarray[Any, Any]) -> int:
+    pieces = memory_files.pieces_of([memoryview(arr)])  # type: ignore[arg-type]
+    assert pieces is not None
+    return int(pieces[0][1])
+
+
+async def test_a_fetch_without_into_lands_in_the_memory_of_one_let_go() -> None:
+    """Fetch, drop, fetch the next version: the second fetch lands in the first's memory
+    file (mapped again, its pages already there), and its tensors are the new ones."""
+    async with mesh(2, planning=False) as (pub, reader):
+        for v in (1, 2):
+            await pub.publish("m", v, weights(v, mib=2))
+        with trio.fail_after(10):
+            await reader.wait_for_version("m", 1)
+        memory_files.drop_spare()
+        first = await reader.fetch("m", 1)
+        inode = _inode(first.tensors["embed"])
+        size = first.report.bytes
+        await reader.unpublish("m", 1)
+        del first
+        with trio.fail_after(10):  # once the store lets go of it too
+            while memory_files.spare_bytes() != size:
+                gc.collect()
+                await trio.sleep(0.01)
+        second = await reader.fetch("m", 2)
+        assert _inode(second.tensors["embed"]) == inode
+        for k, v in weights(2, mib=2).items():
+            np.testing.assert_array_equal(second.tensors[k], v)
+        await reader.unpublish("m", 2)
+        del second
+        with trio.fail_after(10):  # once nothing holds it, it is the spare
+            while not memory_files.drop_spare():
+                gc.collect()
+                await trio.sleep(0.01)

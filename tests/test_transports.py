@@ -992,6 +992,68 @@ def test_fetched_arrays_are_shared() -> None:
     assert pieces is not None and pieces[:, 2:].tolist() == [[0, 134]]
 
 
+def inode_of(arr: np.ndarray[Any, Any]) -> int:
+    pieces = memory_files.pieces_of([memoryview(arr)])  # type: ignore[arg-type]
+    assert pieces is not None
+    return int(pieces[0][1])
+
+
+def fd_is(fd: int, inode: int) -> bool:
+    return os.path.exists(f"/proc/self/fd/{fd}") and os.fstat(fd).st_ino == inode
+
+
+def test_a_fetch_buffer_reuses_the_memory_file_of_the_last_one_let_go() -> None:
+    memory_files.drop_spare()
+    before = memory_files.registered()
+    a = memory_files.fetch_buffer(3 * 4096 + 5)
+    a[:] = 7
+    first = inode_of(a)
+    fd = int(memory_files.pieces_of([memoryview(a)])[0][0])  # type: ignore[index, arg-type]
+    view = a[10:]
+    del a
+    assert memory_files.registered() == before + 1  # a view keeps it mapped
+    del view
+    assert memory_files.registered() == before and not maps_inode(first)
+    assert fd_is(fd, first) and memory_files.spare_bytes() == 3 * 4096 + 5  # the spare
+    b = memory_files.fetch_buffer(3 * 4096 + 5)
+    assert inode_of(b) == first and b.flags.writeable and b.dtype == np.uint8
+    assert bool((b == 7).all())  # the same pages, mapped again (and the caller's to fill)
+    b[:] = 1
+    del b
+    c = memory_files.fetch_buffer(4096)  # another size: a new file, the spare closed
+    assert inode_of(c) != first and not fd_is(fd, first)
+    del c
+    assert memory_files.drop_spare() and not memory_files.drop_spare()
+    assert memory_files.registered() == before and memory_files.spare_bytes() == 0
+
+
+def test_only_the_last_fetch_buffer_let_go_is_kept() -> None:
+    memory_files.drop_spare()
+    a, b = memory_files.fetch_buffer(8192), memory_files.fetch_buffer(8192)
+    ia, ib = inode_of(a), inode_of(b)
+    fa = int(memory_files.pieces_of([memoryview(a)])[0][0])  # type: ignore[index, arg-type]
+    del a, b  # a is let go first, then b replaces it as the spare
+    assert not fd_is(fa, ia)
+    c = memory_files.fetch_buffer(8192)
+    assert inode_of(c) == ib
+    d = memory_files.fetch_buffer(8192)  # nothing spare: a new file
+    assert inode_of(d) not in (ia, ib)
+    del c, d
+    memory_files.drop_spare()
+
+
+def test_shared_empty_memory_is_never_kept() -> None:
+    memory_files.drop_spare()
+    a = shared_empty(8192, np.uint8)
+    inode = inode_of(a)
+    del a
+    assert not memory_files.drop_spare()
+    b = memory_files.fetch_buffer(8192)
+    assert inode_of(b) != inode
+    del b
+    memory_files.drop_spare()
+
+
 # -- TCP: the reader's standing thread ---------------------------------------------------
 
 

@@ -16,18 +16,19 @@ from ..errors import LocalProtocolError
 from ..manifest import Manifest
 from ..model import as_host_array
 from ..torch import check_into, is_tensor
-from ..transport.samehost.memory_files import shared_empty
+from ..transport.samehost.memory_files import fetch_buffer
 
 
 def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memoryview | None]:
     """New arrays for a fetch: views into one buffer laid out like the version's byte
     space, so every chunk lands with one ``recv_into`` however many tensors it spans.
-    The buffer is shared memory (``shared_empty``), so same-host peers that fetch from us
-    later map it instead of copying through the kernel.  Falls back to separate plain
-    arrays if some tensor's offset does not suit its dtype."""
+    The buffer is shared memory (``fetch_buffer``), so same-host peers that fetch from us
+    later map it instead of copying through the kernel; the memory of the last such
+    buffer let go is reused.  Falls back to separate plain arrays if some tensor's offset
+    does not suit its dtype."""
     if any(t.offset % storage_dtype(t.dtype).alignment for t in manifest.tensors):
         return [np.empty(t.shape, dtype=storage_dtype(t.dtype)) for t in manifest.tensors], None
-    flat = shared_empty(manifest.total_bytes, np.uint8)
+    flat = fetch_buffer(manifest.total_bytes)
     arrays = [flat[t.offset:t.end].view(storage_dtype(t.dtype)).reshape(t.shape)
               for t in manifest.tensors]
     return arrays, memoryview(flat)  # type: ignore[arg-type]
