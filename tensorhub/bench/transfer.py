@@ -17,7 +17,9 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
     NIC-bound in namespaces by ``tensorhub bench chain``);
 (e) 10,000 tensors of 4 KiB;
 (f) a numpy copy of the same bytes in the driver, the same-host ceiling: run just before
-    each (c), like (a) before each (b).
+    each (c), like (a) before each (b);
+(g) (b) without ``into=``, dropped after each: the first fetch lands in a new memory
+    file, the next ones in the spare the one before left (no figure; ``no_into_s``).
 
 It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
 ``--only tcp`` measures (a) and (b) alone, to iterate on the TCP data plane.
@@ -153,10 +155,12 @@ def _mesh(names: list[str], chunk: int, key_dir: str | None
             p.close()
 
 
-def _fetch_once(proc: WorkerClient, model: str, source: str = "pub") -> dict[str, Any]:
-    """One timed fetch of ``model@1`` from ``source`` into prepared arrays, then dropped."""
+def _fetch_once(proc: WorkerClient, model: str, source: str = "pub", into: bool = True
+                ) -> dict[str, Any]:
+    """One timed fetch of ``model@1`` from ``source`` into prepared arrays (``into``; else
+    into arrays the fetch allocates), then dropped."""
     got = proc.call("fetched", cmd="fetch", model=model, version=1, sources=[source],
-                    into=True)
+                    into=into)
     proc.call("unpublished", cmd="unpublish", model=model, version=1)
     return got
 
@@ -226,6 +230,9 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
                        fetcher_peak_rss_mib=max(r["peak_rss_mib"] for r in tcp))
         if only_tcp:
             return results
+        # Without into=: the first lands in a new memory file, the rest in the spare.
+        results["no_into"] = [_fetch_once(procs["f_tcp"], "big", into=False)
+                              for _ in range(runs)]
         copies: list[float] = []
         shm = single(procs["f_shm"], "big", numpy_copier(size), copies)
         chain = []
@@ -323,6 +330,7 @@ def run_cli(args: argparse.Namespace) -> int:
         shm_s = med([x["seconds"] for x in r["shm"]])
         chain_s = med(r["chain"])
         small_s = med([x["seconds"] for x in r["small"]])
+        no_into_s = [x["seconds"] for x in r["no_into"]]
         shm_rate = model_bytes / shm_s
         small_rate = small_bytes / small_s
         shm_transports = {t for x in r["shm"]
@@ -332,6 +340,8 @@ def run_cli(args: argparse.Namespace) -> int:
             *rows,
             (f"(c) TensorHub fetch, same host ({'/'.join(sorted(shm_transports))})", shm_s,
              shm_rate),
+            ("(g) TensorHub fetch, TCP, without into=", med(no_into_s),
+             model_bytes / med(no_into_s)),
             ("(d) chain pub -> A -> B -> C (TCP)", chain_s, model_bytes / chain_s),
             ("(e) 10,000 x 4 KiB tensors, TCP", small_s, small_rate),
         ]
@@ -347,6 +357,7 @@ def run_cli(args: argparse.Namespace) -> int:
                         shm_transports=sorted(shm_transports), chain_s=r["chain"],
                         chain_same_host_vs_single=chain_s / tcp_s,  # figure: bench chain
                         small_s=[x["seconds"] for x in r["small"]], small_bytes=small_bytes,
+                        no_into_s=no_into_s,
                         publisher_rss_growth_mib=r["publisher_rss_growth_mib"],
                         fetcher_peak_rss_mib=r["fetcher_peak_rss_mib"])
     print(f"transfer benchmark: {size / 2**20:.0f} MiB, chunk "
