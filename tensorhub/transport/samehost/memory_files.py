@@ -117,16 +117,11 @@ def fetch_buffer(nbytes: int) -> np.ndarray[Any, Any]:
         return np.empty(max(nbytes, 0), np.uint8)
     with _lock:
         spare, _spare = _spare, None
-    fd = None
-    if spare is not None:
-        if spare[0] == nbytes:
-            fd = spare[1]
-        else:
-            os.close(spare[1])
-    populate = fd is not None
-    if fd is None:
-        fd = _new_file(nbytes)
-    mapping = _map(fd, nbytes, populate)
+    if spare is not None and spare[0] != nbytes:
+        os.close(spare[1])
+        spare = None
+    mapping = _map(_new_file(nbytes) if spare is None else spare[1], nbytes,
+                   populate=spare is not None)
     mapping.spare = nbytes
     return np.frombuffer(mapping, dtype=np.uint8)
 
