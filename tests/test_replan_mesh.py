@@ -14,6 +14,7 @@ from slow_serving import slow_served
 
 import tensorhub
 from tensorhub import PeerConfig
+from tensorhub.protocol.transfer import REASK_MAX
 
 CHUNK = 1 << 16
 CHUNKS = 64
@@ -74,6 +75,10 @@ async def test_a_running_fetch_takes_the_plan_made_after_its_parent_left() -> No
                 while sum(local.verified) < 4:  # the child is under way through its parent
                     await trio.sleep(0.01)
                 assert not local.complete
+                # The rest comes from the publisher alone, at a pace that leaves the
+                # child's fetch running through two of its re-asks at the longest backoff:
+                # the new plan reaches it before it ends, however loaded this host is.
+                slow.delay = 2 * REASK_MAX / (CHUNKS - sum(local.verified))
                 scopes[parent].cancel()  # the parent leaves the mesh mid-fetch
                 while child not in fetched:
                     await trio.sleep(0.02)
