@@ -357,6 +357,11 @@ def test_random_events_keep_every_chunk_in_exactly_one_state(data: st.DataObject
             now += data.draw(st.sampled_from([0.01, 0.3, 1.0, timeout, 2 * timeout]))
         elif op == "pick":
             job = s.pick(now)
+            # The same as asking about every pending chunk in turn (pick skips those
+            # off the plan while no holder has a free stream).
+            holders = s._holders(now)
+            assert job == next(((c, p) for c in s.pending
+                                if (p := s._source_for(now, c, holders)) is not None), None)
             if job is not None:
                 chunk, peer = job
                 assert chunk in s.pending and may_use(peer.name)

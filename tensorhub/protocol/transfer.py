@@ -283,9 +283,22 @@ class TransferSession:
                 + (f"; banned sources: {banned}" if banned else ""))
 
     def pick(self, now: float) -> tuple[int, PeerInfo] | None:
-        """The lowest pending chunk that has a source now, and that source."""
+        """The lowest pending chunk that has a source now, and that source.
+
+        While every usable holder has all the streams it gets, only a chunk with a free
+        planned source can have one, so the others are passed over without asking each
+        holder about each of them: a worker asks whenever a stream ends, and with one
+        stream to one holder that was the whole pending list every time (in-process,
+        1 GiB in 4 MiB chunks: 6-13 ms of held GIL a fetch)."""
         holders = self._holders(now)
+
+        @functools.cache
+        def any_free() -> bool:
+            return any(self.load.get(p.name, 0) < self.streams_to(p, h) for p, h in holders())
+
         for chunk in self.pending:
+            if not self._planned_usable(now, chunk) and not any_free():
+                continue  # off the plan, and no holder could take it now
             peer = self._source_for(now, chunk, holders)
             if peer is not None:
                 return chunk, peer
@@ -498,8 +511,7 @@ class TransferSession:
             return self.load.get(name, 0) - (name == streaming)
 
         planned = self.planned.get(chunk)
-        if planned is not None and self.usable(now, planned.name) \
-                and chunk not in self.lacks.get(planned.name, ()):
+        if planned is not None and self._planned_usable(now, chunk):
             # A planned parent gets one stream, so chunks arrive in order one after the
             # other: more would share our link between several chunks and delay our own
             # children (and theirs) by that many chunk-times.
@@ -520,6 +532,13 @@ class TransferSession:
         if best is not None and best[0][0] and copy_busy:
             return None  # the publisher serves only what no copy can (ROS)
         return None if best is None else best[1]
+
+    def _planned_usable(self, now: float, chunk: int) -> bool:
+        """Whether ``chunk`` has a planned source that is usable and not known to lack
+        it: then that source is its only candidate (:meth:`_source_for`)."""
+        planned = self.planned.get(chunk)
+        return planned is not None and self.usable(now, planned.name) \
+            and chunk not in self.lacks.get(planned.name, ())
 
     def streams_to(self, peer: PeerInfo, holding: Holding) -> int:
         """Streams to keep to ``peer``: one, so its chunks land in order (a source still
