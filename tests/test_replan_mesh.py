@@ -77,7 +77,7 @@ async def test_a_running_fetch_takes_the_plan_made_after_its_parent_left() -> No
                 assert not local.complete
                 # The rest comes from the publisher alone, at a pace that leaves the
                 # child's fetch running through two of its re-asks at the longest backoff:
-                # the new plan reaches it before it ends, however loaded this host is.
+                # the new plan reaches it before it ends, with margin on a loaded host.
                 slow.delay = 2 * REASK_MAX / (CHUNKS - sum(local.verified))
                 scopes[parent].cancel()  # the parent leaves the mesh mid-fetch
                 while child not in fetched:
