@@ -297,7 +297,7 @@ class TransferSession:
             return any(self.load.get(p.name, 0) < self.streams_to(p, h) for p, h in holders())
 
         for chunk in self.pending:
-            if not self._planned_usable(now, chunk) and not any_free():
+            if self._usable_plan(now, chunk) is None and not any_free():
                 continue  # off the plan, and no holder could take it now
             peer = self._source_for(now, chunk, holders)
             if peer is not None:
@@ -510,8 +510,8 @@ class TransferSession:
         def load(name: str) -> int:
             return self.load.get(name, 0) - (name == streaming)
 
-        planned = self.planned.get(chunk)
-        if planned is not None and self._planned_usable(now, chunk):
+        planned = self._usable_plan(now, chunk)
+        if planned is not None:
             # A planned parent gets one stream, so chunks arrive in order one after the
             # other: more would share our link between several chunks and delay our own
             # children (and theirs) by that many chunk-times.
@@ -533,12 +533,14 @@ class TransferSession:
             return None  # the publisher serves only what no copy can (ROS)
         return None if best is None else best[1]
 
-    def _planned_usable(self, now: float, chunk: int) -> bool:
-        """Whether ``chunk`` has a planned source that is usable and not known to lack
-        it: then that source is its only candidate (:meth:`_source_for`)."""
+    def _usable_plan(self, now: float, chunk: int) -> PeerInfo | None:
+        """``chunk``'s planned source if it is usable and not known to lack it (then it
+        is the chunk's only candidate: :meth:`_source_for`), else None."""
         planned = self.planned.get(chunk)
-        return planned is not None and self.usable(now, planned.name) \
-            and chunk not in self.lacks.get(planned.name, ())
+        if planned is None or not self.usable(now, planned.name) \
+                or chunk in self.lacks.get(planned.name, ()):
+            return None
+        return planned
 
     def streams_to(self, peer: PeerInfo, holding: Holding) -> int:
         """Streams to keep to ``peer``: one, so its chunks land in order (a source still
