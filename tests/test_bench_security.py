@@ -9,7 +9,7 @@ import tempfile
 import pytest
 from conftest import leftovers
 
-from tensorhub import cli
+from tensorhub import PeerConfig, cli
 from tensorhub.bench import transfer
 from tensorhub.bench.cluster import KEYED_PORT, mesh_keys, open_mesh
 from tensorhub.bench.netns import open_cluster
@@ -49,8 +49,11 @@ def test_transfer_keys_both_measures_both_meshes_in_one_run(
     assert fetchers["off"]["security"].startswith("insecure"), fetchers
     assert fetchers["on"]["security"].startswith("keys"), fetchers
     assert fetchers["off"]["digest"] == fetchers["on"]["digest"], fetchers
-    assert doc["settings"] == {"size": 8 * MIB, "chunk": "auto", "runs": 2, "only": "tcp",
-                               "keys": "both"}
+    settings = doc["settings"]
+    assert isinstance(settings, dict)
+    assert settings["membership_timers"].startswith("default"), settings
+    assert {k: v for k, v in settings.items() if k != "membership_timers"} == {
+        "size": 8 * MIB, "chunk": "auto", "runs": 2, "only": "tcp", "keys": "both"}
 
 
 @pytest.mark.netns
@@ -88,3 +91,14 @@ def test_cluster_keys_both_prints_the_cost(cluster_support: None,
     assert len(measured["keyed_tensorhub_s"]) == len(measured["tensorhub_s"]) == 2
     ratio = baselines["keyed_fanout_median_s"] / baselines["keyless_fanout_median_s"]
     assert cost["value"] == pytest.approx(ratio, abs=1e-3)
+
+
+def test_transfer_bench_workers_run_the_default_membership_timers() -> None:
+    """The workers beside a measured fetch gossip and probe at the deployed rate, not
+    the local preset's ten times faster one (which other benches keep: they kill peers)."""
+    with transfer._mesh(["pub", "f_tcp"], 0, None) as procs:
+        for proc in procs.values():
+            stats = proc.call("stats", cmd="stats")
+            assert (stats["gossip_interval"], stats["probe_interval"]) == (
+                PeerConfig("x").gossip_interval, PeerConfig("x").probe_interval)
+            assert stats["gossip_interval"] != PeerConfig.local("x").gossip_interval

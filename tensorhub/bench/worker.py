@@ -20,7 +20,8 @@ line, answering each with one JSON line on stdout:
 * ``{"cmd": "wait_holders", "model", "version", "count", "timeout"}`` waits until
   ``count`` other live peers hold the version completely and names them.
 * ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
-* ``{"cmd": "stats"}``: bytes served, members, and the peer's security and digest lines.
+* ``{"cmd": "stats"}``: bytes served, members, the peer's security and digest lines and
+  its membership timers.
 * The staged flip, through one :class:`~tensorhub.Rollout` per model:
   ``{"cmd": "stage", "model", "version"}`` (into the buffers the last release freed, if
   any), ``{"cmd": "commit", "model"}`` (reports ``switch_seconds``, the reads of the
@@ -212,7 +213,9 @@ class Worker:
             return {"event": "stats", "bytes_served": st.bytes_served,
                     "bytes_by_transport": st.bytes_by_transport, "members": st.members,
                     "security": st.security, "digest": st.digest,
-                    "tcp_local_digests": st.tcp_local_digests}
+                    "tcp_local_digests": st.tcp_local_digests,
+                    "gossip_interval": self.peer.config.gossip_interval,
+                    "probe_interval": self.peer.config.probe_interval}
         raise ValueError(f"unknown command {kind!r}")
 
     async def publish_step(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -288,7 +291,8 @@ class Worker:
 
 async def main(args: argparse.Namespace) -> None:
     stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
-    cfg = PeerConfig.local(args.name, listen=args.listen,
+    preset = PeerConfig.local if args.timers == "local" else PeerConfig.datacenter
+    cfg = preset(args.name, listen=args.listen,
                            join=tuple(s for s in args.join.split(",") if s),
                            chunk_size=args.chunk or None,
                            transports=tuple(args.transports.split(",")),
@@ -345,6 +349,9 @@ if __name__ == "__main__":
                         " off here: benchmarks measure full transfers unless told)")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="run with the keys of --name in DIR (tensorhub keygen)")
+    p.add_argument("--timers", choices=("local", "default"), default="local",
+                   help="membership timers: local (PeerConfig.local: gossip every 0.1 s, "
+                        "for benches that kill peers) or default (PeerConfig's: every 1 s)")
     p.add_argument("--stall-timeout", type=float, default=None,
                    help="seconds without progress before a source counts as stalled "
                         "(default: the local preset's)")
