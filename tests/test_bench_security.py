@@ -102,3 +102,4 @@ def test_transfer_bench_workers_run_the_default_membership_timers() -> None:
             assert (stats["gossip_interval"], stats["probe_interval"]) == (
                 PeerConfig("x").gossip_interval, PeerConfig("x").probe_interval)
             assert stats["gossip_interval"] != PeerConfig.local("x").gossip_interval
+            assert stats["stall_timeout"] == PeerConfig.local("x").stall_timeout  # the rest

@@ -21,7 +21,7 @@ line, answering each with one JSON line on stdout:
   ``count`` other live peers hold the version completely and names them.
 * ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
 * ``{"cmd": "stats"}``: bytes served, members, the peer's security and digest lines and
-  its membership timers.
+  its membership timers and stall timeout.
 * The staged flip, through one :class:`~tensorhub.Rollout` per model:
   ``{"cmd": "stage", "model", "version"}`` (into the buffers the last release freed, if
   any), ``{"cmd": "commit", "model"}`` (reports ``switch_seconds``, the reads of the
@@ -215,7 +215,8 @@ class Worker:
                     "security": st.security, "digest": st.digest,
                     "tcp_local_digests": st.tcp_local_digests,
                     "gossip_interval": self.peer.config.gossip_interval,
-                    "probe_interval": self.peer.config.probe_interval}
+                    "probe_interval": self.peer.config.probe_interval,
+                    "stall_timeout": self.peer.config.stall_timeout}
         raise ValueError(f"unknown command {kind!r}")
 
     async def publish_step(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -289,10 +290,18 @@ class Worker:
         raise TimeoutError(f"{len(names)} of {count} holders of {key} after {timeout} s")
 
 
+MEMBERSHIP_TIMERS = ("gossip_interval", "probe_interval", "probe_timeout", "suspicion_mult",
+                     "push_pull_interval", "dead_reap_after")
+"""What ``--timers default`` takes from ``PeerConfig``'s defaults; the rest (stall,
+connect and lease timeouts) stays the local preset's."""
+
+
 async def main(args: argparse.Namespace) -> None:
-    stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
-    preset = PeerConfig.local if args.timers == "local" else PeerConfig.datacenter
-    cfg = preset(args.name, listen=args.listen,
+    overrides = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
+    if args.timers == "default":  # the membership timers of PeerConfig's defaults
+        defaults = PeerConfig(args.name)
+        overrides.update({f: getattr(defaults, f) for f in MEMBERSHIP_TIMERS})
+    cfg = PeerConfig.local(args.name, listen=args.listen,
                            join=tuple(s for s in args.join.split(",") if s),
                            chunk_size=args.chunk or None,
                            transports=tuple(args.transports.split(",")),
@@ -300,7 +309,7 @@ async def main(args: argparse.Namespace) -> None:
                            planning=args.planning == "on", delta=args.delta,
                            security=load_keys(args.keys, args.name) if args.keys else None,
                            allow_insecure=True,  # without --keys: emulated hosts on a
-                           **stall)              # private bridge, or loopback
+                           **overrides)          # private bridge, or loopback
     async with open_peer(cfg) as peer:
         while len(peer.control.membership.live_members()) < args.expect:
             await trio.sleep(0.02)
@@ -350,8 +359,9 @@ if __name__ == "__main__":
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="run with the keys of --name in DIR (tensorhub keygen)")
     p.add_argument("--timers", choices=("local", "default"), default="local",
-                   help="membership timers: local (PeerConfig.local: gossip every 0.1 s, "
-                        "for benches that kill peers) or default (PeerConfig's: every 1 s)")
+                   help="membership timers: local (PeerConfig.local's: gossip every 0.1 s, "
+                        "for benches that kill peers) or default (PeerConfig's: every 1 s); "
+                        "the other timeouts are the local preset's either way")
     p.add_argument("--stall-timeout", type=float, default=None,
                    help="seconds without progress before a source counts as stalled "
                         "(default: the local preset's)")
