@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import DEFAULT_CHUNK_SIZE
+from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
 from ..demo import parse_size
 from ..processes import free_ports
 from ..security import write_keys
@@ -113,6 +113,12 @@ def numpy_copier(size: int) -> Callable[[], float]:
         return time.perf_counter() - t0
 
     return once
+
+
+_DEFAULTS = PeerConfig("bench")
+_TIMERS = (f"default (PeerConfig's: gossip every {_DEFAULTS.gossip_interval:g} s, probes "
+           f"every {_DEFAULTS.probe_interval:g} s)")
+"""What the JSON settings say of the workers' membership timers (``--timers default``)."""
 
 
 FORCED_CHUNK = DEFAULT_CHUNK_SIZE  # what pub4 publishes with (4 MiB)
@@ -385,8 +391,7 @@ def run_cli(args: argparse.Namespace) -> int:
             "measured": measured,
             "settings": {"size": size, "chunk": chunk or "auto", "runs": runs,
                          "only": "tcp" if only_tcp else "all", "keys": args.keys,
-                         "membership_timers": "default (PeerConfig: gossip and probes "
-                                              "every 1 s)"},
+                         "membership_timers": _TIMERS},
         }))
     return 0
 
