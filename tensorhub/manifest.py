@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,11 +86,13 @@ thread's GIL handovers between blocks cost nothing (256 KiB blocks measured slow
 than hashing and copying a 16 MiB chunk in two passes, next to a receiving thread)."""
 
 
-def digest_of(algo: str, segments: Sequence[Any], threads: bool = False,
+def digest_of(algo: str, segments: Iterable[Any], threads: bool = False,
               each: Callable[[int, memoryview], None] | None = None) -> bytes:
     """The digest of the segments' bytes, in order.  A segment may be an array itself
     (see :meth:`LocalVersion.buffers`): xxh3 and sha256 hash any contiguous buffer,
-    blake3 only byte-format ones, so it gets a byte view of each array.
+    blake3 only byte-format ones, so it gets a byte view of each array.  ``segments`` is
+    read once, in order, each segment hashed before the next is asked for (a copy may
+    hand them out as it goes: :class:`~tensorhub.transport.base.SourceVerifier`).
 
     With ``each``, the bytes are hashed :data:`HASHED_BLOCK` at a time and each block
     is handed to ``each(offset, block)`` just after it was hashed (while it is in the

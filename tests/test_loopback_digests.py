@@ -195,3 +195,16 @@ def test_the_kernels_table_is_parsed_for_ipv4_and_ipv6(tmp_path: Path) -> None:
                            ("junk\n", None), ("   0: zz:zz zz:zz 01 0 0 0 0 0 0 1\n", None)):
             table.write_text(HEADER + rows)
             assert peer_socket_inode(mine, tables=(str(table),)) == want, rows
+
+
+def test_only_a_check_against_the_local_digests_may_read_the_holders_bytes() -> None:
+    """A copying transport may run a check on the holder's memory as it copies only when
+    the check is against the fast local digests (the holder could write this process's
+    memory anyway); a cryptographic check reads what landed."""
+    from tensorhub.peer.fetcher import DigestCheck, LocalDigestCheck
+    from tensorhub.transport.base import SourceVerifier
+
+    fast = LocalDigestCheck(None, 0, "p0", "xxh3-128", b"")  # type: ignore[arg-type]
+    strong = DigestCheck(None, 0, "p0", "blake3", b"")  # type: ignore[arg-type]
+    assert isinstance(fast, SourceVerifier)
+    assert not isinstance(strong, SourceVerifier)

@@ -338,8 +338,36 @@ async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() 
         chunks = -(-sum(v.nbytes for v in w.values()) // (1 << 20))  # 1 MiB chunks
         assert got.report.chunks == got.report.chunks_received == chunks
         assert got.report.reads < got.report.chunks / 2
+        # checked against the fast digests, as the copy read the holder's bytes
+        assert got.report.local_digest_chunks == chunks
         for k in w:
             np.testing.assert_array_equal(got.tensors[k], w[k])
+
+
+async def test_a_shared_array_written_after_publish_fails_the_check_its_copy_ran() -> None:
+    """The publisher's user writes into a published array (a bug the fast digests are
+    there to catch): the same-host reader, which checks each block of the holder's
+    memory just before copying it, finds the chunk bad and ends with a clear error."""
+    from tensorhub.transport.samehost.reader import shm_available
+
+    ok, why = shm_available()
+    if not ok:
+        pytest.skip(f"same-host transport unavailable here: {why}")
+    async with mesh(2, labels=(("host", "box1"),), planning=False) as (pub, r):
+        w = weights(4, 32)
+        shared = {k: tensorhub.shared_empty(v.shape, v.dtype) for k, v in w.items()}
+        for k, v in w.items():
+            shared[k][...] = v
+        await pub.publish("m", 4, shared)
+        with trio.fail_after(10):
+            await r.wait_for_version("m", None)
+        name = sorted(shared)[1]
+        flat = shared[name].reshape(-1).view(np.uint8)
+        flat[len(flat) // 2] ^= 0xFF
+        with pytest.raises(VersionUnavailable, match="failed its digest"):
+            await r.fetch("m", 4)
+        assert r.statistics().integrity_failures == {"p0": 1}
+        assert set(r.statistics().bytes_by_transport) <= {"shm-memfd"}
 
 
 async def test_different_hosts_use_tcp() -> None:

@@ -3,6 +3,7 @@ its listing; switched off it copies the same."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import shutil
@@ -17,7 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub.transport.samehost import streaming_copy
-from tensorhub.transport.samehost.streaming_copy import BLOCK, MIN_BYTES, stream_copy_all
+from tensorhub.transport.samehost.streaming_copy import (
+    BLOCK,
+    CHECKED_BLOCK,
+    MIN_BYTES,
+    checked_then_copied,
+    stream_copy_all,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
@@ -60,6 +67,63 @@ def test_copies_exact_bytes_whatever_the_alignment_and_cuts(
     stream_copy_all([(dst[a:b], src[a:b]) for a, b in order])
     assert np.array_equal(dst, src)
     assert not dst_room[:dst_at].any() and not dst_room[dst_at + length:].any()
+
+
+def aligned_room(length: int, head: int) -> tuple[np.ndarray[Any, Any], int]:
+    """Zeros with room around ``length`` bytes that start ``head`` bytes before a 64-byte
+    boundary: (the room, where they start in it)."""
+    room = np.zeros(length + 256, np.uint8)
+    at = ((-room.ctypes.data) % 64 + 64 - head) % 64 + 64
+    return room, at
+
+
+@settings(max_examples=60, deadline=None)
+@given(head=st.integers(0, 63),
+       length=st.one_of(st.integers(1, 3 * BLOCK),
+                        st.integers(MIN_BYTES, 2 * CHECKED_BLOCK + 3 * BLOCK)),
+       cuts=st.lists(st.integers(0, 1 << 30), max_size=3))
+def test_checked_then_copied_hands_out_each_source_block_before_copying_it(
+        head: int, length: int, cuts: list[int]) -> None:
+    """The blocks handed out are the source's bytes, in order, at most CHECKED_BLOCK
+    each, read-only, and not yet in the destination when handed out; once all were
+    asked for, the destination is the source and nothing around it was written."""
+    room, at = aligned_room(length, head)
+    src = np.random.default_rng(length * 64 + head).integers(1, 256, length, dtype=np.uint8)
+    dst = room[at:at + length]
+    bounds = sorted({c % (length + 1) for c in cuts} | {0, length})
+    seen = 0
+    for block in checked_then_copied([(dst[a:b], src[a:b]) for a, b in
+                                      itertools.pairwise(bounds)]):
+        assert block.readonly and 0 < block.nbytes <= CHECKED_BLOCK
+        got = np.frombuffer(block, np.uint8)
+        assert np.array_equal(got, src[seen:seen + len(got)])
+        assert not dst[seen:seen + len(got)].any()  # the copy comes after the check
+        seen += len(got)
+    assert seen == length
+    assert np.array_equal(dst, src)
+    assert not room[:at].any() and not room[at + length:].any()
+
+
+def test_checked_then_copied_stopped_early_copies_only_what_was_checked() -> None:
+    length = 3 * CHECKED_BLOCK + 100
+    src = np.random.default_rng(7).integers(1, 256, length, dtype=np.uint8)
+    dst = np.zeros(length, np.uint8)
+    blocks = checked_then_copied([(dst, src)])
+    first = next(blocks).nbytes
+    second = next(blocks).nbytes  # asking for it copied the first
+    del blocks  # a failed check stops here
+    assert np.array_equal(dst[:first], src[:first])
+    assert not dst[first:].any() and first + second < length
+
+
+def test_checked_then_copied_refuses_bad_pairs_before_handing_out_anything() -> None:
+    dst = np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match="11 bytes into 10"):
+        checked_then_copied([(dst, np.ones(11, np.uint8))])
+    ro = np.zeros(10, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        checked_then_copied([(ro, np.ones(10, np.uint8))])
 
 
 @pytest.mark.parametrize("head", [0, 1, 48, 63])

@@ -72,7 +72,9 @@ class FetchReport:
     """From the start of the fetch to its last chunk landed (verified)."""
     verify_seconds: float = 0.0
     """Time spent checking chunk digests, summed over chunks (checks run in worker
-    threads, several at once, so this can exceed ``seconds``)."""
+    threads, several at once, so this can exceed ``seconds``).  A same-host chunk
+    checked block by block as it is copied (``shm-memfd`` with local digests) counts
+    its copy here too."""
     verified: bool = False
     cast: dict[str, str] = field(default_factory=dict)
     """Tensors cast after verification (``fetch(cast=...)``): name -> ``from->to``."""

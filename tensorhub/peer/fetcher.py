@@ -17,7 +17,7 @@ goes back to pending, a stream ends or gossip changes the holder view.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -305,22 +305,13 @@ class Fetch:
     def _verifier(self, chunk: int, source: str, local: bool = False) -> PassingVerifier:
         """The check of ``chunk`` read from ``source``: against the manifest's local
         digest where ``local`` (it has them, and the holder could write this process's
-        memory anyway: see ``Connection.holder_shares_memory``)."""
+        memory anyway: see ``Connection.holder_shares_memory``), and then one a copying
+        transport may run on the holder's bytes as it copies them
+        (:class:`~tensorhub.transport.base.SourceVerifier`)."""
         m = self.manifest
-        algo, expected = m.digest_algo, m.chunk_digests[chunk]
         if local:
-            algo, expected = LOCAL_ALGO, m.local_digests[chunk]
-
-        def verify(landed: Sequence[memoryview],
-                   each: Callable[[int, memoryview], None] | None = None) -> None:
-            began = time.perf_counter()
-            ok = digest_of(algo, landed, each=each) == expected
-            self._verify_times.append(time.perf_counter() - began)
-            if not ok:
-                raise IntegrityError(f"chunk {chunk} of {self.key} failed its digest",
-                                     source=source)
-
-        return verify
+            return LocalDigestCheck(self, chunk, source, LOCAL_ALGO, m.local_digests[chunk])
+        return DigestCheck(self, chunk, source, m.digest_algo, m.chunk_digests[chunk])
 
     def _in_place_check(self, chunk: int, source: str, landing: Landing) -> Verifier:
         """The check of ``chunk`` landed in place in device memory: its ``dsum-128``,
@@ -336,6 +327,41 @@ class Fetch:
                                      source=source)
 
         return verify
+
+
+class DigestCheck:
+    """The check of one chunk against its digest in the manifest, of the bytes that
+    landed, timed into the fetch's ``verify_seconds``: a
+    :class:`~tensorhub.device.landing.PassingVerifier`."""
+
+    def __init__(self, fetch: Fetch, chunk: int, source: str, algo: str, expected: bytes
+                 ) -> None:
+        self.fetch, self.chunk, self.source = fetch, chunk, source
+        self.algo, self.expected = algo, expected
+
+    def __call__(self, landed: Sequence[memoryview],
+                 each: Callable[[int, memoryview], None] | None = None) -> None:
+        self._check(landed, each)
+
+    def _check(self, segments: Iterable[Any],
+               each: Callable[[int, memoryview], None] | None) -> None:
+        began = time.perf_counter()
+        ok = digest_of(self.algo, segments, each=each) == self.expected
+        self.fetch._verify_times.append(time.perf_counter() - began)
+        if not ok:
+            raise IntegrityError(f"chunk {self.chunk} of {self.fetch.key} failed its digest",
+                                 source=self.source)
+
+
+class LocalDigestCheck(DigestCheck):
+    """:class:`DigestCheck` against the manifest's local digest, which may also be run
+    on the holder's bytes as a copy hands them over: a
+    :class:`~tensorhub.transport.base.SourceVerifier`."""
+
+    def check_source(self, blocks: Iterable[memoryview]) -> None:
+        """The check of the chunk's bytes as a copy hands them over (the time it takes
+        counts the copy too)."""
+        self._check(blocks, None)
 
 
 def _streams(n: int) -> str:

@@ -10,14 +10,35 @@ unpublish waits for leases to end.  Every transport is checked by one conformanc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..model import VersionKey
 from ..protocol.sizing import StreamWindow
 
 Verifier = Callable[[Sequence[memoryview]], None]
+"""``verify(dest)``: the check of a chunk once its bytes landed in ``dest``; raises if
+they fail it."""
+
+
+@runtime_checkable
+class SourceVerifier(Protocol):
+    """A :data:`Verifier` that may also be given the chunk's bytes *at the source*, as a
+    copy hands them over: ``check_source(blocks)`` reads each block once, in order,
+    before it asks for the next, and raises as the verifier does.  A same-host reader
+    then reads the holder's memory once (check and copy from the cache) instead of
+    twice (copy, then check what landed).
+
+    A fetch offers it only for checks against the manifest's fast local digests, which
+    it uses only for a holder that could write this process's memory anyway
+    (:attr:`Connection.holder_shares_memory`): such a holder gains nothing by changing
+    a block between its check and its copy."""
+
+    def __call__(self, landed: Sequence[memoryview]) -> None: ...
+
+    def check_source(self, blocks: Iterable[memoryview]) -> None: ...
+
 Take = Callable[[int], Sequence[tuple[int, Sequence[Any], Verifier | None]]]
 """``take(budget)``: claim consecutive chunks to stream next, about ``budget`` bytes of
 them (at least one chunk while any is left; none ends the stream): ``(chunk,
@@ -144,13 +165,8 @@ async def stream_each(conn: Connection, key: VersionKey, take: Take, landed: Lan
     def guarded(chunk: int, verify: Verifier | None) -> Verifier | None:
         if verify is None:
             return None
-
-        def check(dest: Sequence[memoryview]) -> None:
-            try:
-                verify(dest)
-            except Exception as exc:  # that chunk's result, not the read's
-                failed[chunk] = exc
-        return check
+        kind = _GuardedSource if isinstance(verify, SourceVerifier) else _Guarded
+        return kind(chunk, verify, failed)
 
     while True:
         if not queue:
@@ -167,3 +183,29 @@ async def stream_each(conn: Connection, key: VersionKey, take: Take, landed: Lan
             if not landed(chunk, failed.pop(chunk, result)):
                 return
         del queue[:len(results)]
+
+
+class _Guarded:
+    """A chunk's check whose failure is kept as that chunk's result, not raised (the
+    read of the other chunks goes on): :func:`stream_each`."""
+
+    def __init__(self, chunk: int, verify: Verifier, failed: dict[int, Exception]) -> None:
+        self.chunk, self.verify, self.failed = chunk, verify, failed
+
+    def __call__(self, landed: Sequence[memoryview]) -> None:
+        try:
+            self.verify(landed)
+        except Exception as exc:  # that chunk's result, not the read's
+            self.failed[self.chunk] = exc
+
+
+class _GuardedSource(_Guarded):
+    """:class:`_Guarded` for a :class:`SourceVerifier`, which it stays."""
+
+    verify: SourceVerifier
+
+    def check_source(self, blocks: Iterable[memoryview]) -> None:
+        try:
+            self.verify.check_source(blocks)
+        except Exception as exc:  # that chunk's result, not the read's
+            self.failed[self.chunk] = exc

@@ -45,14 +45,14 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ...errors import RemoteProtocolError, TransportError
-from .streaming_copy import stream_copy_all
+from .streaming_copy import checked_then_copied, stream_copy_all
 
 Pieces = npt.NDArray[np.uint64]
 """``(fd, inode, offset, length)`` rows: where a chunk lies in the holder's memory files."""
@@ -384,6 +384,13 @@ class MappedFiles:
         pieces, in order, into ``dest`` (whose sizes add up to theirs).  Neighbouring
         pieces are copied as one run (:func:`.streaming_copy.stream_copy_all`)."""
         stream_copy_all([pair for pieces, dest in parts for pair in self._pairs(pieces, dest)])
+
+    def checked_then_copied(self, pieces: Pieces, dest: Sequence[memoryview]
+                            ) -> Iterator[memoryview]:
+        """Copy the granted pieces into ``dest`` as :meth:`copy` does, handing out each
+        block of the holder's bytes for a check just before it is copied
+        (:func:`.streaming_copy.checked_then_copied`)."""
+        return checked_then_copied(self._pairs(pieces, dest))
 
     def _pairs(self, pieces: Pieces, dest: Sequence[memoryview]
               ) -> list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]:

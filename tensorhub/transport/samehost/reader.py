@@ -81,7 +81,15 @@ from ...protocol.dataplane import (
 )
 from ...protocol.sizing import StreamWindow
 from .. import copy_threads
-from ..base import Landed, NotServing, Take, Verifier, read_each, stream_each
+from ..base import (
+    Landed,
+    NotServing,
+    SourceVerifier,
+    Take,
+    Verifier,
+    read_each,
+    stream_each,
+)
 from ..frames import recv_frame, send_frame
 from ..handshake import DataAuth
 from ..local import credentials, local_name, same_user
@@ -115,15 +123,30 @@ def _verified(dest: Sequence[memoryview], verify: Verifier | None) -> Exception 
 def _land_batch(files: MappedFiles, jobs: Sequence[tuple[Pieces, Sequence[memoryview],
                                                          Verifier | None]]
                 ) -> list[Exception | None]:
-    """Copy chunks from the holder's memory files, then verify each: one worker-thread
-    call.  Every copy comes first (neighbouring pieces as one run), then every check:
-    measured faster than checking each chunk right after its copy, whose streaming
-    stores may still be in flight.  (Hashing each 256 KiB block right after copying it
-    with cached stores costs less memory traffic but measured slower: two threads hashing
-    small blocks contend for the GIL.)  Returns what each check raised, if anything."""
-    files.copy([(pieces, dest) for pieces, dest, _ in jobs])
-    return [_verified(dest, verify) for _, dest, verify in jobs]
-
+    """Copy chunks from the holder's memory files and verify each: one worker-thread
+    call.  A chunk whose check may read the holder's bytes
+    (:class:`~tensorhub.transport.base.SourceVerifier`) is checked block by block as it
+    is copied, each block from the cache between the check's read and the copy's
+    (:meth:`MappedFiles.checked_then_copied`): its bytes cross memory twice, as in a
+    plain copy, not three times.  The other chunks are copied first (neighbouring pieces
+    as one run), then checked where they landed: measured faster than checking each one
+    right after its copy, whose streaming stores may still be in flight.  Returns what
+    each check raised, if anything."""
+    bad: list[Exception | None] = [None] * len(jobs)
+    later = []
+    for i, (pieces, dest, verify) in enumerate(jobs):
+        if isinstance(verify, SourceVerifier):
+            blocks = files.checked_then_copied(pieces, dest)  # raises as files.copy
+            try:
+                verify.check_source(blocks)
+            except Exception as exc:  # raised by the reader once ShmDone is sent
+                bad[i] = exc
+        else:
+            later.append(i)
+    files.copy([(jobs[i][0], jobs[i][1]) for i in later])
+    for i in later:
+        bad[i] = _verified(jobs[i][1], jobs[i][2])
+    return bad
 
 
 class ShmConnection(TcpConnection):
