@@ -202,9 +202,9 @@ def test_only_a_check_against_the_local_digests_may_read_the_holders_bytes() -> 
     the check is against the fast local digests (the holder could write this process's
     memory anyway); a cryptographic check reads what landed."""
     from tensorhub.peer.fetcher import DigestCheck, LocalDigestCheck
-    from tensorhub.transport.base import SourceVerifier
+    from tensorhub.transport.base import checks_source
 
     fast = LocalDigestCheck(None, 0, "p0", "xxh3-128", b"")  # type: ignore[arg-type]
     strong = DigestCheck(None, 0, "p0", "blake3", b"")  # type: ignore[arg-type]
-    assert isinstance(fast, SourceVerifier)
-    assert not isinstance(strong, SourceVerifier)
+    assert checks_source(fast)
+    assert not checks_source(strong)

@@ -51,6 +51,7 @@ This module is the reader side.  The holder side is :mod:`.holder`; the kernel c
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import select
@@ -84,9 +85,9 @@ from .. import copy_threads
 from ..base import (
     Landed,
     NotServing,
-    SourceVerifier,
     Take,
     Verifier,
+    checks_source,
     read_each,
     stream_each,
 )
@@ -135,7 +136,7 @@ def _land_batch(files: MappedFiles, jobs: Sequence[tuple[Pieces, Sequence[memory
     bad: list[Exception | None] = [None] * len(jobs)
     later = []
     for i, (pieces, dest, verify) in enumerate(jobs):
-        if isinstance(verify, SourceVerifier):
+        if checks_source(verify):
             blocks = files.checked_then_copied(pieces, dest)  # raises as files.copy
             try:
                 verify.check_source(blocks)
@@ -468,15 +469,16 @@ class ShmConnection(TcpConnection):
         """A batch as consecutive parts of about equal bytes, one per copy thread, so
         every thread has work queued while the event loop hands out the next batch; one
         part until every file the batch reads is mapped (a mapping is made by one
-        thread at a time)."""
+        thread at a time).  Plain Python on small lists: it runs on the event loop's
+        thread, once per batch, where numpy's per-call cost showed."""
         parts = min(copy_threads.pool.threads, len(jobs))
         mapped = self._files.mapped
-        if parts < 2 or any((int(fd), int(inode)) not in mapped
-                            for pieces, _, _ in jobs for fd, inode in pieces[:, :2].tolist()):
+        rows = [pieces.tolist() for pieces, _, _ in jobs]
+        if parts < 2 or any((fd, inode) not in mapped for r in rows for fd, inode, _, _ in r):
             return [jobs]
-        sizes = np.cumsum([int(pieces[:, 3].sum()) for pieces, _, _ in jobs])
-        cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts, side="right")
-        bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(jobs))), len(jobs)]
+        sizes = list(itertools.accumulate(sum(n for _, _, _, n in r) for r in rows))
+        cuts = {bisect.bisect_right(sizes, sizes[-1] * k / parts) for k in range(1, parts)}
+        bounds = [0, *sorted(c for c in cuts if 0 < c < len(jobs)), len(jobs)]
         return [jobs[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def _heard(self, lease: _VersionLease) -> None:
@@ -553,20 +555,22 @@ class _VersionLease:
         self.chunk_size = chunk_size
         self.num_chunks = -(-length // chunk_size)
         self.pieces = pieces
-        self.starts = np.concatenate((np.zeros(1, np.uint64),
-                                      np.cumsum(pieces[:, 3], dtype=np.uint64)))
+        self._rows: list[list[int]] = pieces.tolist()
+        self._starts = [0, *itertools.accumulate(int(r[3]) for r in self._rows)]
+        """Where each piece starts in the version (and the version's end): plain lists,
+        looked up with :mod:`bisect` for every chunk read on the event loop's thread,
+        where a few numpy calls per chunk cost more than the lookup."""
         self.copied: list[int] = []
         self.revoked = False
 
     def pieces_of(self, start: int, stop: int) -> Pieces:
         """The pieces of bytes ``[start, stop)`` of the version."""
-        lo = int(np.searchsorted(self.starts, start, side="right")) - 1
-        hi = int(np.searchsorted(self.starts, stop, side="left"))
-        rows = self.pieces[lo:hi].copy()
-        first = self.starts[lo:hi]
-        last = first + rows[:, 3]
-        begin = np.maximum(first, np.uint64(start))
-        end = np.minimum(last, np.uint64(stop))
-        rows[:, 2] += begin - first
-        rows[:, 3] = end - begin
-        return rows
+        starts = self._starts
+        lo = bisect.bisect_right(starts, start) - 1
+        hi = bisect.bisect_left(starts, stop)
+        rows = []
+        for i in range(lo, hi):
+            fd, inode, offset, _ = self._rows[i]
+            begin, end = max(starts[i], start), min(starts[i + 1], stop)
+            rows.append((fd, inode, offset + begin - starts[i], end - begin))
+        return np.array(rows, dtype=np.uint64).reshape(-1, 4)
