@@ -34,16 +34,19 @@ def worker(name: str, role: str, port: int, seed: str, expect: int = 3,
 
 
 @asynccontextmanager
-async def two_holders_and_reader(procs: list[LineProcess], corrupt: int = 0) -> AsyncIterator[
+async def two_holders_and_reader(procs: list[LineProcess], corrupt: int = 0,
+                                 planning: bool = True) -> AsyncIterator[
         tuple[tensorhub.Peer, dict[str, LineProcess], str]]:
     """A publisher and a holder (whose first ``corrupt`` chunks served are corrupt)
-    processes, by name, and a reader in this process that sees both hold version 1."""
+    processes, by name, and a reader in this process that sees both hold version 1
+    (without ``planning`` it reads from the holder first: a copy before the publisher)."""
     ports = free_ports(3)
     seed = f"127.0.0.1:{ports[0]}"
     procs += [worker("pub", "trainer", ports[0], ""),
               worker("holder", "rollout", ports[1], seed, corrupt=corrupt)]
     cfg = PeerConfig.local("reader", listen=f"127.0.0.1:{ports[2]}", join=(seed,),
-                           fetch_window=1, transports=("tcp",), stall_timeout=5.0)
+                           fetch_window=1, transports=("tcp",), stall_timeout=5.0,
+                           planning=planning)
     async with tensorhub.open_peer(cfg) as reader:
         for p in procs:
             await trio.to_thread.run_sync(p.expect, "ready", 60)
@@ -108,7 +111,10 @@ async def test_sigstop_holder_mid_fetch_completes_from_the_other(procs: list[Lin
 
 
 async def test_corrupt_chunk_is_detected_attributed_and_refetched(procs: list[LineProcess]) -> None:
-    async with two_holders_and_reader(procs, corrupt=1) as (reader, _, expected):
+    # No plan: which holder a coordinator's plan names is not this test's to fix, and
+    # the corrupting one must be read from.
+    async with two_holders_and_reader(procs, corrupt=1, planning=False) as (
+            reader, _, expected):
         got = await reader.fetch("demo-llm", 1)
     r = got.report
     assert r.verified and checksum(got.tensors) == expected
