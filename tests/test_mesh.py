@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -317,6 +318,19 @@ async def test_a_same_host_holder_that_serves_bad_bytes_fails_the_fast_digest() 
         assert set(r.statistics().bytes_by_transport) <= {"shm", "shm-memfd"}
 
 
+async def publish_shared(pub: tensorhub.Peer, reader: tensorhub.Peer,
+                         w: dict[str, np.ndarray[Any, Any]]) -> dict[str, np.ndarray[Any, Any]]:
+    """Publish copies of ``w`` in shared arrays (memory files) as ``m@4``, once
+    ``reader`` knows of it; the shared arrays."""
+    shared = {k: tensorhub.shared_empty(v.shape, v.dtype) for k, v in w.items()}
+    for k, v in w.items():
+        shared[k][...] = v
+    await pub.publish("m", 4, shared)
+    with trio.fail_after(10):
+        await reader.wait_for_version("m", None)
+    return shared
+
+
 async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() -> None:
     """A publisher's arrays in memory files: the reader gets a lease on the whole
     version and copies neighbouring chunks in one call each."""
@@ -327,12 +341,7 @@ async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() 
         pytest.skip(f"same-host transport unavailable here: {why}")
     async with mesh(2, labels=(("host", "box1"),)) as (pub, r):
         w = weights(4, 32)
-        shared = {k: tensorhub.shared_empty(v.shape, v.dtype) for k, v in w.items()}
-        for k, v in w.items():
-            shared[k][...] = v
-        await pub.publish("m", 4, shared)
-        with trio.fail_after(10):
-            await r.wait_for_version("m", None)
+        await publish_shared(pub, r, w)
         got = await r.fetch("m", 4)
         assert got.report.transport_by_source == {"p0": "shm-memfd"}
         chunks = -(-sum(v.nbytes for v in w.values()) // (1 << 20))  # 1 MiB chunks
@@ -354,13 +363,7 @@ async def test_a_shared_array_written_after_publish_fails_the_check_its_copy_ran
     if not ok:
         pytest.skip(f"same-host transport unavailable here: {why}")
     async with mesh(2, labels=(("host", "box1"),), planning=False) as (pub, r):
-        w = weights(4, 32)
-        shared = {k: tensorhub.shared_empty(v.shape, v.dtype) for k, v in w.items()}
-        for k, v in w.items():
-            shared[k][...] = v
-        await pub.publish("m", 4, shared)
-        with trio.fail_after(10):
-            await r.wait_for_version("m", None)
+        shared = await publish_shared(pub, r, weights(4, 32))
         name = sorted(shared)[1]
         flat = shared[name].reshape(-1).view(np.uint8)
         flat[len(flat) // 2] ^= 0xFF
