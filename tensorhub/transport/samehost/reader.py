@@ -555,9 +555,8 @@ class _VersionLease:
         self.chunk_size = chunk_size
         self.num_chunks = -(-length // chunk_size)
         self.pieces = pieces
-        self._rows: list[list[int]] = pieces.tolist()
-        self._starts = [0, *itertools.accumulate(int(r[3]) for r in self._rows)]
-        """Where each piece starts in the version (and the version's end): plain lists,
+        self._starts = [0, *itertools.accumulate(pieces[:, 3].tolist())]
+        """Where each piece starts in the version (and the version's end): a plain list,
         looked up with :mod:`bisect` for every chunk read on the event loop's thread,
         where a few numpy calls per chunk cost more than the lookup."""
         self.copied: list[int] = []
@@ -569,8 +568,7 @@ class _VersionLease:
         lo = bisect.bisect_right(starts, start) - 1
         hi = bisect.bisect_left(starts, stop)
         rows = []
-        for i in range(lo, hi):
-            fd, inode, offset, _ = self._rows[i]
+        for i, (fd, inode, offset, _) in enumerate(self.pieces[lo:hi].tolist(), lo):
             begin, end = max(starts[i], start), min(starts[i + 1], stop)
             rows.append((fd, inode, offset + begin - starts[i], end - begin))
         return np.array(rows, dtype=np.uint64).reshape(-1, 4)
