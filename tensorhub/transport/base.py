@@ -40,10 +40,11 @@ class SourceVerifier(Protocol):
 
 
 def checks_source(verify: Verifier | None) -> TypeGuard[SourceVerifier]:
-    """Whether ``verify`` is a :class:`SourceVerifier`: a plain attribute look-up, where
-    ``isinstance`` against a runtime-checkable protocol took about 15 us -- twice for
-    every chunk, once on the event loop's thread."""
+    """Whether ``verify`` is a :class:`SourceVerifier`: a plain attribute look-up (0.1-0.2
+    us here), where ``isinstance`` against a runtime-checkable protocol took 7-14 us --
+    twice for every chunk, once on the event loop's thread."""
     return callable(getattr(verify, "check_source", None))
+
 
 Take = Callable[[int], Sequence[tuple[int, Sequence[Any], Verifier | None]]]
 """``take(budget)``: claim consecutive chunks to stream next, about ``budget`` bytes of
