@@ -87,6 +87,7 @@ from ..base import (
     NotServing,
     Take,
     Verifier,
+    byte_count,
     checks_source,
     read_each,
     stream_each,
@@ -338,7 +339,7 @@ class ShmConnection(TcpConnection):
             raise TransportError(f"connection to {self.peer} is closed")
         if any(d.readonly for d in dest):
             raise LocalProtocolError(f"destination of chunk {chunk} of {key} is read-only")
-        want = sum(d.nbytes for d in dest)
+        want = byte_count(dest)
         try:
             if self._lease is not None and self._lease.key != key:
                 await self._release()
@@ -407,7 +408,7 @@ class ShmConnection(TcpConnection):
         except BaseException:
             self._close()
             raise
-        return [sum(d.nbytes for d in dest) if b is None else b
+        return [byte_count(dest) if b is None else b
                 for dest, b in zip(dests, bad, strict=True)]
 
     async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
@@ -422,7 +423,7 @@ class ShmConnection(TcpConnection):
         (bad,) = await self._read_leased(lease, [chunk], [dest], [verify])
         if bad is not None:
             raise bad
-        return sum(d.nbytes for d in dest)
+        return byte_count(dest)
 
     async def _read_leased(self, lease: _VersionLease, chunks: Sequence[int],
                            dests: Sequence[Sequence[memoryview]],
@@ -445,7 +446,7 @@ class ShmConnection(TcpConnection):
                 raise NotServing(BAD_REQUEST, f"{lease.key} has no chunk {chunk}")
             start = chunk * lease.chunk_size
             stop = min(start + lease.chunk_size, lease.length)
-            want = sum(d.nbytes for d in dest)
+            want = byte_count(dest)
             if want != stop - start:
                 raise RemoteProtocolError(f"{self.peer} leased a version whose chunk {chunk} "
                                           f"has {stop - start} bytes, not {want}")
