@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Sequence
-from operator import attrgetter, eq
+from operator import attrgetter, eq, is_
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ from ..dtypes import display, dtype_name, storage_dtype
 from ..errors import LocalProtocolError
 from ..manifest import Manifest
 from ..model import as_host_array
+from ..tensortable import TensorTable
 from ..torch import check_into, is_tensor
 from ..transport.samehost.memory_files import fetch_buffer
 
@@ -36,8 +37,7 @@ def allocate_flat(manifest: Manifest) -> tuple[list[np.ndarray[Any, Any]], memor
 
 _SHAPE = attrgetter("shape")
 _DTYPE = attrgetter("dtype")
-_C_CONTIGUOUS = attrgetter("flags.c_contiguous")
-_WRITEABLE = attrgetter("flags.writeable")
+_CARRAY = attrgetter("flags.carray")
 _NBYTES = attrgetter("nbytes")
 
 
@@ -53,20 +53,15 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
                                  "nn.Module")
     table = manifest.table
     names = table.names
-    if len(into.keys()) != len(names) or not into.keys() >= table.index().keys():
+    if not _same_names(table, into):
         wanted = set(names)
         extra = sorted(set(into.keys()) - wanted)
         missing = sorted(wanted - set(into.keys()))
         raise LocalProtocolError(
             f"into= does not match {manifest.key}: missing {missing[:5]}, unknown {extra[:5]}")
     given = list(map(into.__getitem__, names))
-    shapes, dtypes = table.expected()
-    # Each pass streams (``all(map(...))``): the 10,000 shape tuples and flag objects it
-    # makes die one by one instead of piling up for the garbage collector.
-    if (set(map(type, given)) <= {np.ndarray} and all(map(eq, map(_SHAPE, given), shapes))
-            and all(map(eq, map(_DTYPE, given), dtypes)) and all(map(_C_CONTIGUOUS, given))
-            and all(map(_WRITEABLE, given))
-            and not any(d.hasobject or d.metadata for d in set(dtypes))):
+    _, dtypes = table.expected()
+    if _plain_match(table, given):
         return disjoint(names, given, table.sizes())  # sizes follow from shapes and dtypes
     out = []
     for t, obj, dt in zip(manifest.tensors, given, dtypes, strict=True):
@@ -81,6 +76,27 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
             raise LocalProtocolError(f"into[{t.name!r}] is read-only")
         out.append(arr)
     return disjoint(names, out)
+
+
+def _same_names(table: TensorTable, into: Any) -> bool:
+    return len(into.keys()) == len(table.names) and into.keys() >= table.index().keys()
+
+
+def _plain_match(table: TensorTable, given: list[Any]) -> bool:
+    """Whether ``given`` are plain numpy arrays of ``table``'s shapes and dtypes, each
+    C-contiguous, aligned and writeable, in passes at C speed.
+
+    Each pass streams (``all(map(...))``): the 10,000 shape tuples and flag objects it
+    makes die one by one instead of piling up for the garbage collector.  A numpy dtype
+    of a builtin type is one object however it was made: ``is`` first.
+    ``flags.carray`` is C-contiguous, aligned and writeable in one look-up (an unaligned
+    array takes the slow path, which accepts it)."""
+    shapes, dtypes = table.expected()
+    return (set(map(type, given)) <= {np.ndarray} and all(map(eq, map(_SHAPE, given), shapes))
+            and (all(map(is_, map(_DTYPE, given), dtypes))
+                 or all(map(eq, map(_DTYPE, given), dtypes)))
+            and all(map(_CARRAY, given))
+            and not any(d.hasobject or d.metadata for d in set(dtypes)))
 
 
 def _address(arr: np.ndarray[Any, Any]) -> int:

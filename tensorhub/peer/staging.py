@@ -4,7 +4,7 @@ device tensors or with tensors passed :class:`~tensorhub.device.landing.ThroughR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -61,9 +61,8 @@ class DeviceRings:
             idle.append(ring)
 
 
-def on_device(values: Iterable[Any]) -> bool:
+def on_device(values: Collection[Any]) -> bool:
     """Whether any of ``values`` is in device memory (plain numpy arrays: at C speed)."""
-    values = list(values)
     if set(map(type, values)) <= {np.ndarray}:
         return False
     return any(map(is_device, values))
