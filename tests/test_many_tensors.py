@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
+import socket
+import threading
 from typing import Any
 
 import msgpack
@@ -14,9 +17,12 @@ from hypothesis import strategies as st
 from test_mesh import mesh
 
 from tensorhub import LocalProtocolError, Manifest, RemoteProtocolError, VersionKey
+from tensorhub import manifest as manifest_module
 from tensorhub.manifest import build_manifest, chunk_pieces
 from tensorhub.model import byte_view
 from tensorhub.peer.store import LocalVersion
+from tensorhub.transport.base import Pieces, byte_count, piece_ends
+from tensorhub.transport.sockio import recv_scattered
 
 
 def small_model(version: int, n: int = 10_000) -> dict[str, np.ndarray[Any, Any]]:
@@ -175,6 +181,13 @@ def test_chunk_pieces_match_a_naive_cut_of_the_byte_space(
         assert b"".join(bytes(p) for p in held.segments(c)) == data[start:stop]
         assert b"".join(bytes(memoryview(p).cast("B")) for p in held.buffers(c)) \
             == data[start:stop]
+        # ... and says each piece's end and the chunk's bytes without a pass over them
+        got = held.buffers(c)
+        assert isinstance(got, Pieces)  # these dtypes all export a buffer
+        lengths = [memoryview(p).nbytes for p in got]
+        assert got.ends == list(itertools.accumulate(lengths))
+        assert got.nbytes == byte_count(got) == byte_count(list(got)) == stop - start
+        assert piece_ends(list(got)) == (list(got), got.ends)
         # landing: writing the chunk's bytes through buffers() fills exactly it
         off = 0
         for p in fresh.buffers(c):
@@ -206,3 +219,59 @@ def test_equal_tensor_columns_decode_to_one_shared_tuple_and_others_are_still_ch
     wire["tensors"]["names"][5] = ["junk"]
     with pytest.raises(RemoteProtocolError):
         Manifest.decode(msgpack.packb(wire, use_bin_type=True))
+
+
+def test_only_a_manifest_of_columns_decoded_lately_is_decoded_known() -> None:
+    """``decode_known`` (what a fetch decodes on its event loop) takes a manifest only
+    when its tensor columns are in the cache; any other is left to ``decode``, and a
+    known one is checked like any other (its id, its digests)."""
+    arrays = [(f"k.{i}", np.full(8, i, np.float32)) for i in range(300)]
+    m1 = build_manifest(VersionKey("k", 1), arrays, 4096, "xxh3-128")
+    m2 = build_manifest(VersionKey("k", 2), [(n, a + 1) for n, a in arrays], 4096,
+                        "xxh3-128")
+    manifest_module._DECODED.clear()
+    assert Manifest.decode_known(m1.encode(), m1.manifest_id()) is None
+    d1 = Manifest.decode(m1.encode(), m1.manifest_id())
+    d2 = Manifest.decode_known(m2.encode(), m2.manifest_id())
+    assert d2 == m2 and d2.tensors is d1.tensors and d2.manifest_id() == m2.manifest_id()
+    with pytest.raises(RemoteProtocolError, match="does not match its id"):
+        Manifest.decode_known(m2.encode(), m1.manifest_id())
+    wire = m2.to_wire()
+    wire["chunk_digests"] = wire["chunk_digests"][:-1]
+    with pytest.raises(RemoteProtocolError, match="chunk digests"):
+        Manifest.decode_known(msgpack.packb(wire, use_bin_type=True))
+    with pytest.raises(RemoteProtocolError, match="malformed manifest encoding"):
+        Manifest.decode_known(b"\x93junk")
+    assert Manifest.decode_known(msgpack.packb([1, 2])) is None  # left to decode, which
+    with pytest.raises(RemoteProtocolError, match="wrong fields"):  # says what is wrong
+        Manifest.decode(msgpack.packb([1, 2]))
+
+
+def test_pieces_refuse_ends_that_do_not_fit_them() -> None:
+    bufs = [np.zeros(4, np.uint8), np.zeros(2, np.uint8)]
+    assert Pieces(bufs, [4, 6]).nbytes == 6
+    with pytest.raises(ValueError, match="2 pieces with 1 ends"):
+        Pieces(bufs, [6])
+    with pytest.raises(ValueError):
+        Pieces(bufs, [0, 6])  # no piece is empty
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=1200), st.booleans())
+def test_a_scattered_receive_fills_every_piece_in_order(sizes: list[int], sized: bool
+                                                        ) -> None:
+    """``recv_scattered`` lands a payload across any number of pieces (more than one
+    vectored read's worth too), given as plain buffers or as :class:`Pieces`."""
+    payload = np.random.default_rng(len(sizes)).integers(0, 256, sum(sizes), np.uint8)
+    dest: list[Any] = [np.zeros(n, np.uint8) for n in sizes]
+    if sized:
+        kept = [d for d in dest if d.nbytes]
+        dest = Pieces(kept, list(itertools.accumulate(d.nbytes for d in kept)))
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=a.sendall, args=(payload.tobytes(),))
+        sender.start()
+        b.settimeout(30)
+        recv_scattered(b, dest)
+        sender.join()
+    assert b"".join(d.tobytes() for d in dest) == payload.tobytes()

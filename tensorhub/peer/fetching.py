@@ -55,6 +55,11 @@ NOTED_REPLANS = 3
 INLINE_DECODE_BYTES = 64 << 10
 """Manifests up to this size are decoded on the event loop: about 2,000 tensors, well
 under a millisecond, less than handing the work to a thread and back."""
+INLINE_KNOWN_BYTES = 256 << 10
+"""Manifests up to this size whose tensor columns were decoded lately (the next
+version of a model) are decoded on the event loop too: about 16,000 tensors, 1.2 ms
+here (10,000: 0.8 ms, against 1.2 ms through a thread); one of new columns goes to a
+thread, after about 0.3 ms spent finding that out."""
 
 
 def holder_view(peer: Peer, allowed: frozenset[str] | None) -> HolderView:
@@ -323,6 +328,10 @@ async def decode_manifest(peer: Peer, data: bytes, manifest_id: bytes) -> Manife
     limits = peer.config.manifest_limits
     if len(data) <= INLINE_DECODE_BYTES:
         return Manifest.decode(data, manifest_id, limits)
+    if len(data) <= INLINE_KNOWN_BYTES:
+        known = Manifest.decode_known(data, manifest_id, limits)
+        if known is not None:
+            return known
     return await trio.to_thread.run_sync(Manifest.decode, data, manifest_id, limits)
 
 
