@@ -1,0 +1,36 @@
+"""``tensorhub bench transfer`` end to end at a small size: every figure it names, each
+from the runs it says it took."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from tensorhub.bench import transfer
+
+MIB = 1 << 20
+FIGURES = {"tcp_vs_raw", "tcp_vs_raw_4mib_chunks", "shm_vs_memcpy", "small_vs_large",
+           "publisher_rss_growth_mib", "fetcher_rss_over_size_mib"}
+
+
+def test_every_figure_from_its_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert transfer.main(["--size", "8MiB", "--runs", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out.strip().splitlines()[-1])
+    figures = {f["name"]: f for f in doc["figures"]}
+    assert set(figures) == FIGURES
+    for f in figures.values():
+        assert f["value"] > 0 and f["better"] in ("higher", "lower"), f
+    measured = doc["measured"]
+    # small_vs_large: the median rates of the fetches of 10,000 tensors of 4 KiB and of
+    # the whole model, over TCP, each as many as --runs
+    assert len(measured["small_s"]) == len(measured["tcp_s"]) == 2
+    assert measured["small_bytes"] == 10_000 * 4096
+    small_rate = measured["small_bytes"] / statistics.median(measured["small_s"])
+    tcp_rate = measured["model_bytes"] / statistics.median(measured["tcp_s"])
+    assert figures["small_vs_large"]["value"] == pytest.approx(small_rate / tcp_rate,
+                                                               rel=1e-3)
+    assert "(e) 10,000 x 4 KiB tensors, TCP" in out
