@@ -125,13 +125,6 @@ class TensorTable:
         assert self._ends is not None
         return int(np.searchsorted(self._ends, offset, "right"))
 
-    def piece_ends(self, lo: int, hi: int, start: int, stop: int) -> list[int]:
-        """Where each of ``nonempty[lo:hi]`` ends within bytes ``[start, stop)`` of the
-        version (the chunk they make up), counted from ``start``."""
-        assert self._ends is not None
-        ends: list[int] = (np.minimum(self._ends[lo:hi], stop) - start).tolist()
-        return ends
-
     def piece_bounds(self, lo: int, hi: int) -> tuple[int, int]:
         """Where the first of ``nonempty[lo:hi]`` starts and the last ends (bytes)."""
         assert self._starts is not None and self._ends is not None
@@ -155,4 +148,3 @@ def table_of(tensors: Sequence[TensorSpec]) -> TensorTable:
         if len(_TABLES) > _TABLES_KEPT:
             _TABLES.popitem(last=False)
         return table
-

@@ -19,7 +19,7 @@ from ..manifest import Manifest, chunk_pieces
 from ..model import VersionKey, byte_views
 from ..protocol.dataplane import BAD_REQUEST, NOT_HELD, NOT_YET
 from ..protocol.refs import Holding, bitmap_of
-from ..transport.base import NotServing, Pieces
+from ..transport.base import NotServing
 
 if TYPE_CHECKING:
     from ..device.landing import Landing
@@ -106,15 +106,13 @@ class LocalVersion:
         whose dtype cannot export a buffer get :meth:`segments`."""
         if self.flat is not None or not self.manifest.table.exports_buffers():
             return self.segments(chunk)
-        m = self.manifest
-        lo, hi, head, tail = m.chunk_tensors(chunk)
+        lo, hi, head, tail = self.manifest.chunk_tensors(chunk)
         pieces: list[Any] = self._nonempty_arrays()[lo:hi]
         if pieces and head:  # only tensors cut by the chunk's bounds are viewed as bytes
             pieces[0] = byte_views(pieces[:1])[0]
         if pieces and tail:
             pieces[-1] = byte_views(pieces[-1:])[0]
-        return Pieces(chunk_pieces(pieces, head, tail),
-                      m.table.piece_ends(lo, hi, *m.chunk_range(chunk)))
+        return chunk_pieces(pieces, head, tail)
 
     def mark_verified(self, chunk: int) -> None:
         if not self.verified[chunk]:

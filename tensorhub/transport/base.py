@@ -10,10 +10,8 @@ unpublish waits for leases to end.  Every transport is checked by one conformanc
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from operator import attrgetter
 from typing import Any, Protocol, TypeGuard
 
 from ..model import VersionKey
@@ -46,45 +44,6 @@ def checks_source(verify: Verifier | None) -> TypeGuard[SourceVerifier]:
     us here), where ``isinstance`` against a runtime-checkable protocol took 7-14 us --
     twice for every chunk, once on the event loop's thread."""
     return callable(getattr(verify, "check_source", None))
-
-
-class Pieces(list[Any]):
-    """The buffers one chunk lands in, in order, none of them empty, with their byte
-    count (``nbytes``) and where each ends counted from the chunk's start (``ends``),
-    worked out from the manifest's columns by whoever made them
-    (:meth:`~tensorhub.peer.store.LocalVersion.buffers`).  A chunk of 1,000 small
-    tensors then costs a transport no pass of Python over its pieces to size it or
-    to land it (each pass about 70 ns a piece, with the GIL held, on the thread that
-    receives).  Any other sequence of buffers is a valid destination too:
-    :func:`byte_count` and :func:`piece_ends` work either out."""
-
-    __slots__ = ("ends", "nbytes")
-
-    def __init__(self, buffers: Iterable[Any], ends: list[int]) -> None:
-        super().__init__(buffers)
-        if len(ends) != len(self) or (ends and ends[0] <= 0):
-            raise ValueError(f"{len(self)} pieces with {len(ends)} ends")
-        self.ends = ends
-        self.nbytes = ends[-1] if ends else 0
-
-
-def byte_count(dest: Sequence[Any]) -> int:
-    """Bytes of a destination's buffers together."""
-    if type(dest) is Pieces:
-        return dest.nbytes
-    return sum(map(NBYTES, dest))
-
-
-def piece_ends(dest: Sequence[Any]) -> tuple[list[Any], list[int]]:
-    """A destination's non-empty buffers, and where each ends counted from the first's
-    start."""
-    if type(dest) is Pieces:
-        return dest, dest.ends
-    pieces = [d for d in dest if d.nbytes]
-    return pieces, list(itertools.accumulate(map(NBYTES, pieces)))
-
-
-NBYTES = attrgetter("nbytes")
 
 
 Take = Callable[[int], Sequence[tuple[int, Sequence[Any], Verifier | None]]]

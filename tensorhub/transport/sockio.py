@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import socket
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import trio
 
 from ..errors import TransportError
-from .base import piece_ends
 
 SEND_BUFFER = 4 << 20
 """Bytes of a holder's send buffer (Linux doubles it), when the kernel allows that much
@@ -53,11 +54,15 @@ def send_segments(sock: socket.socket, segments: Sequence[memoryview]) -> None:
 IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux)
 
 
+NBYTES = attrgetter("nbytes")
+
+
 def recv_scattered(sock: socket.socket, dest: Sequence[Any]) -> None:
     """Fill the buffers of ``dest`` in order with vectored reads: the kernel scatters
     the payload, however many tensors a chunk spans (measured: 4 MiB in 1,024 pieces in
     0.55 ms, vs 1.0-1.5 ms for a staging buffer and a copy per piece)."""
-    pieces, ends = piece_ends(dest)
+    pieces = [d for d in dest if d.nbytes]
+    ends = list(itertools.accumulate(map(NBYTES, pieces)))
     total = ends[-1] if ends else 0
     got = i = 0
     while got < total:

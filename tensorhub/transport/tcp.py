@@ -44,7 +44,7 @@ from ..protocol.dataplane import (
 )
 from ..protocol.sizing import StreamWindow
 from . import copy_threads
-from .base import Landed, NotServing, Take, Verifier, byte_count, read_each
+from .base import Landed, NotServing, Take, Verifier, read_each
 from .frames import (
     recv_exact,
     recv_exact_blocking,
@@ -53,7 +53,7 @@ from .frames import (
     send_frame,
 )
 from .handshake import DataAuth, prove_to_holder
-from .sockio import bytes_of, recv_scattered, tune
+from .sockio import NBYTES, bytes_of, recv_scattered, tune
 
 # -- the payload path: plain sockets in threads (:mod:`.sockio`) --------------------------
 #
@@ -226,7 +226,7 @@ class TcpConnection:
                     if not run and not sizes:
                         return
                     for chunk, dest, _ in run:
-                        sizes[chunk] = n = byte_count(dest)
+                        sizes[chunk] = n = sum(map(NBYTES, dest))
                         ahead += n
                     await self._send_runs(key, run, stream)
                 await stream.wait()
@@ -369,7 +369,7 @@ class TcpConnection:
 
     def _land_payload(self, sock: socket.socket, length: int, chunk: int,
                       dest: Sequence[Any]) -> int:
-        want = byte_count(dest)
+        want: int = sum(map(NBYTES, dest))
         if length != want:
             raise RemoteProtocolError(
                 f"{self.peer} sent {length} bytes for chunk {chunk}, expected {want}")

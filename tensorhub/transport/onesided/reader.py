@@ -35,7 +35,7 @@ from ...protocol.onesided import (
 )
 from ...protocol.sizing import StreamWindow
 from .. import copy_threads
-from ..base import Landed, NotServing, Take, Verifier, byte_count, read_each, stream_each
+from ..base import Landed, NotServing, Take, Verifier, read_each, stream_each
 from ..frames import recv_frame, send_frame
 from ..handshake import DataAuth
 from ..local import credentials, local_name, same_user
@@ -162,7 +162,7 @@ class OneSidedConnection(TcpConnection):
                             verify: Verifier | None) -> Exception | None:
         """Take the grant of request ``req_id`` for ``dest``, read it, verify: what
         ``verify`` raised, if anything."""
-        ranges = await self._grant(req_id, byte_count(dest))
+        ranges = await self._grant(req_id, sum(d.nbytes for d in dest))
         local, transient = self._reg.local_pieces(dest)
         try:
             bad: Exception | None = await copy_threads.pool.run(
@@ -195,7 +195,7 @@ class OneSidedConnection(TcpConnection):
             raise
         if bad is not None:
             raise bad
-        return byte_count(dest)
+        return sum(d.nbytes for d in dest)
 
     async def read_chunks(self, key: VersionKey, chunks: Sequence[int],
                           dests: Sequence[Sequence[memoryview]],
@@ -214,7 +214,7 @@ class OneSidedConnection(TcpConnection):
                 req_id, key.model, key.version, first, len(chunks), key.shard, key.layout))
             granted = False
             for chunk, dest, verify in zip(chunks, dests, verifies, strict=True):
-                want = byte_count(dest)
+                want = sum(d.nbytes for d in dest)
                 head = await recv_frame(self._sock)
                 if not isinstance(head, ChunkReply) or head.req_id != req_id \
                         or head.chunk != chunk or (head.status == OK and head.length != want):

@@ -87,7 +87,6 @@ from ..base import (
     NotServing,
     Take,
     Verifier,
-    byte_count,
     checks_source,
     read_each,
     stream_each,
@@ -339,7 +338,7 @@ class ShmConnection(TcpConnection):
             raise TransportError(f"connection to {self.peer} is closed")
         if any(d.readonly for d in dest):
             raise LocalProtocolError(f"destination of chunk {chunk} of {key} is read-only")
-        want = byte_count(dest)
+        want = sum(d.nbytes for d in dest)
         try:
             if self._lease is not None and self._lease.key != key:
                 await self._release()
@@ -408,7 +407,7 @@ class ShmConnection(TcpConnection):
         except BaseException:
             self._close()
             raise
-        return [byte_count(dest) if b is None else b
+        return [sum(d.nbytes for d in dest) if b is None else b
                 for dest, b in zip(dests, bad, strict=True)]
 
     async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
@@ -423,7 +422,7 @@ class ShmConnection(TcpConnection):
         (bad,) = await self._read_leased(lease, [chunk], [dest], [verify])
         if bad is not None:
             raise bad
-        return byte_count(dest)
+        return sum(d.nbytes for d in dest)
 
     async def _read_leased(self, lease: _VersionLease, chunks: Sequence[int],
                            dests: Sequence[Sequence[memoryview]],
@@ -446,7 +445,7 @@ class ShmConnection(TcpConnection):
                 raise NotServing(BAD_REQUEST, f"{lease.key} has no chunk {chunk}")
             start = chunk * lease.chunk_size
             stop = min(start + lease.chunk_size, lease.length)
-            want = byte_count(dest)
+            want = sum(d.nbytes for d in dest)
             if want != stop - start:
                 raise RemoteProtocolError(f"{self.peer} leased a version whose chunk {chunk} "
                                           f"has {stop - start} bytes, not {want}")
