@@ -143,6 +143,30 @@ def test_into_arrays_of_other_kinds_are_viewed_and_checked_one_by_one() -> None:
     assert arrays[0].shape == w[first].shape and len(arrays) == len(w)
 
 
+
+def test_into_arrays_unaligned_or_read_only_or_not_contiguous_are_checked_one_by_one(
+        ) -> None:
+    """The fast check passes only aligned, writeable, C-contiguous plain arrays; any
+    other goes the per-tensor way, which takes an unaligned one as it is (no copy: the
+    fetch lands in the caller's memory) and refuses the other two by name."""
+    from tensorhub.peer.destination import prepare_destination
+    w = small_model(3, 50)
+    m = build_manifest(VersionKey("m", 1), list(w.items()), 4096, "blake3")
+    first = next(iter(w))
+    raw = np.zeros(w[first].nbytes + 1, np.uint8)
+    unaligned = raw[1:].view(w[first].dtype).reshape(w[first].shape)
+    assert not unaligned.flags.aligned and unaligned.flags.c_contiguous
+    into: dict[str, Any] = {k: np.zeros_like(v) for k, v in w.items()} | {first: unaligned}
+    arrays = prepare_destination(m, into)
+    assert arrays[0] is unaligned and all(a is into[k] for k, a in zip(w, arrays, strict=True))
+    frozen = np.zeros_like(w[first])
+    frozen.flags.writeable = False
+    with pytest.raises(LocalProtocolError, match="read-only"):
+        prepare_destination(m, into | {first: frozen})
+    strided = np.zeros(2 * w[first].size, w[first].dtype)[::2].reshape(w[first].shape)
+    with pytest.raises(LocalProtocolError, match="not C-contiguous"):
+        prepare_destination(m, into | {first: strided})
+
 @st.composite
 def layouts(draw: st.DrawFn) -> tuple[list[tuple[str, np.ndarray[Any, Any]]], int]:
     sizes = draw(st.lists(st.integers(0, 40), min_size=1, max_size=40))
