@@ -15,9 +15,9 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from .bounds import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_PEER_NAME
+from .digests import DIGEST_ALGOS
 from .errors import ConfigError
 from .limits import MAX_MANIFEST_BYTES, MAX_MODEL_NAME, ManifestLimits
-from .manifest import DIGEST_ALGOS
 from .security import Security
 
 TRANSPORTS = ("rdma", "cuda-ipc", "shm", "tcp", "rdma-standin", "cuda-ipc-standin")
@@ -120,7 +120,7 @@ class PeerConfig:
     hosts, 400 Mbit, 256 MiB): 2/4/8 MiB -> 1.28/1.16/1.30x bound."""
 
     digest_algo: str = "blake3"
-    """Per-chunk digest of what this peer publishes (see ``manifest.DIGEST_ALGOS``).
+    """Per-chunk digest of what this peer publishes (see ``digests.DIGEST_ALGOS``).
     ``blake3`` is cryptographic: a holder cannot serve other bytes that pass, so readers
     may take chunks from any holder.  Measured here, 1 GiB in 4 MiB chunks: blake3 6 GB/s
     per core (publish hashes with every core: 11 GB/s on 2), xxh3-128 16, sha256 1.4; all

@@ -11,16 +11,23 @@ fetcher can check a manifest it got from any holder.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import blake3
 import msgpack
 import numpy as np
-import xxhash
 
+from .digests import (
+    DIGEST_ALGOS,
+    DIGEST_SIZES,
+    LOCAL_ALGO,
+    THREADED_HASH_BYTES,
+    TRUSTED_ONLY,
+    digest_of,
+    new_hasher,
+)
 from .dtypes import EXTENDED, storage_dtype
 from .errors import LocalProtocolError, RemoteProtocolError
 from .limits import (
@@ -43,79 +50,6 @@ from .limits import (
 )
 from .model import TensorSpec, VersionKey, byte_views
 from .tensortable import CACHE_LOCK, TensorTable, table_of
-
-DIGEST_ALGOS = ("blake3", "sha256", "xxh3-128")
-"""Per-chunk digests a manifest may name.  ``blake3`` (the default) and ``sha256`` are
-cryptographic: no holder can make other bytes that pass.  ``xxh3-128`` catches
-corruption (bit flips, truncation, a buggy or stale holder) at memory speed but can be
-forged in milliseconds: only for a trusted fleet, where every holder is honest."""
-
-DIGEST_SIZES = {"blake3": 32, "sha256": 32, "xxh3-128": 16}
-"""Bytes of one chunk digest, per algorithm."""
-
-TRUSTED_ONLY = frozenset({"xxh3-128"})
-"""Digests that only hold where every holder is trusted (see :data:`DIGEST_ALGOS`)."""
-
-LOCAL_ALGO = "xxh3-128"
-"""The digest of :attr:`Manifest.local_digests`: what a reader checks a chunk against
-when its holder is a process that can already write the reader's memory."""
-
-THREADED_HASH_BYTES = 1 << 20
-"""Chunks at least this large are hashed by blake3 with several threads when a manifest
-is built.  Measured here (2 cores, 1 GiB in 4 MiB chunks): one thread 6.1 GB/s, all
-cores 11.4 GB/s (xxh3-128: 16 GB/s).  A fetch verifies with one thread per chunk: its
-window already keeps several chunks in flight at once."""
-
-
-def new_hasher(algo: str, threads: bool = False) -> Any:
-    """A fresh incremental hasher (``update`` / ``digest``) for ``algo``; with
-    ``threads``, blake3 spreads a large ``update`` over every core."""
-    if algo == "xxh3-128":
-        return xxhash.xxh3_128()
-    if algo == "blake3":
-        return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
-    if algo == "sha256":
-        return hashlib.sha256()
-    raise LocalProtocolError(f"unknown digest algorithm {algo!r}; use one of {DIGEST_ALGOS}")
-
-
-HASHED_BLOCK = 1 << 20
-"""Bytes hashed at a time by :func:`digest_of` when it hands each block on: small
-enough to be in the cache still when the block is copied on, large enough that the
-thread's GIL handovers between blocks cost nothing (256 KiB blocks measured slower
-than hashing and copying a 16 MiB chunk in two passes, next to a receiving thread)."""
-
-
-def digest_of(algo: str, segments: Iterable[Any], threads: bool = False,
-              each: Callable[[int, memoryview], None] | None = None) -> bytes:
-    """The digest of the segments' bytes, in order.  A segment may be an array itself
-    (see :meth:`LocalVersion.buffers`): xxh3 and sha256 hash any contiguous buffer,
-    blake3 only byte-format ones, so it gets a byte view of each array.  ``segments`` is
-    read once, in order, each segment hashed before the next is asked for (a copy may
-    hand them out as it goes: :class:`~tensorhub.transport.base.SourceVerifier`).
-
-    With ``each``, the bytes are hashed :data:`HASHED_BLOCK` at a time and each block
-    is handed to ``each(offset, block)`` just after it was hashed (while it is in the
-    cache): one pass over memory for a check and a copy."""
-    h = new_hasher(algo, threads)
-    if each is None and algo != "blake3":
-        # One C-level pass over the pieces: no view or loop step of ours per piece (a
-        # chunk of 1,000 small tensors: 0.2 ms against 0.4 ms here).
-        deque(map(h.update, segments), maxlen=0)
-    else:
-        at = 0
-        for s in segments:
-            view = (s if isinstance(s, memoryview) else memoryview(s)).cast("B")
-            if each is None:
-                h.update(view)
-                continue
-            for lo in range(0, len(view), HASHED_BLOCK):
-                block = view[lo:lo + HASHED_BLOCK]
-                h.update(block)
-                each(at + lo, block)
-            at += len(view)
-    out: bytes = h.digest()
-    return out
 
 
 @dataclass(slots=True)

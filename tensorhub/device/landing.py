@@ -36,7 +36,7 @@ from .ring import Claim, StagingRing
 
 class PassingVerifier(Protocol):
     """A chunk's check that can hand each block on as it hashes it (see
-    :func:`~tensorhub.manifest.digest_of`); raises if the chunk fails."""
+    :func:`~tensorhub.digests.digest_of`); raises if the chunk fails."""
 
     def __call__(self, landed: Sequence[memoryview],
                  each: Callable[[int, memoryview], None] | None = None) -> None: ...

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..manifest import TRUSTED_ONLY
+from ..digests import TRUSTED_ONLY
 from ..transport.admission import ServerStats
 from .delta_fetch import book
 
