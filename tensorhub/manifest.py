@@ -194,12 +194,7 @@ class Manifest:
     @classmethod
     def from_wire(cls, obj: Any, limits: ManifestLimits = DEFAULT_LIMITS) -> Manifest:
         """Validate and build a manifest received from a peer."""
-        try:
-            return _manifest_from_wire(obj, limits)
-        except RemoteProtocolError:
-            raise
-        except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
-            raise RemoteProtocolError(f"malformed manifest: {exc}") from None
+        return _checked_from_wire(obj, limits, None)
 
     @classmethod
     def decode(cls, data: bytes, expected_id: bytes | None = None,
@@ -245,9 +240,13 @@ class Manifest:
                 max_ext_len=0)
         except Exception as exc:  # msgpack raises a zoo of types on bad input
             raise RemoteProtocolError(f"malformed manifest encoding: {exc}") from None
-        if known_only and not _known_columns(obj):
-            return None
-        manifest = cls.from_wire(obj, limits)
+        known = None
+        if known_only:
+            known = _cached_tensors(obj.get("tensors") if isinstance(obj, dict) else None,
+                                    limits)[1]
+            if known is None:
+                return None
+        manifest = _checked_from_wire(obj, limits, known)
         if expected_id is not None:  # these exact bytes are its canonical encoding
             object.__setattr__(manifest, "_encoded", bytes(data))
             object.__setattr__(manifest, "_id", expected_id)
@@ -268,7 +267,19 @@ def manifest_id_of(encoded: bytes) -> bytes:
     return hashlib.sha256(encoded).digest()[:16]
 
 
-def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
+def _checked_from_wire(obj: Any, limits: ManifestLimits, known: _Specs | None) -> Manifest:
+    """:func:`_manifest_from_wire`, any error in it a :class:`RemoteProtocolError`."""
+    try:
+        return _manifest_from_wire(obj, limits, known)
+    except RemoteProtocolError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise RemoteProtocolError(f"malformed manifest: {exc}") from None
+
+
+def _manifest_from_wire(obj: Any, limits: ManifestLimits, known: _Specs | None = None
+                        ) -> Manifest:
+    """``known``: the specs of ``obj``'s tensor columns, found in the cache already."""
     def bad(what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"malformed manifest: {what}")
 
@@ -291,7 +302,8 @@ def _manifest_from_wire(obj: Any, limits: ManifestLimits) -> Manifest:
     algo = obj["digest_algo"]
     if algo not in DIGEST_ALGOS:
         raise bad("digest_algo")
-    tensors, offset = _tensors_from_wire(obj["tensors"], limits)
+    tensors, offset = known if known is not None else _tensors_from_wire(obj["tensors"],
+                                                                         limits)
     blob = obj["chunk_digests"]
     expected = -(-offset // chunk_size) if offset else 0
     size = DIGEST_SIZES[algo]
@@ -321,26 +333,21 @@ DSUM_SIZE = 16
 
 
 _TENSOR_COLUMNS = {"names", "dtypes", "dtype", "ndim", "dims", "sliced", "global", "start"}
-_DECODED: OrderedDict[tuple[Any, ...], tuple[tuple[TensorSpec, ...], int]] = OrderedDict()
+_Specs = tuple[tuple[TensorSpec, ...], int]
+"""Tensor specs laid end to end, and the bytes they span."""
+_DECODED: OrderedDict[tuple[Any, ...], _Specs] = OrderedDict()
 _DECODED_KEPT = 16
 """Tensor columns decoded lately, by their exact wire content: the next version of a
 model has the same tensors (only its digests change), so its manifest reuses the specs
 (and their :class:`TensorTable`) instead of validating and building them again."""
 
 
-def _tensors_from_wire(cols: Any, limits: ManifestLimits
-                       ) -> tuple[tuple[TensorSpec, ...], int]:
+def _tensors_from_wire(cols: Any, limits: ManifestLimits) -> _Specs:
     """The specs (laid end to end) of validated tensor columns; the same tuple again for
     columns equal to ones decoded lately (and so validated already)."""
-    key = _columns_key(cols)
-    if key is not None and len(key[0]) > limits.max_tensors:
-        raise RemoteProtocolError(f"malformed manifest: over {limits.max_tensors} tensors")
-    if key is not None:
-        with CACHE_LOCK:
-            hit = _DECODED.get(key)
-            if hit is not None:
-                _DECODED.move_to_end(key)
-                return hit
+    key, hit = _cached_tensors(cols, limits)
+    if hit is not None:
+        return hit
     tensors, offset = _build_tensors(cols, limits)
     got = (tuple(tensors), offset)
     if key is not None:
@@ -351,14 +358,21 @@ def _tensors_from_wire(cols: Any, limits: ManifestLimits
     return got
 
 
-def _known_columns(obj: Any) -> bool:
-    """Whether ``obj`` (a decoded manifest, unchecked) has tensor columns equal to ones
-    decoded lately."""
-    key = _columns_key(obj.get("tensors")) if isinstance(obj, dict) else None
+def _cached_tensors(cols: Any, limits: ManifestLimits
+                    ) -> tuple[tuple[Any, ...] | None, _Specs | None]:
+    """The columns' cache key (None if they are not even shaped right) and their specs
+    if they were decoded lately (None otherwise); columns of more than ``max_tensors``
+    names are refused first, whatever another peer of this process decoded."""
+    key = _columns_key(cols)
     if key is None:
-        return False
+        return None, None
+    if len(key[0]) > limits.max_tensors:
+        raise RemoteProtocolError(f"malformed manifest: over {limits.max_tensors} tensors")
     with CACHE_LOCK:
-        return key in _DECODED
+        hit = _DECODED.get(key)
+        if hit is not None:
+            _DECODED.move_to_end(key)
+    return key, hit
 
 
 def _columns_key(cols: Any) -> tuple[Any, ...] | None:

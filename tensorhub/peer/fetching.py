@@ -58,8 +58,8 @@ under a millisecond, less than handing the work to a thread and back."""
 INLINE_KNOWN_BYTES = 256 << 10
 """Manifests up to this size whose tensor columns were decoded lately (the next
 version of a model) are decoded on the event loop too: 16,000 tensors of short names
-take 1.6 ms here (10,000: 0.8-1.0 ms, against 1.2 ms through a thread); one of new
-columns goes to a thread, after about 0.3 ms spent finding that out."""
+take 1.3 ms here (10,000: 0.8 ms, against 1.2 ms through a thread); one of new columns
+goes to a thread, after about 0.3 ms spent finding that out."""
 
 
 def holder_view(peer: Peer, allowed: frozenset[str] | None) -> HolderView:
