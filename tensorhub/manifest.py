@@ -277,7 +277,7 @@ def _checked_from_wire(obj: Any, limits: ManifestLimits, known: _Specs | None) -
         raise RemoteProtocolError(f"malformed manifest: {exc}") from None
 
 
-def _manifest_from_wire(obj: Any, limits: ManifestLimits, known: _Specs | None = None
+def _manifest_from_wire(obj: Any, limits: ManifestLimits, known: _Specs | None
                         ) -> Manifest:
     """``known``: the specs of ``obj``'s tensor columns, found in the cache already."""
     def bad(what: str) -> RemoteProtocolError:

@@ -53,7 +53,7 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
                                  "nn.Module")
     table = manifest.table
     names = table.names
-    if not _same_names(table, into):
+    if len(into.keys()) != len(names) or not into.keys() >= table.index().keys():
         wanted = set(names)
         extra = sorted(set(into.keys()) - wanted)
         missing = sorted(wanted - set(into.keys()))
@@ -76,10 +76,6 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
             raise LocalProtocolError(f"into[{t.name!r}] is read-only")
         out.append(arr)
     return disjoint(names, out)
-
-
-def _same_names(table: TensorTable, into: Any) -> bool:
-    return len(into.keys()) == len(table.names) and into.keys() >= table.index().keys()
 
 
 def _plain_match(table: TensorTable, given: list[Any]) -> bool:
