@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from tensorhub import BlockingPeer, ConfigError, PeerClosed, PeerConfig, VersionUnavailable
+from tensorhub.protocol.sharding import WHOLE
+
+
+def complete_holders(peer: BlockingPeer, model: str, version: int) -> list[str]:
+    """Who ``peer`` sees holding all of ``model@version``, read on its own event loop."""
+    key = WHOLE.key(model, version)
+
+    def names() -> list[str]:
+        return sorted(p.name for p, h in peer.peer.control.holders(key) if h.complete)
+
+    result: list[str] = peer._call(peer._sync, names)
+    return result
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_blocking_publish_fetch_unpublish() -> None:
@@ -21,10 +40,12 @@ def test_blocking_publish_fetch_unpublish() -> None:
             got = rollout.fetch("m", "latest")
             np.testing.assert_array_equal(got.tensors["w"], w["w"])
             assert rollout.statistics().bytes_fetched_by_source == {"trainer": w["w"].nbytes}
+            # Until the trainer hears that the rollout holds m@5 too, it holds the last copy
+            # of a retained version, and unpublish rightly keeps a host copy of it.
+            wait_until(lambda: complete_holders(trainer, "m", 5) == ["rollout", "trainer"])
+            assert complete_holders(trainer, "m", 5) == ["rollout", "trainer"]
             trainer.unpublish("m", 5)
-            deadline = time.monotonic() + 10
-            while trainer.statistics().holdings and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: not trainer.statistics().holdings)
             assert trainer.statistics().holdings == {}
             with pytest.raises(VersionUnavailable):
                 trainer.fetch("m", 6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -386,14 +388,21 @@ async def test_different_hosts_use_tcp() -> None:
         assert got.report.transport_by_source == {"a": "tcp"}
 
 
-async def test_last_holder_of_the_latest_version_offloads_it_before_unpublishing() -> None:
+async def test_last_holder_of_the_latest_version_offloads_it_before_unpublishing(
+        caplog: pytest.LogCaptureFixture) -> None:
     async with mesh(2) as (pub, r):
         w = weights(5, 2)
         expected = {k: v.copy() for k, v in w.items()}
         await pub.publish("m", 5, w)
         with trio.fail_after(10):
             await r.wait_for_version("m", None)
-        await pub.unpublish("m", 5)  # the only copy of the latest version
+        with caplog.at_level(logging.INFO, logger="tensorhub.peer"):
+            await pub.unpublish("m", 5)  # the only copy of the latest version
+        # the operator is told why the memory stays in use
+        assert [m for m in caplog.messages if "keeps a host copy" in m] == [
+            f"peer {pub.info.name}: unpublish of m@5 keeps a host copy "
+            f"({sum(v.nbytes for v in w.values())} bytes) until it is no longer retained: "
+            "no other complete holder is known"]
         for v in w.values():
             v[...] = 0  # the trainer reuses its buffers at once
         got = await r.fetch("m", 5)  # served from the publisher's host copy

@@ -5,6 +5,7 @@ between holders leaving at once)."""
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import TYPE_CHECKING
 
 import trio
@@ -16,6 +17,8 @@ from .store import LocalVersion
 
 if TYPE_CHECKING:
     from .node import Peer
+
+log = logging.getLogger("tensorhub.peer")
 
 
 class Retention:
@@ -60,7 +63,8 @@ class Retention:
             return False
         self._leaving.add(key)
         try:
-            if await self._kept_elsewhere(key):
+            others = self._other_complete_holders(key)
+            if await self._kept_elsewhere(key, others):
                 return False
             if not self.peer.config.retention_offload:
                 raise RetentionError(
@@ -71,6 +75,10 @@ class Retention:
             copy.announced = local.announced
             await self.peer.store.swap(copy)
             self.offloaded.add(key)
+            log.info("peer %s: unpublish of %s keeps a host copy (%d bytes) until it is no "
+                     "longer retained: %s", self.peer.info.name, key, local.manifest.total_bytes,
+                     f"none of {others} confirmed keeping it" if others
+                     else "no other complete holder is known")
             return True
         finally:
             self._leaving.discard(key)  # the caller hides it with no await in between
@@ -80,10 +88,9 @@ class Retention:
         return [p.name for p, h in self.peer.control.holders(key)
                 if h.complete and not h.derived and p.name != me]
 
-    async def _kept_elsewhere(self, key: VersionKey) -> bool:
-        """Whether another holder confirms it keeps ``key``; False when none does within
-        two probe intervals."""
-        others = self._other_complete_holders(key)
+    async def _kept_elsewhere(self, key: VersionKey, others: list[str]) -> bool:
+        """Whether one of ``others`` (complete holders) confirms it keeps ``key``; False
+        when none does within two probe intervals."""
         if not others:
             return False
         send, recv = trio.open_memory_channel[bool](len(others))
