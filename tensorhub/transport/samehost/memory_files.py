@@ -18,7 +18,10 @@ deallocation unmaps the pages) removes the registry entry and closes the descrip
 no lookup can find a stale range, and no other thread can map a new file at the same
 address while the old entry is still there.  (A weak-reference callback would run
 *after* the unmapping, which releases the GIL: two threads then raced, and one found its
-fresh mapping "registered twice".)  The kernel frees the memory once no process maps
+fresh mapping "registered twice".)  The finalizer may run inside a section of the same
+thread that holds the registry's lock (any allocation there may start the garbage
+collector): it then leaves the entry for that section to remove as it ends, instead of
+waiting for its own thread's lock.  The kernel frees the memory once no process maps
 or holds the file any more -- a reader's mapping keeps it readable until the reader lets
 go.
 
@@ -37,6 +40,7 @@ fetch buffer is made (a spare of another size is closed then) or :func:`drop_spa
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -85,9 +89,35 @@ class _Mapping(mmap.mmap):
 
 
 _lock = threading.Lock()
+_lock_holder = 0
+"""The thread inside a :func:`_locked` section (0: none)."""
+_gone: list[tuple[int, int, int]] = []
+"""``(start, fd, spare)`` of mappings finalized inside a :func:`_locked` section by the
+thread in it: any allocation there may start the garbage collector, which may free a
+mapping, and its finalizer must not wait for the lock its own thread holds.  The
+section unregisters them as it ends, before any other thread can take the lock."""
 _starts: list[int] = []  # sorted start addresses of the live regions
 _regions: dict[int, tuple[int, int, int]] = {}  # start -> (end, fd, inode)
 _spare: tuple[int, int] | None = None  # (bytes, fd) of the kept fetch-buffer file
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """The registry's lock, with the mappings finalized meanwhile by this thread
+    unregistered before it is let go (their descriptors closed after)."""
+    global _lock_holder
+    closing: list[int] = []
+    with _lock:
+        _lock_holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            while _gone:
+                closing.append(_unregister(*_gone.pop()))
+            _lock_holder = 0
+    for fd in closing:
+        if fd >= 0:
+            os.close(fd)
 
 
 def shared_empty(shape: int | Sequence[int], dtype: npt.DTypeLike = np.float32
@@ -115,7 +145,7 @@ def fetch_buffer(nbytes: int) -> np.ndarray[Any, Any]:
     global _spare
     if nbytes <= 0 or not hasattr(os, "memfd_create"):
         return np.empty(max(nbytes, 0), np.uint8)
-    with _lock:
+    with _locked():
         spare, _spare = _spare, None
     if spare is not None and spare[0] != nbytes:
         os.close(spare[1])
@@ -128,7 +158,7 @@ def fetch_buffer(nbytes: int) -> np.ndarray[Any, Any]:
 
 def spare_bytes() -> int:
     """Bytes of the kept fetch-buffer file (0: none)."""
-    with _lock:
+    with _locked():
         return 0 if _spare is None else _spare[0]
 
 
@@ -136,7 +166,7 @@ def drop_spare() -> bool:
     """Close the kept fetch-buffer file, if any, giving its memory back; whether there
     was one."""
     global _spare
-    with _lock:
+    with _locked():
         spare, _spare = _spare, None
     if spare is not None:
         os.close(spare[1])
@@ -170,7 +200,7 @@ def _map(fd: int, nbytes: int, populate: bool = False) -> _Mapping:
 
 
 def _register(start: int, end: int, fd: int, inode: int) -> None:
-    with _lock:
+    with _locked():
         i = bisect.bisect_left(_starts, start)
         if i < len(_starts) and _starts[i] == start:  # pragma: no cover - a bug
             raise AssertionError(f"memory at {start:#x} registered twice")
@@ -180,17 +210,29 @@ def _register(start: int, end: int, fd: int, inode: int) -> None:
 
 def _release(start: int, fd: int, spare: int = 0) -> None:
     """The mapping at ``start`` is going: unregister it and close ``fd``, or keep it as
-    the spare (``spare``: its bytes), closing the one it replaces."""
-    global _spare
-    with _lock:
-        _starts.pop(bisect.bisect_left(_starts, start))
-        del _regions[start]
-        if spare > 0:
-            spare_fd = fd
-            fd = -1 if _spare is None else _spare[1]
-            _spare = (spare, spare_fd)
+    the spare (``spare``: its bytes), closing the one it replaces.  Run by the mapping's
+    finalizer, on whichever thread let go of it last; inside a :func:`_locked` section
+    of that thread, the section does it as it ends."""
+    if _lock_holder == threading.get_ident():
+        _gone.append((start, fd, spare))
+        return
+    with _locked():
+        fd = _unregister(start, fd, spare)
     if fd >= 0:
         os.close(fd)
+
+
+def _unregister(start: int, fd: int, spare: int) -> int:
+    """:func:`_release`'s work under the lock; returns the descriptor to close (-1:
+    none)."""
+    global _spare
+    _starts.pop(bisect.bisect_left(_starts, start))
+    del _regions[start]
+    if spare > 0:
+        spare_fd = fd
+        fd = -1 if _spare is None else _spare[1]
+        _spare = (spare, spare_fd)
+    return fd
 
 
 def registered() -> int:
@@ -202,7 +244,7 @@ def pieces_of(segments: Sequence[memoryview]) -> Pieces | None:
     """Where ``segments`` lie in this process's memory files, neighbours merged; None
     unless every non-empty segment lies wholly in one."""
     rows: list[tuple[int, int, int, int]] = []
-    with _lock:
+    with _locked():
         for seg in segments:
             if not seg.nbytes:
                 continue
