@@ -66,11 +66,13 @@ def test_a_mapping_let_go_inside_pieces_of_is_unregistered_and_closed() -> None:
     assert out.strip() == "ok"
 
 
-def test_fetch_buffers_collected_as_garbage_during_lookups_on_two_threads() -> None:
+def test_fetch_buffers_collected_as_garbage_during_lookups_on_three_threads() -> None:
     """Cyclic garbage holding fetch buffers (their files kept as the spare) and shared
-    arrays, collected at any allocation on either thread, while both threads look up
+    arrays, collected at any allocation on any thread, while all three look up
     pieces: every lookup answers, and at the end the registry holds exactly the live
-    arrays and at most one spare file."""
+    arrays and at most one spare file.  (Under load, the first attempt at a fix still
+    hung here: a collection between clearing its "in a section" mark and letting the lock
+    go.)"""
     out = run_child("""
         import gc, threading
         import numpy as np
@@ -95,7 +97,7 @@ def test_fetch_buffers_collected_as_garbage_during_lookups_on_two_threads() -> N
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=churn, args=(1500,)) for _ in range(2)]
+        threads = [threading.Thread(target=churn, args=(2000,)) for _ in range(3)]
         for t in threads:
             t.start()
         for t in threads:

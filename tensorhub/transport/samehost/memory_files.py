@@ -88,14 +88,15 @@ class _Mapping(mmap.mmap):
             _release(self.start, fd, self.spare)
 
 
-_lock = threading.Lock()
-_lock_holder = 0
-"""The thread inside a :func:`_locked` section (0: none)."""
+_lock = threading.RLock()
+_depth = 0
+"""How many :func:`_locked` sections the thread holding ``_lock`` is in."""
 _gone: list[tuple[int, int, int]] = []
-"""``(start, fd, spare)`` of mappings finalized inside a :func:`_locked` section by the
-thread in it: any allocation there may start the garbage collector, which may free a
-mapping, and its finalizer must not wait for the lock its own thread holds.  The
-section unregisters them as it ends, before any other thread can take the lock."""
+"""``(start, fd, spare)`` of mappings finalized and not yet unregistered.  Any
+allocation inside a section may start the garbage collector, which may free a mapping;
+its finalizer, on the thread in the section, must neither wait for its own lock nor
+change the registry under the section's feet, so it leaves its entry here and the
+section unregisters it as it ends, before the lock is let go."""
 _starts: list[int] = []  # sorted start addresses of the live regions
 _regions: dict[int, tuple[int, int, int]] = {}  # start -> (end, fd, inode)
 _spare: tuple[int, int] | None = None  # (bytes, fd) of the kept fetch-buffer file
@@ -103,18 +104,18 @@ _spare: tuple[int, int] | None = None  # (bytes, fd) of the kept fetch-buffer fi
 
 @contextlib.contextmanager
 def _locked() -> Iterator[None]:
-    """The registry's lock, with the mappings finalized meanwhile by this thread
-    unregistered before it is let go (their descriptors closed after)."""
-    global _lock_holder
+    """A section of the registry: under its lock, and unregistering the mappings
+    finalized meanwhile as it ends (their descriptors closed after the lock)."""
+    global _depth
     closing: list[int] = []
     with _lock:
-        _lock_holder = threading.get_ident()
+        _depth += 1
         try:
             yield
         finally:
             while _gone:
                 closing.append(_unregister(*_gone.pop()))
-            _lock_holder = 0
+            _depth -= 1
     for fd in closing:
         if fd >= 0:
             os.close(fd)
@@ -211,20 +212,19 @@ def _register(start: int, end: int, fd: int, inode: int) -> None:
 def _release(start: int, fd: int, spare: int = 0) -> None:
     """The mapping at ``start`` is going: unregister it and close ``fd``, or keep it as
     the spare (``spare``: its bytes), closing the one it replaces.  Run by the mapping's
-    finalizer, on whichever thread let go of it last; inside a :func:`_locked` section
-    of that thread, the section does it as it ends."""
-    if _lock_holder == threading.get_ident():
+    finalizer, on whichever thread let go of it last; inside a section of that thread,
+    the section does it as it ends."""
+    with _lock:
         _gone.append((start, fd, spare))
-        return
+        if _depth:
+            return
     with _locked():
-        fd = _unregister(start, fd, spare)
-    if fd >= 0:
-        os.close(fd)
+        pass  # a section of its own, which unregisters what is gone as it ends
 
 
 def _unregister(start: int, fd: int, spare: int) -> int:
-    """:func:`_release`'s work under the lock; returns the descriptor to close (-1:
-    none)."""
+    """:func:`_release`'s work, at the end of a section; returns the descriptor to
+    close (-1: none)."""
     global _spare
     _starts.pop(bisect.bisect_left(_starts, start))
     del _regions[start]
