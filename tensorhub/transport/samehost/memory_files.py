@@ -20,10 +20,11 @@ address while the old entry is still there.  (A weak-reference callback would ru
 *after* the unmapping, which releases the GIL: two threads then raced, and one found its
 fresh mapping "registered twice".)  The finalizer may run inside a section of the same
 thread that holds the registry's lock (any allocation there may start the garbage
-collector): the lock is re-entrant, and the finalizer leaves the entry for that
-section to remove as it ends instead of changing the registry under its feet.  The kernel frees the memory once no process maps
-or holds the file any more -- a reader's mapping keeps it readable until the reader lets
-go.
+collector): the lock is re-entrant, and the finalizer leaves the entry for that section
+to remove as it ends instead of changing the registry under its feet (no new file can be
+registered at that address before then).  The kernel frees the memory once no process
+maps or holds the file any more -- a reader's mapping keeps it readable until the reader
+lets go.
 
 Fetch buffers: a fetch without ``into=`` lands in a new memory file
 (:func:`fetch_buffer`), and allocating a memory file's pages costs far more than a
