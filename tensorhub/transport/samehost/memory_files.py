@@ -96,8 +96,9 @@ _gone: list[tuple[int, int, int]] = []
 """``(start, fd, spare)`` of mappings finalized and not yet unregistered.  Any
 allocation inside a section may start the garbage collector, which may free a mapping;
 its finalizer, on the thread in the section, must neither wait for its own lock nor
-change the registry under the section's feet, so it leaves its entry here and the
-section unregisters it as it ends, before the lock is let go."""
+change the registry under the section's feet, so it opens a nested section that only
+leaves its entry here, and the outermost section unregisters it as it ends, before the
+lock is let go."""
 _starts: list[int] = []  # sorted start addresses of the live regions
 _regions: dict[int, tuple[int, int, int]] = {}  # start -> (end, fd, inode)
 _spare: tuple[int, int] | None = None  # (bytes, fd) of the kept fetch-buffer file
@@ -105,8 +106,8 @@ _spare: tuple[int, int] | None = None  # (bytes, fd) of the kept fetch-buffer fi
 
 @contextlib.contextmanager
 def _locked() -> Iterator[None]:
-    """A section of the registry: under its lock, and unregistering the mappings
-    finalized meanwhile as it ends (their descriptors closed after the lock)."""
+    """A section of the registry, under its lock.  The outermost one unregisters the
+    mappings finalized meanwhile as it ends (their descriptors closed after the lock)."""
     global _depth
     closing: list[int] = []
     with _lock:
@@ -114,8 +115,9 @@ def _locked() -> Iterator[None]:
         try:
             yield
         finally:
-            while _gone:
-                closing.append(_unregister(*_gone.pop()))
+            if _depth == 1:
+                while _gone:
+                    closing.append(_unregister(*_gone.pop()))
             _depth -= 1
     for fd in closing:
         if fd >= 0:
@@ -214,18 +216,14 @@ def _release(start: int, fd: int, spare: int = 0) -> None:
     """The mapping at ``start`` is going: unregister it and close ``fd``, or keep it as
     the spare (``spare``: its bytes), closing the one it replaces.  Run by the mapping's
     finalizer, on whichever thread let go of it last; inside a section of that thread,
-    the section does it as it ends."""
-    with _lock:
-        _gone.append((start, fd, spare))
-        if _depth:
-            return
+    that section does it as it ends."""
     with _locked():
-        pass  # a section of its own, which unregisters what is gone as it ends
+        _gone.append((start, fd, spare))
 
 
 def _unregister(start: int, fd: int, spare: int) -> int:
-    """:func:`_release`'s work, at the end of a section; returns the descriptor to
-    close (-1: none)."""
+    """:func:`_release`'s work, at the end of the outermost section; returns the
+    descriptor to close (-1: none)."""
     global _spare
     _starts.pop(bisect.bisect_left(_starts, start))
     del _regions[start]
