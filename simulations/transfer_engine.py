@@ -399,16 +399,17 @@ class Sim:
         self.at(st.deadline, check)
 
     def take(self, st: SimStream) -> None:
-        """``stream_chunks``' loop: ask for a run while half the window is free; the
-        stream ends when the session gives nothing and nothing is in flight."""
+        """``stream_chunks``' loop: ask for a run when the window says
+        (``StreamWindow.ask``); the stream ends when the session gives nothing and
+        nothing is in flight."""
         r, s, conn = st.conn.reader, st.conn.reader.session, st.conn
         window = s.windows[st.s.source.name]
         if conn.min_rtt is not None:
             window.rtt(conn.min_rtt)
-        want = window.bytes()
-        if st.sizes and want - st.ahead < max(window.chunk_bytes, want // 2):
+        budget = window.ask(st.ahead)
+        if st.sizes and budget <= 0:
             return
-        run = s.next_run(self.now, st.s, want - st.ahead)
+        run = s.next_run(self.now, st.s, budget)
         if not run:
             if not st.sizes:
                 self.end(st, None)
@@ -448,7 +449,9 @@ class Sim:
             self.listeners.add(r)
             self.notify(r)
         else:
-            if conn.last_end is not None and req.sent_at <= conn.last_end:
+            if chunk == req.first and req.alone:  # header to last byte: its own time
+                window.delivered(nbytes, now - header)
+            elif conn.last_end is not None and window.backlogged(conn.last_end - req.sent_at):
                 window.delivered(nbytes, now - conn.last_end)
             conn.last_end = now
             self.trace.update(f"{now!r} {r.name} {chunk} {name}\n".encode())

@@ -133,3 +133,59 @@ def test_streams_per_source_stay_between_one_and_most(rate: float, rtt: float, s
     assert 1 <= n <= max(1, most)
     if sock and rate * rtt < 0.8 * sock:
         assert n == 1
+
+
+def test_a_run_is_asked_for_before_the_link_can_run_dry() -> None:
+    """Half the window free asks; so does a free chunk once what is in flight is under
+    the bandwidth-delay product and a chunk (1 Gbit at 100 ms: 12.5 MB against a 16 MiB
+    floor, where waiting for half the window idles the link each round trip)."""
+    chunk = 4 * MIB
+    w = StreamWindow(chunk, 1 << 30)
+    assert w.ask(0) == w.floor  # nothing in flight: the whole window
+    assert w.ask(w.floor - chunk) == 0  # a chunk free, nothing measured: wait for half
+    assert w.ask(w.floor // 2) == w.floor // 2
+    w.rtt(0.100)
+    w.delivered(chunk, chunk / 125e6)
+    bdp = w.bdp()
+    assert bdp is not None and bdp == pytest.approx(12.5e6, rel=1e-6)
+    window = w.bytes()
+    assert window == pytest.approx(GAIN * 12.5e6, abs=1)
+    assert w.ask(window - chunk // 2) == 0  # less than a chunk free
+    assert w.ask(bdp + chunk + 1) == 0  # enough in flight to cover a round trip
+    assert w.ask(bdp + chunk - 1) == window - (bdp + chunk - 1)  # not any more
+    loopback = StreamWindow(chunk, 1 << 30)
+    loopback.rtt(0.0004)
+    loopback.delivered(chunk, chunk / 3e9)  # the product is tiny: runs of half a window
+    assert loopback.ask(loopback.floor - chunk) == 0
+    assert loopback.ask(loopback.floor // 2) == loopback.floor // 2
+
+
+@given(st.integers(4096, 1 << 26), st.integers(1, 1 << 34), st.floats(1e3, 1e11),
+       st.floats(1e-5, 1.0), st.integers(0, 1 << 36))
+def test_an_ask_fits_the_window_and_keeps_the_product_in_flight(
+        chunk: int, cap: int, rate: float, rtt: float, ahead: int) -> None:
+    w = StreamWindow(chunk, cap)
+    w.rtt(rtt)
+    w.delivered(chunk, chunk / rate)
+    got = w.ask(ahead)
+    free = w.bytes() - ahead
+    assert 0 <= got <= max(free, 0)
+    if ahead > 0 and got:
+        assert got >= chunk  # never a request for less than a chunk
+    bdp = w.bdp()
+    assert bdp is not None
+    if ahead > 0 and free >= chunk and (ahead < bdp + chunk or free >= w.bytes() // 2):
+        assert got == free
+
+
+def test_only_samples_of_a_backlogged_holder_count_and_a_known_rate_is_the_start() -> None:
+    w = StreamWindow(4 * MIB, 1 << 30)
+    assert w.backlogged(0.0)  # no round trip measured yet: any request ahead counts
+    w.rtt(0.100)
+    assert w.backlogged(0.100) and w.backlogged(math.inf)
+    assert not w.backlogged(0.050)  # still on its way when the holder ran out of work
+    seeded = StreamWindow(4 * MIB, 1 << 30, rate=125e6)
+    assert seeded.rate == pytest.approx(125e6) and seeded.bytes() == seeded.floor
+    seeded.rtt(0.100)  # the pooled connection's round trip: the product at once
+    assert seeded.bytes() == pytest.approx(GAIN * 12.5e6, abs=1)
+    assert StreamWindow(4 * MIB, 1 << 30, rate=0.0).rate is None

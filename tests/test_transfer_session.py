@@ -547,3 +547,15 @@ def test_the_chunk_size_note_allows_for_the_publishers_mesh() -> None:
         note = chunk_size_note(m)
         assert note.startswith(f"{chunk // mib} MiB chosen by the publisher: ")
         assert says in note, note
+
+
+def test_a_window_starts_from_the_rate_earlier_fetches_measured_from_its_source() -> None:
+    m = manifest(8)
+    session = TransferSession(
+        now=0.0, me="reader", manifest=m, holders=lambda: [], banned=lambda _n, _s: None,
+        wanted=range(m.num_chunks), verified=[0] * m.num_chunks, window=1,
+        stall_timeout=30.0, rates={"h1": 125e6})
+    session.open_stream(0.0, 0, info("h1"))
+    session.open_stream(0.0, 0, info("h2"))
+    assert session.windows["h1"].rate == pytest.approx(125e6)
+    assert session.windows["h2"].rate is None  # nothing measured from it: the floor

@@ -175,3 +175,21 @@ def test_a_plan_made_as_readers_ask_is_rebuilt_and_followed(hosts: int, dcs: int
     # asks at 0.2 s, then doubling to 3.2 s: about log2(end / 0.2) + end / 3.2 each
     per_reader = 2 + math.log2(asked.end / 0.2 + 1) + asked.end / 3.2
     assert asked.asks <= per_reader * len(at_once.readers)
+
+
+@pytest.mark.parametrize("mbit,rtt", [(400.0, 0.1), (1000.0, 0.04), (1000.0, 0.1)])
+def test_one_stream_over_a_long_link_pays_its_round_trips_once(mbit: float, rtt: float
+                                                               ) -> None:
+    """One reader across a long link: the connection's round trip and the first
+    request's, then the link stays busy to the end (a window that waited for half of
+    itself to be free, or a rate lowered by its own stalls, idled the link part of each
+    round trip: 3.4 round trips over the line time at 1 Gbit and 100 ms)."""
+    size = 64 << 20
+    setup = Setup((Host("h0", "dc0", mbit * MBIT, mbit * MBIT),
+                   Host("h1", "dc1", mbit * MBIT, mbit * MBIT)),
+                  "h0", ("h1",), size, 4 << 20, plan=False,
+                  wan={("dc0", "dc1"): (mbit * MBIT, rtt)})
+    res = simulate(setup)
+    line = size / (mbit * MBIT)
+    assert not res.failed
+    assert line + 2 * rtt <= res.done["h1"] <= line + 2.2 * rtt, (res.done["h1"] - line) / rtt

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,12 @@ def book(peer: Peer) -> DeltaBook:
     if found is None:
         found = _books[peer] = DeltaBook()
     return found
+
+
+def known_rates(peer: Peer) -> Mapping[str, float]:
+    """The link rates (bytes a second) earlier fetches measured per source: the
+    delta choice weighs them, and a new fetch's windows start from them."""
+    return book(peer).links
 
 
 def remember_links(peer: Peer, job: Fetch) -> None:

@@ -17,7 +17,7 @@ goes back to pending, a stream ends or gossip changes the holder view.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -95,13 +95,13 @@ class Fetch:
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
                  only: Sequence[int] | None = None, release: Releaser | None = None,
                  window_cap: int = 256 << 20, socket_window: int = 0,
-                 host: str | None = None) -> None:
+                 host: str | None = None, rates: Mapping[str, float] | None = None) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
         needs just the chunks that overlap its slices); ``release`` takes each
         connection a worker is done with (default: close it); ``window_cap`` bounds
         the bytes one stream keeps requested ahead; ``socket_window`` is what one TCP
-        connection keeps in flight and ``host`` this peer's host label (see
-        :class:`TransferSession`)."""
+        connection keeps in flight, ``host`` this peer's host label and ``rates`` what
+        earlier fetches measured per source (see :class:`TransferSession`)."""
         self.local = local
         self.manifest = local.manifest
         self.key = key = local.manifest.key
@@ -115,7 +115,7 @@ class Fetch:
             wanted=range(self.manifest.num_chunks) if only is None else only,
             verified=local.verified, window=window, stall_timeout=stall_timeout,
             upstream=upstream, plan=plan, window_cap=window_cap,
-            socket_window=socket_window, host=host)
+            socket_window=socket_window, host=host, rates=rates)
         self._report = FetchReport(key.model, key.version,
                                    chunk_size=chunk_size_note(self.manifest))
         self._verify_times: list[float] = []

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -174,12 +174,14 @@ class TransferSession:
                  window: int, stall_timeout: float, upstream: frozenset[str] = frozenset(),
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
                  window_cap: int = 256 << 20, socket_window: int = 0,
-                 host: str | None = None) -> None:
+                 host: str | None = None, rates: Mapping[str, float] | None = None) -> None:
         """``wanted``: the chunks to fetch (those already ``verified``, non-zero, are
         skipped);
         ``window``: the number of workers; ``plan``: ``(source, first, stop)`` ranges;
         ``socket_window``: bytes one TCP connection keeps in flight (0: unknown);
-        ``host``: this peer's ``host`` label (holders with the same one share its host)."""
+        ``host``: this peer's ``host`` label (holders with the same one share its host);
+        ``rates``: bytes a second earlier fetches measured per source (each source's
+        window starts from it)."""
         if window < 1:
             raise LocalProtocolError(f"window must be >= 1, got {window}")
         self.me = me
@@ -227,6 +229,7 @@ class TransferSession:
         """Each source's measured pace, for stall limits that fit each link and load."""
         self.windows: dict[str, StreamWindow] = {}
         """Each source's stream window, from what its streams measured."""
+        self.rates = dict(rates or {})
         self.tally = TransferTally()
 
     # -- questions --------------------------------------------------------------------
@@ -341,7 +344,8 @@ class TransferSession:
         name = source.name
         self.last_open = max(self.last_open, now)
         if name not in self.windows:
-            self.windows[name] = StreamWindow(self.manifest.chunk_size, self.window_cap)
+            self.windows[name] = StreamWindow(self.manifest.chunk_size, self.window_cap,
+                                              self.rates.get(name))
         self.load[name] = self.load.get(name, 0) + 1
         self.most_streams[name] = max(self.most_streams.get(name, 0), self.load[name])
         return Stream(source, chunk, now)

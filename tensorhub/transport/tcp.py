@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import socket
 import struct
@@ -210,8 +211,9 @@ class TcpConnection:
     async def stream_chunks(self, key: VersionKey, take: Take, landed: Landed,
                             window: StreamWindow) -> None:
         """See :meth:`Connection.stream_chunks`: runs of chunks asked for with
-        ``ChunkRunRequest``, a new run whenever at least half the window (or a chunk)
-        is free, so the holder never waits for a request."""
+        ``ChunkRunRequest``, a new run when the window says (``StreamWindow.ask``:
+        half of it free, or a chunk free and less than the bandwidth-delay product
+        and a chunk in flight), so the holder never waits for a request."""
         self._start_reader()
         stream = _Stream(trio.lowlevel.current_trio_token())
         if self.min_rtt is not None:
@@ -220,9 +222,9 @@ class TcpConnection:
         ahead = 0
         try:
             while True:
-                want = window.bytes()
-                if not sizes or want - ahead >= max(window.chunk_bytes, want // 2):
-                    run = take(want - ahead)
+                budget = window.ask(ahead)
+                if budget > 0 or not sizes:
+                    run = take(budget)
                     if not run and not sizes:
                         return
                     for chunk, dest, _ in run:
@@ -239,8 +241,8 @@ class TcpConnection:
                     if rtt is not None:
                         self._rtt(rtt)
                         window.rtt(rtt)
-                    if sample is not None:
-                        window.delivered(*sample)
+                    if sample is not None and window.backlogged(sample[2]):
+                        window.delivered(sample[0], sample[1])
                     if not landed(chunk, result):
                         if sizes:
                             self._shutdown()  # chunks in flight: out of step
@@ -329,7 +331,7 @@ class TcpConnection:
                 or reply.chunk != chunk:
             raise RemoteProtocolError(f"{self.peer} answered out of turn")
         rtt = now - run.sent_at if i == 0 and run.alone else None
-        sample: tuple[int, float] | None = None
+        sample: tuple[int, float, float] | None = None
         result: int | Exception
         dest, verify = run.dests[i], run.verifies[i]
         if reply.status != OK:
@@ -339,8 +341,10 @@ class TcpConnection:
         else:
             result = self._land_payload(sock, reply.length, chunk, dest)
             end = time.perf_counter()
-            if self._last_end is not None and run.sent_at <= self._last_end:
-                sample = (result, end - self._last_end)
+            if rtt is not None:  # from its header on, the holder was sending it
+                sample = (result, end - now, math.inf)
+            elif self._last_end is not None:  # the window judges it (``backlogged``)
+                sample = (result, end - self._last_end, self._last_end - run.sent_at)
             self._last_end = end
         run.at += 1
         if run.at == len(run.dests):
@@ -480,7 +484,7 @@ VERIFY_ASIDE = True
 (else in the reader thread, which then reads nothing meanwhile)."""
 
 
-_Item = tuple[int, "int | Exception", "float | None", "tuple[int, float] | None"]
+_Item = tuple[int, "int | Exception", "float | None", "tuple[int, float, float] | None"]
 
 
 @dataclass(eq=False)
@@ -502,7 +506,9 @@ class _Run:
 class _Stream:
     """Where the reader thread (and the pool threads checking chunks) put a stream's
     results -- ``(chunk, bytes or error, rtt sample, rate sample)``, or the exception
-    that ended the connection -- for the task in :meth:`TcpConnection.stream_chunks`."""
+    that ended the connection -- for the task in :meth:`TcpConnection.stream_chunks`.  A
+    rate sample is the chunk's bytes, the seconds since the previous landing, and how
+    long before that landing the chunk was asked for."""
 
     def __init__(self, token: trio.lowlevel.TrioToken) -> None:
         self._token = token
@@ -544,5 +550,5 @@ def _checked(dest: Sequence[Any], verify: Verifier, n: int | Exception) -> int |
 
 def _check_then_post(stream: _Stream, chunk: int, dest: Sequence[Any], verify: Verifier,
                      n: int | Exception, rtt: float | None,
-                     sample: tuple[int, float] | None) -> None:
+                     sample: tuple[int, float, float] | None) -> None:
     stream.post((chunk, _checked(dest, verify, n), rtt, sample))
