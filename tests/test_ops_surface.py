@@ -121,7 +121,10 @@ async def test_a_scrape_times_cast_only_for_fetches_that_cast_and_counts_bad_chu
     pytest.importorskip("torch")
     from corrupting import corrupt_served
 
-    async with mesh_of(2, planning=False, stall_timeout=0.5) as (pub, reader), \
+    # Full chunks only: the corrupting hook spoils served chunks, not deltas, and a
+    # delta against the version before would otherwise be chosen where the measured
+    # link is slower than encoding (a loaded host).
+    async with mesh_of(2, planning=False, stall_timeout=0.5, delta="off") as (pub, reader), \
             serve_metrics(reader, 0) as port:
         for version in (1, 2, 3):
             await pub.publish("m", version, {"w": np.full(1000, version, np.float32)})

@@ -189,3 +189,16 @@ def test_only_samples_of_a_backlogged_holder_count_and_a_known_rate_is_the_start
     seeded.rtt(0.100)  # the pooled connection's round trip: the product at once
     assert seeded.bytes() == pytest.approx(GAIN * 12.5e6, abs=1)
     assert StreamWindow(4 * MIB, 1 << 30, rate=0.0).rate is None
+
+
+def test_a_short_chunk_moves_the_rate_by_its_bytes_not_as_a_whole_chunk() -> None:
+    """A version's tail chunk of a few bytes takes mostly fixed time: weighed as a whole
+    chunk it would pull a measured 1 GB/s down to a fraction of that."""
+    w = StreamWindow(MIB, 1 << 30)
+    for _ in range(3):
+        w.delivered(MIB, MIB / 1e9)
+    assert w.rate == pytest.approx(1e9)
+    w.delivered(1554, 40e-6)  # 39 MB/s, from 1.5 KB
+    assert w.rate is not None and w.rate > 0.99e9
+    w.delivered(MIB, MIB / 0.5e9)  # a whole chunk at half the rate moves it a quarter
+    assert 1 / w.rate == pytest.approx(0.75 / 1e9 + 0.25 / 0.5e9, rel=0.01)
