@@ -202,3 +202,8 @@ def test_a_short_chunk_moves_the_rate_by_its_bytes_not_as_a_whole_chunk() -> Non
     assert w.rate is not None and w.rate > 0.99e9
     w.delivered(MIB, MIB / 0.5e9)  # a whole chunk at half the rate moves it a quarter
     assert 1 / w.rate == pytest.approx(0.75 / 1e9 + 0.25 / 0.5e9, rel=0.01)
+    first = StreamWindow(MIB, 1 << 30)
+    first.delivered(1554, 40e-6)  # alone, a tail chunk is no measure of the link
+    assert first.rate is None and first.bytes() == first.floor
+    first.delivered(MIB // 2, MIB / 2 / 1e9)
+    assert first.rate == pytest.approx(1e9)

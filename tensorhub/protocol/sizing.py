@@ -91,7 +91,8 @@ RATE_GAIN = 0.25
 """Weight of a new rate sample of a whole chunk in the smoothed per-byte time; a shorter
 one (a version's tail chunk) weighs in proportion to its bytes, for a few bytes' time is
 all fixed cost (a 1.5 KB tail at 40 us on loopback reads as 40 MB/s, and weighed as a
-whole chunk it pulled a 1 GB/s estimate to 60 MB/s and tipped the delta choice)."""
+whole chunk it pulled a 1 GB/s estimate to 60 MB/s and tipped the delta choice).  A
+first sample under this share of a chunk is not taken as the rate at all."""
 
 
 def choose_chunk_size(total_bytes: int, override: int | None = None,
@@ -147,12 +148,12 @@ class StreamWindow:
         reply header."""
         if nbytes <= 0 or seconds <= 0:
             return
-        sample = seconds / nbytes
+        sample, share = seconds / nbytes, min(1.0, nbytes / self.chunk_bytes)
         if self._per_byte is None:
-            self._per_byte = sample
+            if share >= RATE_GAIN:  # a few bytes alone say nothing of the link
+                self._per_byte = sample
         else:
-            weight = RATE_GAIN * min(1.0, nbytes / self.chunk_bytes)
-            self._per_byte += (sample - self._per_byte) * weight
+            self._per_byte += (sample - self._per_byte) * RATE_GAIN * share
 
     @property
     def rate(self) -> float | None:
