@@ -205,6 +205,13 @@ class PeerConfig:
     refuses one is read over the next, and the reason shows in ``statistics()``.
     Without ``tcp`` a holder no listed transport reaches is not read from."""
 
+    switch_interval: float | None = 0.0005
+    """The interpreter's thread switch interval, in seconds, while peers run in this
+    process, where it still has Python's default (5 ms); put back when the last peer
+    closes.  The data plane's threads give up the GIL for each system call and take it
+    back after, each time waiting up to this long while another thread runs Python (see
+    :mod:`tensorhub.peer.switching`).  None leaves it alone."""
+
     stall_timeout: float = 10.0
     """A source that makes no progress for this long is abandoned and its chunks re-sourced."""
 
@@ -314,6 +321,8 @@ class PeerConfig:
                 for rule in self.retain):
             raise ConfigError(f"retain must be at most {MAX_RETAIN_RULES} (pattern, n) pairs: "
                               f"a pattern of 1-{MAX_MODEL_NAME} chars, n in [0, 2**20]")
+        if self.switch_interval is not None and not 1e-5 <= self.switch_interval <= 0.1:
+            raise ConfigError("switch_interval must be None or in [1e-5, 0.1] seconds")
         if self.delta not in ("off", "auto", "always"):
             raise ConfigError(f"delta must be 'off', 'auto' or 'always', got {self.delta!r}")
         if not self.nic_bps > 0:

@@ -80,6 +80,7 @@ from .retention import Retention
 from .staging import DeviceRings, device_publish
 from .stats import INSECURE, PeerStats, peer_statistics
 from .store import LocalVersion, Store
+from .switching import switch_interval
 from .zap import HandshakeMonitor, ZapHandler
 from .zmq_trio import CurveKeys, ZmqRouter
 
@@ -93,6 +94,8 @@ class Peer:
 
     def __init__(self, config: PeerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.config = config
+        self.switching = ""
+        """The interpreter's switch interval and why (:mod:`.switching`)."""
         self.dialer = Dialer(config.transports)  # fails first if a transport is missing
         """Which transport reads each holder, and why not the others (:mod:`.dialing`)."""
         host, port = parse_hostport(config.listen)
@@ -585,14 +588,15 @@ async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
     try:
         peer = Peer(config, ctx)  # binds both sockets: a used port fails here, unwrapped
         try:
-            async with trio.open_nursery() as nursery:
-                await peer._start(nursery)
-                try:
-                    yield peer
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await peer._leave()
-                    nursery.cancel_scope.cancel()
+            with switch_interval(config.switch_interval) as peer.switching:
+                async with trio.open_nursery() as nursery:
+                    await peer._start(nursery)
+                    try:
+                        yield peer
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await peer._leave()
+                        nursery.cancel_scope.cancel()
         finally:
             peer._close_sockets()  # closed already unless startup failed before they ran
     finally:

@@ -91,6 +91,9 @@ class PeerStats:
     spent encoding them and we spent applying them, sources that fell back to full
     chunks; as a holder (``served_*``): chunks encoded, sent whole, their bytes, delta
     bytes sent and CPU seconds encoding."""
+    switch_interval: str = ""
+    """The interpreter's thread switch interval while this peer runs, and why
+    (``PeerConfig.switch_interval``, :mod:`tensorhub.peer.switching`)."""
     chunking: str = ""
     """How this peer cuts what it publishes into chunks (automatic, or
     ``PeerConfig.chunk_size``), and what its last publish chose and why.  Each fetch
@@ -164,6 +167,7 @@ def peer_statistics(peer: Peer) -> PeerStats:
         reports=tuple(peer._reports), data_server=peer._server.statistics(),
         switches=peer._switches, switch_seconds=peer._switch_seconds,
         casts=peer._casts, cast_seconds=peer._cast_seconds, delta=_delta(peer),
+        switch_interval=peer.switching,
         chunking=("automatic (about 64 chunks a version and per level of the relay tree "
                   "the mesh allows, 4 to 64 MiB)"
                   if peer.config.chunk_size is None else
