@@ -34,3 +34,13 @@ def test_every_figure_from_its_runs(
     assert figures["small_vs_large"]["value"] == pytest.approx(small_rate / tcp_rate,
                                                                rel=1e-3)
     assert "(e) 10,000 x 4 KiB tensors, TCP" in out
+    # (h): the same fetch by a reader labelled as another host, which checks each chunk
+    # with the manifest's blake3 digests, never the fast local ones
+    assert len(measured["far_small_s"]) == 2
+    assert measured["far_small_local_digest_chunks"] == [0, 0]
+    assert "(h) (e), checked as from another host (blake3)" in out
+    # (i): the model fetched while a thread of the fetcher runs Python, with the switch
+    # interval the peer set
+    assert len(measured["busy_thread_s"]) == 2
+    assert measured["fetcher_switch_interval"].startswith("0.5 ms: set by")
+    assert "(i) (b), a thread of the fetcher running Python" in out

@@ -19,7 +19,14 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
 (f) a numpy copy of the same bytes in the driver, the same-host ceiling: run just before
     each (c), like (a) before each (b);
 (g) (b) without ``into=``, dropped after each: the first fetch lands in a new memory
-    file, the next ones in the spare the one before left (no figure; ``no_into_s``).
+    file, the next ones in the spare the one before left (no figure; ``no_into_s``);
+(h) (e) by a fetcher labelled as another host (``f_far``), which checks every chunk
+    with the manifest's cryptographic digest (blake3) as a reader on another machine
+    does, not with the fast local one (no figure; ``far_small_s``);
+(i) (b) while a thread of the fetcher's process runs Python without pause (the
+    worker's ``spin`` command), as an engine's or a trainer's threads may: the peer's
+    threads wait for the GIL (``PeerConfig.switch_interval``; no figure;
+    ``busy_thread_s``).
 
 It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
 ``--only tcp`` measures (a) and (b) alone, to iterate on the TCP data plane.
@@ -124,19 +131,20 @@ _TIMERS = (f"default (PeerConfig's: gossip every {_DEFAULTS.gossip_interval:g} s
 FORCED_CHUNK = DEFAULT_CHUNK_SIZE  # what pub4 publishes with (4 MiB)
 
 
-def run(size: int, chunk: int, runs: int, only_tcp: bool = False, keys: bool = False
-        ) -> dict[str, Any]:
+def run(size: int, chunk: int, runs: int, only_tcp: bool = False, keys: bool = False,
+        switching: str = "default") -> dict[str, Any]:
     """``chunk`` 0: the chunk size the system chooses."""
     names = ["pub", "pub4", "f_tcp"] if only_tcp else \
-        ["pub", "pub4", "f_tcp", "f_shm", "a", "b", "c"]
+        ["pub", "pub4", "f_tcp", "f_shm", "a", "b", "c", "f_far"]
     with tempfile.TemporaryDirectory(prefix="tensorhub-keys-") as key_dir:
         if keys:
             write_keys(key_dir, names, {"*": ["pub", "pub4"]})
-        return _run(names, size, chunk, runs, only_tcp, key_dir if keys else None)
+        return _run(names, size, chunk, runs, only_tcp, key_dir if keys else None,
+                    switching)
 
 
 @contextmanager
-def _mesh(names: list[str], chunk: int, key_dir: str | None
+def _mesh(names: list[str], chunk: int, key_dir: str | None, switching: str = "default"
           ) -> Iterator[dict[str, WorkerClient]]:
     """One worker per name on loopback (``names[0]`` the seed), ready; ended on the way out.
     The workers run the default membership timers, as deployed peers do: no peer fails
@@ -146,13 +154,15 @@ def _mesh(names: list[str], chunk: int, key_dir: str | None
     ports = free_ports(len(names))
     seed = f"127.0.0.1:{ports[0]}"
     transports = {"f_shm": "shm,tcp"}
+    hosts = {"f_far": "far"}  # checks chunks as a reader on another machine
     procs: dict[str, WorkerClient] = {}
     try:
         for i, name in enumerate(names):
             argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
                     "--listen", f"127.0.0.1:{ports[i]}", "--expect", str(len(names)),
                     "--chunk", str(FORCED_CHUNK if name == "pub4" else chunk),
-                    "--transports", transports.get(name, "tcp"), "--timers", "default"]
+                    "--transports", transports.get(name, "tcp"), "--timers", "default",
+                    "--host", hosts.get(name, "localhost"), "--switch-interval", switching]
             argv += ["--join", seed] if i else []
             argv += ["--keys", key_dir] if key_dir else []
             procs[name] = WorkerClient(name, subprocess.Popen(
@@ -175,7 +185,7 @@ def _fetch_once(proc: WorkerClient, model: str, source: str = "pub", into: bool 
     return got
 
 
-def run_both(size: int, chunk: int, runs: int) -> dict[str, Any]:
+def run_both(size: int, chunk: int, runs: int, switching: str = "default") -> dict[str, Any]:
     """(a) and (b) over a keyless and a keyed mesh, both up for the whole run, fetches
     interleaved (round ``i`` starts with the keyless mesh when ``i`` is even)."""
     names = ["pub", "f_tcp"]
@@ -183,8 +193,8 @@ def run_both(size: int, chunk: int, runs: int) -> dict[str, Any]:
     raw: dict[str, list[float]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="tensorhub-keys-") as key_dir, ExitStack() as stack:
         write_keys(key_dir, names, {"*": ["pub"]})
-        meshes = {"off": stack.enter_context(_mesh(names, chunk, None)),
-                  "on": stack.enter_context(_mesh(names, chunk, key_dir))}
+        meshes = {"off": stack.enter_context(_mesh(names, chunk, None, switching)),
+                  "on": stack.enter_context(_mesh(names, chunk, key_dir, switching))}
         for procs in meshes.values():
             procs["pub"].call("published", cmd="publish", model="big", version=1,
                               shape="model", size=size, shared=True)
@@ -202,9 +212,9 @@ def run_both(size: int, chunk: int, runs: int) -> dict[str, Any]:
 
 
 def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
-         key_dir: str | None) -> dict[str, Any]:
+         key_dir: str | None, switching: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    with _mesh(names, chunk, key_dir) as procs:
+    with _mesh(names, chunk, key_dir, switching) as procs:
         pub = procs["pub"]
         published = pub.call("published", cmd="publish", model="big", version=1,
                              shape="model", size=size, shared=True)
@@ -258,7 +268,17 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
         procs["f_tcp"].call("prepared", cmd="prepare", model="small", shape="small",
                             size=10_000 * 4096)
         small = single(procs["f_tcp"], "small")
-    results.update(shm=shm, copy=copies, chain=chain, small=small)
+        procs["f_far"].call("prepared", cmd="prepare", model="small", shape="small",
+                            size=10_000 * 4096)
+        far_small = single(procs["f_far"], "small")
+        procs["f_tcp"].call("spinning", cmd="spin", on=True)
+        try:
+            busy_thread = single(procs["f_tcp"], "big")
+        finally:
+            procs["f_tcp"].call("spinning", cmd="spin", on=False)
+        switching = procs["f_tcp"].call("stats", cmd="stats")["switch_interval"]
+    results.update(shm=shm, copy=copies, chain=chain, small=small, far_small=far_small,
+                   busy_thread=busy_thread, switch_interval=switching)
     return results
 
 
@@ -277,6 +297,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="last line: JSON with figures")
     p.add_argument("--only", choices=("all", "tcp"), default="all",
                    help="tcp: just (a) and (b), for iterating on the TCP data plane")
+    p.add_argument("--switch-interval", default="default", metavar="SECONDS|none|default",
+                   help="every worker's PeerConfig.switch_interval (none: Python's 5 ms, "
+                        "as before peers set it; see (i))")
     p.add_argument("--keys", choices=("on", "off", "both"), default="off",
                    help="on: every peer runs with keys; both: a keyless and a keyed mesh "
                         "in the same run, fetches interleaved, (a) and (b) only: the cost "
@@ -288,8 +311,11 @@ def run_cli(args: argparse.Namespace) -> int:
     chunk = 0 if args.chunk == "auto" else parse_size(args.chunk)
     both = args.keys == "both"
     only_tcp = args.only == "tcp" or both
-    r = run_both(size, chunk, runs) if both else run(size, chunk, runs, only_tcp,
-                                                      args.keys == "on")
+    switching = args.switch_interval
+    if switching not in ("default", "none"):
+        float(switching)  # a bad value fails here, not in every worker
+    r = run_both(size, chunk, runs, switching) if both else \
+        run(size, chunk, runs, only_tcp, args.keys == "on", switching)
     copy_s: list[float] = r.get("copy", [])
     med = statistics.median
     raw_s = r["raw"]
@@ -341,6 +367,8 @@ def run_cli(args: argparse.Namespace) -> int:
         chain_s = med(r["chain"])
         small_s = med([x["seconds"] for x in r["small"]])
         no_into_s = [x["seconds"] for x in r["no_into"]]
+        far_small_s = med([x["seconds"] for x in r["far_small"]])
+        busy_thread_s = med([x["seconds"] for x in r["busy_thread"]])
         shm_rate = model_bytes / shm_s
         small_rate = small_bytes / small_s
         shm_transports = {t for x in r["shm"]
@@ -354,6 +382,10 @@ def run_cli(args: argparse.Namespace) -> int:
              model_bytes / med(no_into_s)),
             ("(d) chain pub -> A -> B -> C (TCP)", chain_s, model_bytes / chain_s),
             ("(e) 10,000 x 4 KiB tensors, TCP", small_s, small_rate),
+            ("(h) (e), checked as from another host (blake3)", far_small_s,
+             small_bytes / far_small_s),
+            ("(i) (b), a thread of the fetcher running Python", busy_thread_s,
+             model_bytes / busy_thread_s),
         ]
         figures += [
             figure("shm_vs_memcpy", shm_rate / copy_rate, "ratio", 0.6, "higher"),
@@ -368,6 +400,11 @@ def run_cli(args: argparse.Namespace) -> int:
                         chain_same_host_vs_single=chain_s / tcp_s,  # figure: bench chain
                         small_s=[x["seconds"] for x in r["small"]], small_bytes=small_bytes,
                         no_into_s=no_into_s,
+                        far_small_s=[x["seconds"] for x in r["far_small"]],
+                        far_small_local_digest_chunks=[
+                            x["report"]["local_digest_chunks"] for x in r["far_small"]],
+                        busy_thread_s=[x["seconds"] for x in r["busy_thread"]],
+                        fetcher_switch_interval=r["switch_interval"],
                         publisher_rss_growth_mib=r["publisher_rss_growth_mib"],
                         fetcher_peak_rss_mib=r["fetcher_peak_rss_mib"])
     print(f"transfer benchmark: {size / 2**20:.0f} MiB, chunk "
@@ -391,6 +428,7 @@ def run_cli(args: argparse.Namespace) -> int:
             "measured": measured,
             "settings": {"size": size, "chunk": chunk or "auto", "runs": runs,
                          "only": "tcp" if only_tcp else "all", "keys": args.keys,
+                         "switch_interval": switching,
                          "membership_timers": _TIMERS},
         }))
     return 0

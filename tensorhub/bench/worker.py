@@ -20,8 +20,11 @@ line, answering each with one JSON line on stdout:
 * ``{"cmd": "wait_holders", "model", "version", "count", "timeout"}`` waits until
   ``count`` other live peers hold the version completely and names them.
 * ``{"cmd": "unpublish", "model", "version"}``, ``{"cmd": "quit"}``.
-* ``{"cmd": "stats"}``: bytes served, members, the peer's security and digest lines and
-  its membership timers and stall timeout.
+* ``{"cmd": "stats"}``: bytes served, members, the peer's security and digest lines, its
+  membership timers, stall timeout and the interpreter's switch interval.
+* ``{"cmd": "spin", "on": bool}`` starts (or stops) a thread of this process that runs
+  Python without pause, as an engine's or a trainer's own threads may: the peer's
+  threads then wait for the GIL (``PeerConfig.switch_interval``).
 * The staged flip, through one :class:`~tensorhub.Rollout` per model:
   ``{"cmd": "stage", "model", "version"}`` (into the buffers the last release freed, if
   any), ``{"cmd": "commit", "model"}`` (reports ``switch_seconds``, the reads of the
@@ -42,6 +45,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -158,6 +162,7 @@ class Worker:
         self.spare: dict[str, dict[str, np.ndarray[Any, Any]]] = {}
         self.reads: dict[int, int] = {}
         self.read_errors: list[str] = []
+        self.spinning: threading.Event | None = None
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         kind = cmd["cmd"]
@@ -168,6 +173,8 @@ class Worker:
             self.nursery.start_soon(self.read_loop, cmd["model"], cmd["version"],
                                     cmd.get("sources"))
             return {"event": "reading"}
+        if kind == "spin":
+            return self.spin(bool(cmd["on"]))
         if kind == "read_status":
             return {"event": "read_status", "reads": {str(v): n for v, n in self.reads.items()},
                     "errors": len(self.read_errors), "last_errors": self.read_errors[-3:]}
@@ -216,8 +223,25 @@ class Worker:
                     "tcp_local_digests": st.tcp_local_digests,
                     "gossip_interval": self.peer.config.gossip_interval,
                     "probe_interval": self.peer.config.probe_interval,
-                    "stall_timeout": self.peer.config.stall_timeout}
+                    "stall_timeout": self.peer.config.stall_timeout,
+                    "switch_interval": st.switch_interval}
         raise ValueError(f"unknown command {kind!r}")
+
+    def spin(self, on: bool) -> dict[str, Any]:
+        """The ``spin`` command (see the module docstring)."""
+        if on and self.spinning is None:
+            stop = self.spinning = threading.Event()
+
+            def run() -> None:
+                n = 0
+                while not stop.is_set():
+                    n += 1
+
+            threading.Thread(target=run, name="bench spinner", daemon=True).start()
+        elif not on and self.spinning is not None:
+            self.spinning.set()
+            self.spinning = None
+        return {"event": "spinning", "on": self.spinning is not None}
 
     async def publish_step(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The ``publish_step`` command (see the module docstring)."""
@@ -297,7 +321,11 @@ connect and lease timeouts) stays the local preset's."""
 
 
 async def main(args: argparse.Namespace) -> None:
-    overrides = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
+    overrides: dict[str, Any] = {} if args.stall_timeout is None \
+        else {"stall_timeout": args.stall_timeout}
+    if args.switch_interval != "default":
+        overrides["switch_interval"] = None if args.switch_interval == "none" \
+            else float(args.switch_interval)
     if args.timers == "default":  # the membership timers of PeerConfig's defaults
         defaults = PeerConfig(args.name)
         overrides.update({f: getattr(defaults, f) for f in MEMBERSHIP_TIMERS})
@@ -365,4 +393,6 @@ if __name__ == "__main__":
     p.add_argument("--stall-timeout", type=float, default=None,
                    help="seconds without progress before a source counts as stalled "
                         "(default: the local preset's)")
+    p.add_argument("--switch-interval", default="default", metavar="SECONDS|none|default",
+                   help="PeerConfig.switch_interval (none: leave Python's 5 ms)")
     trio.run(main, p.parse_args())
