@@ -39,8 +39,9 @@ def test_every_figure_from_its_runs(
     assert len(measured["far_small_s"]) == 2
     assert measured["far_small_local_digest_chunks"] == [0, 0]
     assert "(h) (e), checked as from another host (blake3)" in out
-    # (i): the model fetched while a thread of the fetcher runs Python, with the switch
-    # interval the peer set
-    assert len(measured["busy_thread_s"]) == 2
+    # (i): the model fetched while a thread of the fetcher (then of the holder) runs
+    # Python, with the switch interval the peer set
+    assert len(measured["busy_thread_s"]) == len(measured["busy_holder_s"]) == 2
     assert measured["fetcher_switch_interval"].startswith("0.5 ms: set by")
     assert "(i) (b), a thread of the fetcher running Python" in out
+    assert "(i) (b), a thread of the holder running Python" in out

@@ -26,7 +26,8 @@ Measured here, each the median of ``--runs`` runs, every process on this machine
 (i) (b) while a thread of the fetcher's process runs Python without pause (the
     worker's ``spin`` command), as an engine's or a trainer's threads may: the peer's
     threads wait for the GIL (``PeerConfig.switch_interval``; no figure;
-    ``busy_thread_s``).
+    ``busy_thread_s``); and while a thread of the holder's process does
+    (``busy_holder_s``).
 
 It also reports the publisher's RSS growth across ``publish`` and a fetcher's peak RSS.
 ``--only tcp`` measures (a) and (b) alone, to iterate on the TCP data plane.
@@ -271,14 +272,17 @@ def _run(names: list[str], size: int, chunk: int, runs: int, only_tcp: bool,
         procs["f_far"].call("prepared", cmd="prepare", model="small", shape="small",
                             size=10_000 * 4096)
         far_small = single(procs["f_far"], "small")
-        procs["f_tcp"].call("spinning", cmd="spin", on=True)
-        try:
-            busy_thread = single(procs["f_tcp"], "big")
-        finally:
-            procs["f_tcp"].call("spinning", cmd="spin", on=False)
+        busy: dict[str, list[dict[str, Any]]] = {}
+        for spinner in ("f_tcp", "pub"):
+            procs[spinner].call("spinning", cmd="spin", on=True)
+            try:
+                busy[spinner] = single(procs["f_tcp"], "big")
+            finally:
+                procs[spinner].call("spinning", cmd="spin", on=False)
         switching = procs["f_tcp"].call("stats", cmd="stats")["switch_interval"]
     results.update(shm=shm, copy=copies, chain=chain, small=small, far_small=far_small,
-                   busy_thread=busy_thread, switch_interval=switching)
+                   busy_thread=busy["f_tcp"], busy_holder=busy["pub"],
+                   switch_interval=switching)
     return results
 
 
@@ -369,6 +373,7 @@ def run_cli(args: argparse.Namespace) -> int:
         no_into_s = [x["seconds"] for x in r["no_into"]]
         far_small_s = med([x["seconds"] for x in r["far_small"]])
         busy_thread_s = med([x["seconds"] for x in r["busy_thread"]])
+        busy_holder_s = med([x["seconds"] for x in r["busy_holder"]])
         shm_rate = model_bytes / shm_s
         small_rate = small_bytes / small_s
         shm_transports = {t for x in r["shm"]
@@ -386,6 +391,8 @@ def run_cli(args: argparse.Namespace) -> int:
              small_bytes / far_small_s),
             ("(i) (b), a thread of the fetcher running Python", busy_thread_s,
              model_bytes / busy_thread_s),
+            ("(i) (b), a thread of the holder running Python", busy_holder_s,
+             model_bytes / busy_holder_s),
         ]
         figures += [
             figure("shm_vs_memcpy", shm_rate / copy_rate, "ratio", 0.6, "higher"),
@@ -404,6 +411,7 @@ def run_cli(args: argparse.Namespace) -> int:
                         far_small_local_digest_chunks=[
                             x["report"]["local_digest_chunks"] for x in r["far_small"]],
                         busy_thread_s=[x["seconds"] for x in r["busy_thread"]],
+                        busy_holder_s=[x["seconds"] for x in r["busy_holder"]],
                         fetcher_switch_interval=r["switch_interval"],
                         publisher_rss_growth_mib=r["publisher_rss_growth_mib"],
                         fetcher_peak_rss_mib=r["fetcher_peak_rss_mib"])
