@@ -53,7 +53,8 @@ def test_transfer_keys_both_measures_both_meshes_in_one_run(
     assert isinstance(settings, dict)
     assert settings["membership_timers"].startswith("default"), settings
     assert {k: v for k, v in settings.items() if k != "membership_timers"} == {
-        "size": 8 * MIB, "chunk": "auto", "runs": 2, "only": "tcp", "keys": "both"}
+        "size": 8 * MIB, "chunk": "auto", "runs": 2, "only": "tcp", "keys": "both",
+        "switch_interval": "default"}
 
 
 @pytest.mark.netns
