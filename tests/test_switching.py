@@ -11,7 +11,7 @@ from test_mesh import mesh
 
 from tensorhub import PeerConfig
 from tensorhub.errors import ConfigError
-from tensorhub.peer.switching import PYTHON_DEFAULT, switch_interval
+from tensorhub.peer.switching import PYTHON_DEFAULT, describe, switch_interval
 
 
 @pytest.fixture(autouse=True)
@@ -43,21 +43,24 @@ def test_the_default_comes_back_when_the_last_user_ends() -> None:
 
 def test_an_interval_the_process_chose_is_left_alone() -> None:
     sys.setswitchinterval(0.002)
-    with switch_interval(0.0005) as note:
+    with switch_interval(0.0005):
         assert sys.getswitchinterval() == pytest.approx(0.002)
-        assert note == "2 ms: set by this process, left as it is"
+        assert describe(0.0005) == "2 ms: set by this process, left as it is"
     assert sys.getswitchinterval() == pytest.approx(0.002)
 
 
 def test_a_change_made_while_peers_run_is_not_undone() -> None:
     with switch_interval(0.0005):
+        assert describe(0.0005).startswith("0.5 ms: set by PeerConfig")
         sys.setswitchinterval(0.003)
+        assert describe(0.0005) == "3 ms: set by this process, left as it is"
     assert sys.getswitchinterval() == pytest.approx(0.003)
 
 
 def test_none_leaves_the_interval_alone() -> None:
-    with switch_interval(None) as note:
+    with switch_interval(None):
         assert sys.getswitchinterval() == pytest.approx(PYTHON_DEFAULT)
+        note = describe(None)
         assert "left as it is" in note and "None" in note
     assert sys.getswitchinterval() == pytest.approx(PYTHON_DEFAULT)
 

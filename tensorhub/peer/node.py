@@ -94,8 +94,6 @@ class Peer:
 
     def __init__(self, config: PeerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.config = config
-        self.switching = ""
-        """The interpreter's switch interval and why (:mod:`.switching`)."""
         self.dialer = Dialer(config.transports)  # fails first if a transport is missing
         """Which transport reads each holder, and why not the others (:mod:`.dialing`)."""
         host, port = parse_hostport(config.listen)
@@ -588,7 +586,7 @@ async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
     try:
         peer = Peer(config, ctx)  # binds both sockets: a used port fails here, unwrapped
         try:
-            with switch_interval(config.switch_interval) as peer.switching:
+            with switch_interval(config.switch_interval):
                 async with trio.open_nursery() as nursery:
                     await peer._start(nursery)
                     try:

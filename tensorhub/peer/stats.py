@@ -10,6 +10,7 @@ import trio
 from ..digests import TRUSTED_ONLY
 from ..transport.admission import ServerStats
 from .delta_fetch import book
+from .switching import describe
 
 if TYPE_CHECKING:
     from .fetch_report import FetchReport
@@ -167,7 +168,7 @@ def peer_statistics(peer: Peer) -> PeerStats:
         reports=tuple(peer._reports), data_server=peer._server.statistics(),
         switches=peer._switches, switch_seconds=peer._switch_seconds,
         casts=peer._casts, cast_seconds=peer._cast_seconds, delta=_delta(peer),
-        switch_interval=peer.switching,
+        switch_interval=describe(peer.config.switch_interval),
         chunking=("automatic (about 64 chunks a version and per level of the relay tree "
                   "the mesh allows, 4 to 64 MiB)"
                   if peer.config.chunk_size is None else

@@ -29,9 +29,9 @@ _ours: float | None = None  # the interval the first peer set, while peers run
 
 
 @contextmanager
-def switch_interval(seconds: float | None) -> Iterator[str]:
+def switch_interval(seconds: float | None) -> Iterator[None]:
     """Shorten the switch interval to ``seconds`` while the block runs (see the module
-    docstring); yields what it is and why, for ``statistics()``."""
+    docstring)."""
     global _users, _ours
     with _lock:
         now = sys.getswitchinterval()
@@ -41,9 +41,8 @@ def switch_interval(seconds: float | None) -> Iterator[str]:
             _ours = sys.getswitchinterval()
         if seconds is not None:
             _users += 1
-        note = _describe(seconds)
     try:
-        yield note
+        yield
     finally:
         if seconds is not None:
             with _lock:
@@ -54,7 +53,9 @@ def switch_interval(seconds: float | None) -> Iterator[str]:
                     _ours = None
 
 
-def _describe(seconds: float | None) -> str:
+def describe(seconds: float | None) -> str:
+    """The switch interval now and why, for a peer configured with ``seconds``
+    (``statistics().switch_interval``)."""
     now = sys.getswitchinterval()
     text = f"{now * 1000:g} ms"
     if seconds is None:
