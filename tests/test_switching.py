@@ -49,6 +49,13 @@ def test_an_interval_the_process_chose_is_left_alone() -> None:
     assert sys.getswitchinterval() == pytest.approx(0.002)
 
 
+def test_a_longer_interval_than_pythons_is_never_set() -> None:
+    with switch_interval(0.01):
+        assert sys.getswitchinterval() == pytest.approx(PYTHON_DEFAULT)
+        assert describe(0.01) == "5 ms: Python's default, left as it is"
+    assert sys.getswitchinterval() == pytest.approx(PYTHON_DEFAULT)
+
+
 def test_a_change_made_while_peers_run_is_not_undone() -> None:
     with switch_interval(0.0005):
         assert describe(0.0005).startswith("0.5 ms: set by PeerConfig")

@@ -62,4 +62,6 @@ def describe(seconds: float | None) -> str:
         return f"{text}: left as it is (PeerConfig.switch_interval is None)"
     if _ours is not None and abs(now - _ours) < 1e-9:
         return f"{text}: set by PeerConfig.switch_interval while peers run here"
+    if abs(now - PYTHON_DEFAULT) < 1e-9:  # asked for a longer one: never lengthened
+        return f"{text}: Python's default, left as it is"
     return f"{text}: set by this process, left as it is"
