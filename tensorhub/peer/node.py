@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import trio
@@ -582,20 +582,17 @@ class Peer:
 @asynccontextmanager
 async def open_peer(config: PeerConfig) -> AsyncIterator[Peer]:
     """Run a peer for the duration of the ``async with`` block, then leave the mesh."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
+    async with AsyncExitStack() as stack:  # unwound in reverse: the nursery ends first
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        stack.callback(ctx.term)
         peer = Peer(config, ctx)  # binds both sockets: a used port fails here, unwrapped
+        stack.callback(peer._close_sockets)  # closed already unless startup failed
+        stack.enter_context(switch_interval(config.switch_interval))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await peer._start(nursery)
         try:
-            with switch_interval(config.switch_interval):
-                async with trio.open_nursery() as nursery:
-                    await peer._start(nursery)
-                    try:
-                        yield peer
-                    finally:
-                        with trio.CancelScope(shield=True):
-                            await peer._leave()
-                        nursery.cancel_scope.cancel()
+            yield peer
         finally:
-            peer._close_sockets()  # closed already unless startup failed before they ran
-    finally:
-        ctx.term()
+            with trio.CancelScope(shield=True):
+                await peer._leave()
+            nursery.cancel_scope.cancel()
