@@ -47,7 +47,8 @@ def emit(**obj: Any) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     config = PeerConfig.local(args.name, listen=args.listen, join=tuple(args.join),
-                              chunk_size=4096, stall_timeout=5.0)
+                              data_listen=args.data_listen, chunk_size=4096,
+                              stall_timeout=5.0)
     async with tensorhub.open_peer(config) as peer:
         with trio.fail_after(60):
             while len(peer.control.membership.live_members()) < args.expect:
@@ -99,6 +100,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
     parser.add_argument("--listen", required=True)
+    parser.add_argument("--data-listen", default=None)
     parser.add_argument("--join", nargs="*", default=[])
     parser.add_argument("--role", choices=["publisher", "consumer"], required=True)
     parser.add_argument("--rank", type=int, required=True)

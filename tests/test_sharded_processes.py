@@ -24,11 +24,14 @@ def test_tp4_publish_two_tp2_groups_three_versions(procs: list[LineProcess],
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     names = [f"t{r}" for r in range(4)] + [f"g{g}r{k}" for g in range(2) for k in range(2)]
-    ports = free_ports(len(names))
+    # Every port from one call, data ports too: a data port the kernel picked for one
+    # worker could be a control port handed to a worker that has not bound it yet.
+    ports = free_ports(2 * len(names))
     seed = f"127.0.0.1:{ports[0]}"
     by_name: dict[str, LineProcess] = {}
     for i, name in enumerate(names):
         argv = [sys.executable, WORKER, "--name", name, "--listen", f"127.0.0.1:{ports[i]}",
+                "--data-listen", f"127.0.0.1:{ports[len(names) + i]}",
                 "--expect", str(len(names))]
         if name.startswith("t"):
             argv += ["--role", "publisher", "--rank", name[1]]
