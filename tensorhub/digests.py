@@ -35,6 +35,13 @@ LOCAL_ALGO = "xxh3-128"
 """The digest of :attr:`Manifest.local_digests`: what a reader checks a chunk against
 when its holder is a process that can already write the reader's memory."""
 
+HASHED_AS_LANDED = frozenset({"xxh3-128"})
+"""Digests a TCP reader computes itself as a chunk of many pieces lands (while each
+piece is in the cache), instead of a pool thread reading the chunk again: xxh3 keeps
+the GIL for inputs under about 100 KiB, so a reader thread hashing piece by piece
+never waits to take it back.  blake3 and sha256 let go of it for every input of 2 KiB
+or more (see :func:`digest_of`)."""
+
 THREADED_HASH_BYTES = 1 << 20
 """Chunks at least this large are hashed by blake3 with several threads when a manifest
 is built.  Measured here (2 cores, 1 GiB in 4 MiB chunks): one thread 6.1 GB/s, all

@@ -343,14 +343,19 @@ class DigestCheck:
                  each: Callable[[int, memoryview], None] | None = None) -> None:
         self._check(landed, each)
 
+    def check_digest(self, digest: bytes, seconds: float) -> None:
+        """The check, of the digest a reader computed as the bytes landed
+        (:class:`~tensorhub.transport.base.DigestVerifier`)."""
+        self.fetch._verify_times.append(seconds)
+        if digest != self.expected:
+            raise IntegrityError(f"chunk {self.chunk} of {self.fetch.key} failed its digest",
+                                 source=self.source)
+
     def _check(self, segments: Iterable[Any],
                each: Callable[[int, memoryview], None] | None) -> None:
         began = time.perf_counter()
-        ok = digest_of(self.algo, segments, each=each) == self.expected
-        self.fetch._verify_times.append(time.perf_counter() - began)
-        if not ok:
-            raise IntegrityError(f"chunk {self.chunk} of {self.fetch.key} failed its digest",
-                                 source=self.source)
+        digest = digest_of(self.algo, segments, each=each)
+        self.check_digest(digest, time.perf_counter() - began)
 
 
 class LocalDigestCheck(DigestCheck):

@@ -46,6 +46,24 @@ def checks_source(verify: Verifier | None) -> TypeGuard[SourceVerifier]:
     return callable(getattr(verify, "check_source", None))
 
 
+class DigestVerifier(Protocol):
+    """A :data:`Verifier` that names its digest, so a reader may hash the chunk's bytes
+    itself as they land and hand over the result: ``check_digest(digest, seconds)``
+    raises as the verifier does (``seconds``: the time spent hashing)."""
+
+    algo: str
+
+    def __call__(self, landed: Sequence[memoryview]) -> None: ...
+
+    def check_digest(self, digest: bytes, seconds: float) -> None: ...
+
+
+def takes_digest(verify: Verifier | None) -> TypeGuard[DigestVerifier]:
+    """Whether ``verify`` is a :class:`DigestVerifier` (an attribute look-up, as in
+    :func:`checks_source`)."""
+    return callable(getattr(verify, "check_digest", None))
+
+
 Take = Callable[[int], Sequence[tuple[int, Sequence[Any], Verifier | None]]]
 """``take(budget)``: claim consecutive chunks to stream next, about ``budget`` bytes of
 them (at least one chunk while any is left; none ends the stream): ``(chunk,

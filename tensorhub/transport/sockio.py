@@ -16,6 +16,8 @@ import bisect
 import functools
 import itertools
 import socket
+import time
+from collections import deque
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
@@ -57,14 +59,18 @@ IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on L
 NBYTES = attrgetter("nbytes")
 
 
-def recv_scattered(sock: socket.socket, dest: Sequence[Any]) -> None:
+def recv_scattered(sock: socket.socket, dest: Sequence[Any], hasher: Any = None) -> float:
     """Fill the buffers of ``dest`` in order with vectored reads: the kernel scatters
     the payload, however many tensors a chunk spans (measured: 4 MiB in 1,024 pieces in
-    0.55 ms, vs 1.0-1.5 ms for a staging buffer and a copy per piece)."""
+    0.55 ms, vs 1.0-1.5 ms for a staging buffer and a copy per piece).
+
+    ``hasher``: given each buffer, in order, as soon as it is full (while its bytes are
+    in the cache); returns the seconds that took."""
     pieces = [d for d in dest if d.nbytes]
     ends = list(itertools.accumulate(map(NBYTES, pieces)))
     total = ends[-1] if ends else 0
     got = i = 0
+    hashing = 0.0
     while got < total:
         batch = pieces[i:i + IOV_BATCH]
         into_first = got - (ends[i - 1] if i else 0)
@@ -74,7 +80,13 @@ def recv_scattered(sock: socket.socket, dest: Sequence[Any]) -> None:
         if k == 0:
             raise TransportError("connection closed mid-payload")
         got += k
-        i = bisect.bisect_right(ends, got, i)
+        full = bisect.bisect_right(ends, got, i)
+        if hasher is not None and full > i:
+            began = time.perf_counter()
+            deque(map(hasher.update, pieces[i:full]), maxlen=0)
+            hashing += time.perf_counter() - began
+        i = full
+    return hashing
 
 
 def bytes_of(buf: Any) -> memoryview:
