@@ -37,20 +37,22 @@ autotuning was faster than a fixed 8 MiB (1.00 vs 0.88 of a raw socket)."""
 
 
 def send_segments(sock: socket.socket, segments: Sequence[memoryview]) -> None:
+    """Send the segments in order with vectored writes.  Where a write stopped is found
+    by bisecting the segments' running ends: no Python step per segment (a chunk of
+    1,000 small tensors goes out in two or three writes)."""
     if len(segments) == 1:
         sock.sendall(segments[0])
         return
-    pending = [s for s in segments if len(s)]
-    while pending:
-        batch = pending[:IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        i = 0
-        while i < len(batch) and sent >= len(batch[i]):
-            sent -= len(batch[i])
-            i += 1
-        if i < len(batch):
-            pending[i] = pending[i][sent:]
-        del pending[:i]
+    ends = list(itertools.accumulate(map(len, segments)))
+    total = ends[-1] if ends else 0
+    sent = i = 0
+    while sent < total:
+        batch = list(segments[i:i + IOV_BATCH])
+        into_first = sent - (ends[i - 1] if i else 0)
+        if into_first:
+            batch[0] = batch[0][into_first:]
+        sent += sock.sendmsg(batch)
+        i = bisect.bisect_right(ends, sent, i)
 
 
 IOV_BATCH = 512  # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux)
