@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from . import manifest_columns as columns
 from .digests import (
     DIGEST_ALGOS,
     DIGEST_SIZES,
@@ -232,21 +233,30 @@ class Manifest:
                                       f"of {limits.max_manifest_bytes}")
         if expected_id is not None and manifest_id_of(data) != expected_id:
             raise RemoteProtocolError("manifest does not match its id")
-        try:
-            obj = msgpack.unpackb(
-                data, raw=False, strict_map_key=True, max_map_len=16,
-                max_array_len=max(limits.max_tensors, MAX_DTYPES),
-                max_str_len=4 * MAX_TENSOR_NAME, max_bin_len=limits.max_manifest_bytes,
-                max_ext_len=0)
-        except Exception as exc:  # msgpack raises a zoo of types on bad input
-            raise RemoteProtocolError(f"malformed manifest encoding: {exc}") from None
-        known = None
-        if known_only:
-            known = _cached_tensors(obj.get("tensors") if isinstance(obj, dict) else None,
-                                    limits)[1]
-            if known is None:
-                return None
-        manifest = _checked_from_wire(obj, limits, known)
+        bounds = {"max_map_len": 16, "max_array_len": max(limits.max_tensors, MAX_DTYPES),
+                  "max_str_len": 4 * MAX_TENSOR_NAME,
+                  "max_bin_len": limits.max_manifest_bytes, "max_ext_len": 0}
+        parts = columns.split(data, **bounds)
+        specs = columns.known(parts[1]) if parts is not None else None
+        if parts is not None and specs is not None:  # the columns' very bytes seen lately
+            if len(specs[0]) > limits.max_tensors:
+                raise RemoteProtocolError(
+                    f"malformed manifest: over {limits.max_tensors} tensors")
+            manifest = _checked_from_wire(parts[0], limits, specs)
+        else:
+            try:
+                obj = msgpack.unpackb(data, raw=False, strict_map_key=True, **bounds)
+            except Exception as exc:  # msgpack raises a zoo of types on bad input
+                raise RemoteProtocolError(f"malformed manifest encoding: {exc}") from None
+            known = None
+            if known_only:
+                known = _cached_tensors(
+                    obj.get("tensors") if isinstance(obj, dict) else None, limits)[1]
+                if known is None:
+                    return None
+            manifest = _checked_from_wire(obj, limits, known)
+            if parts is not None:
+                columns.remember(parts[1], (manifest.tensors, manifest.total_bytes))
         if expected_id is not None:  # these exact bytes are its canonical encoding
             object.__setattr__(manifest, "_encoded", bytes(data))
             object.__setattr__(manifest, "_id", expected_id)
