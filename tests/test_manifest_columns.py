@@ -106,3 +106,16 @@ def _with_duplicate_tensors(wire: dict[str, Any]) -> bytes:
 def test_any_bytes_split_or_not_without_raising(data: bytes) -> None:
     parts = columns.split(data, **BOUNDS)
     assert parts is None or isinstance(parts[0], dict)
+
+
+@pytest.mark.parametrize("tensors", [
+    b"\xdd\xff\xff\xff\xff",  # an array of 2**32 - 1 items, none there
+    b"\xdf\xff\xff\xff\xff",  # a map of 2**32 - 1 pairs
+    b"\xdb\xff\xff\xff\xff",  # a string of 4 GiB
+    b"\xc6\x7f\xff\xff\xff",  # a bin of 2 GiB
+])
+def test_huge_declared_counts_in_the_columns_do_not_split(tensors: bytes) -> None:
+    data = b"\x81\xa7tensors" + tensors
+    assert columns.split(data, **BOUNDS) is None
+    with pytest.raises(RemoteProtocolError):
+        Manifest.decode(data)
