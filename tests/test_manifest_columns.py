@@ -61,7 +61,9 @@ def test_other_columns_are_not_taken_for_known_ones() -> None:
     other = many(3, 1, n=299)
     parts = columns.split(other.encode(), **BOUNDS)
     assert parts is not None and columns.known(parts[1]) is None
+    assert Manifest.decode_known(other.encode()) is None  # left to the full decode
     assert Manifest.decode(other.encode()) == other
+    assert Manifest.decode_known(other.encode()) == other  # known from now on
 
 
 def test_known_columns_still_meet_a_smaller_tensor_limit() -> None:
