@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 import blake3
 import msgpack
@@ -121,3 +122,34 @@ def test_huge_declared_counts_in_the_columns_do_not_split(tensors: bytes) -> Non
     assert columns.split(data, **BOUNDS) is None
     with pytest.raises(RemoteProtocolError):
         Manifest.decode(data)
+
+
+FIELDS = ["model", "version", "chunk_size", "digest_algo", "chunk_digests", "shard",
+          "local_digests", "device_digests", "extra"]
+VALUES = st.one_of(st.integers(-2**63, 2**64 - 1), st.sampled_from([0, 1, 2**63 - 1, 2**63]),
+                   st.binary(max_size=64), st.text(max_size=8), st.none(), st.booleans(),
+                   st.lists(st.integers(-1, 2**32), max_size=4))
+
+
+@given(manifests(), st.sampled_from(FIELDS), VALUES)
+@settings(max_examples=300)
+def test_known_columns_beside_any_other_field_decode_as_the_full_parse_does(
+        m: Manifest, name: str, value: object) -> None:
+    """The columns are known (remembered by a first decode); every other field, given
+    any value, is refused or accepted exactly as without that knowledge."""
+    Manifest.decode(m.encode())
+    wire = m.to_wire()
+    wire[name] = value
+    data = msgpack.packb(wire, use_bin_type=True)
+
+    def outcome() -> object:
+        try:
+            return Manifest.decode(data)
+        except RemoteProtocolError:
+            return RemoteProtocolError
+
+    parts = columns.split(data, **BOUNDS)
+    assert parts is not None and columns.known(parts[1]) is not None
+    known = outcome()
+    with mock.patch.object(columns, "known", lambda _digest: None):
+        assert outcome() == known
