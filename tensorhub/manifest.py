@@ -50,7 +50,7 @@ from .limits import (
     check_tensor_name,
 )
 from .model import TensorSpec, VersionKey, byte_views
-from .tensortable import CACHE_LOCK, TensorTable, table_of
+from .tensortable import CACHE_LOCK, SpecRow, TensorTable, built_specs, table_of
 
 
 @dataclass(slots=True)
@@ -265,7 +265,7 @@ class Manifest:
         return manifest
 
 
-def chunk_pieces(views: list[memoryview], head: int, tail: int) -> list[memoryview]:
+def chunk_pieces(views: list[Any], head: int, tail: int) -> list[Any]:
     """Trim the whole-tensor byte ``views`` of a chunk (see :meth:`Manifest.chunk_tensors`)
     to the chunk's own bytes, in place."""
     if views and head > 0:
@@ -273,6 +273,17 @@ def chunk_pieces(views: list[memoryview], head: int, tail: int) -> list[memoryvi
     if views and tail > 0:
         views[-1] = views[-1][:len(views[-1]) - tail]
     return views
+
+
+def chunk_buffers(arrays: list[Any], head: int, tail: int) -> list[Any]:
+    """As :func:`chunk_pieces`, for the whole-tensor arrays themselves: byte views only
+    of the tensors cut by the chunk's bounds, so a chunk of many small tensors makes no
+    object per tensor (each a view the garbage collector would walk while it lives)."""
+    if arrays and head:
+        arrays[0] = byte_views(arrays[:1])[0]
+    if arrays and tail:
+        arrays[-1] = byte_views(arrays[-1:])[0]
+    return chunk_pieces(arrays, head, tail)
 
 
 def manifest_id_of(encoded: bytes) -> bytes:
@@ -512,7 +523,8 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
 
     Anything a reader would refuse (see :mod:`tensorhub.limits`) raises
     :class:`LocalProtocolError` naming the tensor and the bound, before any hashing."""
-    specs, offset = [], 0
+    rows: list[SpecRow] = []
+    offset = 0
     codes: dict[np.dtype[Any], str] = {}
     for i, (name, arr) in enumerate(arrays):
         check_tensor_name(name)
@@ -525,22 +537,25 @@ def build_manifest(key: VersionKey, arrays: Sequence[tuple[str, np.ndarray[Any, 
         gshape, start = placed[i] if placed is not None else ((), ())
         if gshape:
             check_shape(name, gshape, 1)
-        specs.append(TensorSpec(name, code, tuple(arr.shape), offset, gshape, start))
+        rows.append((name, code, tuple(arr.shape), offset, gshape, start))
         offset += arr.nbytes
-    check_counts(len(specs), len(set(codes.values())), -(-offset // chunk_size), limits)
-    tensors = tuple(specs)
+    check_counts(len(rows), len(set(codes.values())), -(-offset // chunk_size), limits)
+    tensors = built_specs((key.model, key.shard, key.layout), rows)
     skeleton = Manifest(key.model, key.version, tensors, chunk_size, algo, ())
     _check_size(key, len(skeleton.encode()) + skeleton.num_chunks * 34, limits)
     local: list[bytes] = []
     if digests is not None:
         found = digests(skeleton)
     else:
-        nonempty = byte_views([arrays[i][1] for i in skeleton.table.nonempty])
+        nonempty: list[Any] = [arrays[i][1] for i in skeleton.table.nonempty]
+        whole = skeleton.table.exports_buffers()
+        if not whole:
+            nonempty = byte_views(nonempty)
         threads = chunk_size >= THREADED_HASH_BYTES
         found = []
         for c in range(skeleton.num_chunks):
             lo, hi, head, tail = skeleton.chunk_tensors(c)
-            pieces = chunk_pieces(nonempty[lo:hi], head, tail)
+            pieces = (chunk_buffers if whole else chunk_pieces)(nonempty[lo:hi], head, tail)
             if algo in TRUSTED_ONLY:
                 found.append(digest_of(algo, pieces, threads))
                 continue

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from ..manifest import Manifest, chunk_pieces
+from ..manifest import Manifest, chunk_buffers, chunk_pieces
 from ..model import VersionKey, byte_views
 from ..protocol.dataplane import BAD_REQUEST, NOT_HELD, NOT_YET
 from ..protocol.refs import Holding, bitmap_of
@@ -107,12 +107,7 @@ class LocalVersion:
         if self.flat is not None or not self.manifest.table.exports_buffers():
             return self.segments(chunk)
         lo, hi, head, tail = self.manifest.chunk_tensors(chunk)
-        pieces: list[Any] = self._nonempty_arrays()[lo:hi]
-        if pieces and head:  # only tensors cut by the chunk's bounds are viewed as bytes
-            pieces[0] = byte_views(pieces[:1])[0]
-        if pieces and tail:
-            pieces[-1] = byte_views(pieces[-1:])[0]
-        return chunk_pieces(pieces, head, tail)
+        return chunk_buffers(self._nonempty_arrays()[lo:hi], head, tail)
 
     def mark_verified(self, chunk: int) -> None:
         if not self.verified[chunk]:
