@@ -227,7 +227,7 @@ async def test_a_send_cut_short_by_shutdown_ends_before_its_lease(
     async with holder() as h:
         pub = publish(h.store, random.Random(SEED), [48 << 20], 48 << 20)
         key = pub.local.manifest.key
-        lease = h.store.lease
+        lease = h.store.lease_pieces  # the lease a TCP send holds
 
         @contextmanager
         def recorded_lease(*args: Any) -> Iterator[Any]:
@@ -235,7 +235,7 @@ async def test_a_send_cut_short_by_shutdown_ends_before_its_lease(
                 yield segments
             events.append("lease ended")
 
-        monkeypatch.setattr(h.store, "lease", recorded_lease)
+        monkeypatch.setattr(h.store, "lease_pieces", recorded_lease)
         with await connect_raw(h.address, rcvbuf=4096) as sock:
             await send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
             await sock.recv(1)  # the send has started; the reader takes no more

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Callable
-from contextlib import ExitStack, suppress
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, suppress
 from functools import partial
 from typing import Any
 
@@ -59,7 +59,7 @@ from .handshake import DataAuth, check_reader
 from .local import credentials, local_name, same_user
 from .onesided.holder import LinkSlot, OneSidedHost, serve_onesided
 from .samehost.holder import LeaseTerms, serve_shm
-from .sockio import send_segments, tune
+from .sockio import NBYTES, bytes_of, send_segments, tune
 
 _BACKLOG = 128
 
@@ -357,13 +357,13 @@ class _ServerConn:
         key = VersionKey(req.model, req.version, req.shard, req.layout)
         try:
             await provider.wait_chunk(key, req.chunk)
-            lease = provider.lease(key, req.chunk)
+            lease = _pieces(provider, key, req.chunk)
             segments = lease.__enter__()
         except NotServing as ns:
             await send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
             return
         try:
-            total = sum(map(len, segments))
+            total = sum(map(NBYTES, segments))
             await self.send_views([memoryview(encode_frame(Reply(req.req_id, OK, total))),
                                    *segments])
             self.server.on_sent(self.peer, total)
@@ -384,7 +384,7 @@ class _ServerConn:
         key = VersionKey(req.model, req.version, req.shard, req.layout)
         waited_out = False
         with ExitStack() as leases:
-            views: list[memoryview] = []
+            views: list[Any] = []
             served: list[int] = []  # payload bytes of the chunks in ``views``
 
             async def flush() -> None:
@@ -399,14 +399,14 @@ class _ServerConn:
             for chunk in range(req.first, last + 1):
                 try:
                     try:
-                        segments = leases.enter_context(provider.lease(key, chunk))
+                        segments = leases.enter_context(_pieces(provider, key, chunk))
                     except NotServing as ns:
                         if ns.status != NOT_YET or waited_out:
                             raise
                         await flush()
                         await provider.wait_chunk(key, chunk)
                         try:
-                            segments = leases.enter_context(provider.lease(key, chunk))
+                            segments = leases.enter_context(_pieces(provider, key, chunk))
                         except NotServing as again:
                             waited_out = again.status == NOT_YET
                             raise
@@ -414,7 +414,7 @@ class _ServerConn:
                     views.append(memoryview(encode_frame(
                         ChunkReply(req.req_id, chunk, ns.status, 0, ns.detail))))
                     continue
-                total = sum(map(len, segments))
+                total = sum(map(NBYTES, segments))
                 views += [memoryview(encode_frame(ChunkReply(req.req_id, chunk, OK, total))),
                           *segments]
                 served.append(total)
@@ -422,15 +422,16 @@ class _ServerConn:
                     await flush()
             await flush()
 
-    async def send_views(self, views: list[memoryview]) -> None:
-        """Send ``views`` (headers and leased payload) in one vectored write from a worker
-        thread; a reader that takes none of it for ``lease_timeout`` loses the connection."""
+    async def send_views(self, views: list[Any]) -> None:
+        """Send ``views`` (headers and leased payload: any C-contiguous buffers) in one
+        vectored write from a worker thread; a reader that takes none of it for
+        ``lease_timeout`` loses the connection."""
         twin = self.plain()
         try:
             if twin is None:  # out of descriptors: slower, from the event loop
                 with trio.fail_after(self.limits.lease_timeout):
                     for view in views:
-                        await send_all(self.sock, view)
+                        await send_all(self.sock, bytes_of(view))
             else:
                 await _send_from_thread(twin, views)
         except (TimeoutError, trio.TooSlowError):
@@ -439,7 +440,15 @@ class _ServerConn:
                                  f"{self.limits.lease_timeout}s") from None
 
 
-async def _send_from_thread(twin: socket.socket, views: list[memoryview]) -> None:
+def _pieces(provider: Provider, key: VersionKey, chunk: int
+            ) -> AbstractContextManager[Sequence[Any]]:
+    """A lease of the chunk's memory as whatever buffers the provider can hand out
+    without a view per tensor (``lease_pieces``, where it has one), else as views."""
+    lease = getattr(provider, "lease_pieces", None)
+    return lease(key, chunk) if lease is not None else provider.lease(key, chunk)
+
+
+async def _send_from_thread(twin: socket.socket, views: list[Any]) -> None:
     """Send ``views`` on ``twin`` in a worker thread and wait for it, even when cancelled:
     the thread reads leased memory, so the lease must outlive it.  A cancelled send is
     cut short by shutting the connection down (the thread's send then fails at once)."""

@@ -36,21 +36,22 @@ turns autotuning off -- and measured here (256 MiB over loopback, interleaved ru
 autotuning was faster than a fixed 8 MiB (1.00 vs 0.88 of a raw socket)."""
 
 
-def send_segments(sock: socket.socket, segments: Sequence[memoryview]) -> None:
-    """Send the segments in order with vectored writes.  Where a write stopped is found
-    by bisecting the segments' running ends: no Python step per segment (a chunk of
-    1,000 small tensors goes out in two or three writes)."""
+def send_segments(sock: socket.socket, segments: Sequence[Any]) -> None:
+    """Send the segments (any C-contiguous buffers, sized by ``nbytes``) in order with
+    vectored writes.  Where a write stopped is found by bisecting the segments' running
+    ends: no Python step per segment (a chunk of 1,000 small tensors goes out in two or
+    three writes)."""
     if len(segments) == 1:
         sock.sendall(segments[0])
         return
-    ends = list(itertools.accumulate(map(len, segments)))
+    ends = list(itertools.accumulate(map(NBYTES, segments)))
     total = ends[-1] if ends else 0
     sent = i = 0
     while sent < total:
         batch = list(segments[i:i + IOV_BATCH])
         into_first = sent - (ends[i - 1] if i else 0)
         if into_first:
-            batch[0] = batch[0][into_first:]
+            batch[0] = bytes_of(batch[0])[into_first:]
         sent += sock.sendmsg(batch)
         i = bisect.bisect_right(ends, sent, i)
 
