@@ -135,8 +135,9 @@ def disjoint(names: Sequence[str], arrays: list[np.ndarray[Any, Any]],
         return arrays
     _check_disjoint(names, arrays, np.array(nbytes, np.int64))
     checked = _Checked(ids, nbytes)
+    dead = checked.dead  # one callback for all: not a bound method object per array
     try:
-        checked.refs = [weakref.ref(a, checked.dead) for a in arrays]
+        checked.refs = [weakref.ref(a, dead) for a in arrays]
     except TypeError:  # not every array-like takes a weak reference: not remembered
         return arrays
     _last = checked
