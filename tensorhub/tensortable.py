@@ -37,6 +37,7 @@ class TensorTable:
         self._ends: np.ndarray[Any, Any] | None = None
         self._expected: tuple[list[tuple[int, ...]], list[np.dtype[Any]]] | None = None
         self._sizes: list[int] | None = None
+        self._plain = False
         self._spans: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._exports: bool | None = None
         self._schema: bytes | None = None
@@ -96,7 +97,13 @@ class TensorTable:
                     dt = dtypes[t.dtype] = storage_dtype(t.dtype)
                 out.append(dt)
             self._expected = ([t.shape for t in self.tensors], out)
+            self._plain = not any(d.hasobject or d.metadata for d in dtypes.values())
         return self._expected
+
+    def plain_dtypes(self) -> bool:
+        """Whether no dtype here holds Python objects or carries metadata."""
+        self.expected()
+        return self._plain
 
     def sizes(self) -> list[int]:
         """Every tensor's bytes, in manifest order."""

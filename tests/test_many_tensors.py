@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import socket
@@ -129,11 +130,13 @@ def _bad_into(w: dict[str, np.ndarray[Any, Any]], name: str, how: str
         del into[name]
     elif how == "unknown":
         into["no.such.tensor"] = np.zeros(3)
+    elif how == "renamed":  # as many keys as tensors, one of them unknown
+        into["no.such.tensor"] = into.pop(name)
     return into
 
 
 @pytest.mark.parametrize("how", ["shape", "dtype", "read-only", "not contiguous", "missing",
-                                 "unknown"])
+                                 "unknown", "renamed"])
 async def test_a_bad_into_array_among_ten_thousand_is_named_before_any_byte_moves(
         how: str) -> None:
     async with mesh(2) as (pub, r):
@@ -143,7 +146,7 @@ async def test_a_bad_into_array_among_ten_thousand_is_named_before_any_byte_move
             await r.wait_for_version("m", None)
         name = list(w)[-4]  # float32[1024], near the end: all before it pass the checks
         into = _bad_into(w, name, how)
-        match = "no.such.tensor" if how == "unknown" else name.replace(".", r"\.")
+        match = "no.such.tensor" if how in ("unknown", "renamed") else name.replace(".", r"\.")
         with pytest.raises(LocalProtocolError, match=match):
             await r.fetch("m", 1, into=into)
         assert r.statistics().bytes_fetched == 0
@@ -153,6 +156,27 @@ async def test_a_bad_into_array_among_ten_thousand_is_named_before_any_byte_move
         got = await r.fetch("m", 1, into=good)
         assert all(same_bytes(good[k], v) for k, v in w.items())
         assert got.report.verified
+
+
+@pytest.mark.parametrize("kind", ["dict", "defaultdict", "OrderedDict"])
+def test_into_mappings_with_other_keys_are_refused_and_left_as_they_were(kind: str) -> None:
+    """Keys are compared before any value is looked up in a mapping that is not a
+    plain dict: a ``defaultdict`` is not given the key it lacks."""
+    from tensorhub.peer.destination import prepare_destination
+    w = small_model(4, 40)
+    m = build_manifest(VersionKey("m", 1), list(w.items()), 4096, "xxh3-128")
+    make = {"dict": dict, "OrderedDict": collections.OrderedDict,
+            "defaultdict": lambda items: collections.defaultdict(lambda: np.zeros(1), items)}
+    into = make[kind]((k, np.zeros_like(v)) for k, v in w.items())
+    lost = list(w)[7]
+    into["stranger"] = into.pop(lost)
+    keys = list(into)
+    with pytest.raises(LocalProtocolError, match=f"missing \\['{lost}'\\], unknown "
+                                                 "\\['stranger'\\]"):
+        prepare_destination(m, into)
+    assert list(into) == keys
+    into[lost] = into.pop("stranger")
+    assert len(prepare_destination(m, into)) == len(w)
 
 
 def test_into_arrays_of_other_kinds_are_viewed_and_checked_one_by_one() -> None:

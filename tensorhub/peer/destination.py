@@ -53,13 +53,13 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
                                  "nn.Module")
     table = manifest.table
     names = table.names
-    if len(into.keys()) != len(names) or not into.keys() >= table.index().keys():
+    given = _lookup(into, table)
+    if given is None:
         wanted = set(names)
         extra = sorted(set(into.keys()) - wanted)
         missing = sorted(wanted - set(into.keys()))
         raise LocalProtocolError(
             f"into= does not match {manifest.key}: missing {missing[:5]}, unknown {extra[:5]}")
-    given = list(map(into.__getitem__, names))
     _, dtypes = table.expected()
     if _plain_match(table, given):
         return disjoint(names, given, table.sizes())  # sizes follow from shapes and dtypes
@@ -78,6 +78,24 @@ def prepare_destination(manifest: Manifest, into: Any) -> list[np.ndarray[Any, A
     return disjoint(names, out)
 
 
+def _lookup(into: Any, table: TensorTable) -> list[Any] | None:
+    """``into``'s values in manifest order, or None unless its keys are exactly the
+    tensors' names.  A plain dict with as many keys as there are (unique) names, each of
+    them found, has no other key: no set of 10,000 keys to compare (0.2 ms).  Any other
+    mapping's keys are compared first, as a ``defaultdict`` makes up a key it lacks."""
+    names = table.names
+    if len(into.keys()) != len(names):
+        return None
+    if type(into) is dict:
+        try:
+            return list(map(into.__getitem__, names))
+        except KeyError:
+            return None
+    if not into.keys() >= table.index().keys():
+        return None
+    return list(map(into.__getitem__, names))
+
+
 def _plain_match(table: TensorTable, given: list[Any]) -> bool:
     """Whether ``given`` are plain numpy arrays of ``table``'s shapes and dtypes, each
     C-contiguous, aligned and writeable, in passes at C speed.
@@ -91,8 +109,7 @@ def _plain_match(table: TensorTable, given: list[Any]) -> bool:
     return (set(map(type, given)) <= {np.ndarray} and all(map(eq, map(_SHAPE, given), shapes))
             and (all(map(is_, map(_DTYPE, given), dtypes))
                  or all(map(eq, map(_DTYPE, given), dtypes)))
-            and all(map(_CARRAY, given))
-            and not any(d.hasobject or d.metadata for d in set(dtypes)))
+            and all(map(_CARRAY, given)) and table.plain_dtypes())
 
 
 def _address(arr: np.ndarray[Any, Any]) -> int:
