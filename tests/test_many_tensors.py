@@ -313,20 +313,32 @@ def test_only_a_manifest_of_columns_decoded_lately_is_decoded_known() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.integers(0, 5000), min_size=1, max_size=1200))
-def test_a_scattered_receive_fills_every_piece_in_order(sizes: list[int]) -> None:
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=1200), st.booleans())
+def test_a_scattered_receive_fills_every_piece_in_order(sizes: list[int],
+                                                        ends_given: bool) -> None:
     """``recv_scattered`` lands a payload across any number of pieces, empty ones
-    among them, more than one vectored read's worth too."""
+    among them, more than one vectored read's worth too, arrays of wider items among
+    them (a read that stops inside one goes on from the byte), with the pieces' running
+    ends given or not; a hasher is handed every piece that has bytes, in order."""
     payload = np.random.default_rng(len(sizes)).integers(0, 256, sum(sizes), np.uint8)
-    dest = [np.zeros(n, np.uint8) for n in sizes]
+    dest: list[Any] = [np.zeros(n // 4, np.float32) if i % 2 and n % 4 == 0
+                       else np.zeros(n, np.uint8) for i, n in enumerate(sizes)]
+    handed: list[int] = []
+
+    class Hasher:
+        def update(self, piece: Any) -> None:
+            handed.append(piece.nbytes)
+
     a, b = socket.socketpair()
     with a, b:
         sender = threading.Thread(target=a.sendall, args=(payload.tobytes(),))
         sender.start()
         b.settimeout(30)
-        recv_scattered(b, dest)
+        recv_scattered(b, dest, Hasher(),
+                       list(itertools.accumulate(sizes)) if ends_given else None)
         sender.join()
     assert b"".join(d.tobytes() for d in dest) == payload.tobytes()
+    assert [n for n in handed if n] == [n for n in sizes if n]
 
 
 @settings(max_examples=40, deadline=None)

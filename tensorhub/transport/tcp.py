@@ -55,7 +55,7 @@ from .frames import (
     send_frame,
 )
 from .handshake import DataAuth, prove_to_holder
-from .sockio import NBYTES, bytes_of, recv_scattered, tune
+from .sockio import NBYTES, bytes_of, recv_scattered, running_ends, tune
 
 # -- the payload path: plain sockets in threads (:mod:`.sockio`) --------------------------
 #
@@ -384,15 +384,19 @@ class TcpConnection:
                       dest: Sequence[Any], hasher: Any = None) -> tuple[int, float]:
         """Land a chunk's payload in ``dest``: its bytes, and the seconds ``hasher``
         (given the pieces as they landed; see :func:`_hasher_for`) took."""
-        want: int = sum(map(NBYTES, dest))
+        if len(dest) > 2:  # always, with a hasher (:data:`HASH_AS_LANDED_PIECES`)
+            ends = running_ends(dest)
+            self._check_length(length, chunk, ends[-1])
+            return length, recv_scattered(sock, dest, hasher, ends)
+        self._check_length(length, chunk, sum(map(NBYTES, dest)))
+        for d in dest:
+            recv_exact_blocking(sock, bytes_of(d))
+        return length, 0.0
+
+    def _check_length(self, length: int, chunk: int, want: int) -> None:
         if length != want:
             raise RemoteProtocolError(
                 f"{self.peer} sent {length} bytes for chunk {chunk}, expected {want}")
-        if len(dest) > 2:  # always, with a hasher (:data:`HASH_AS_LANDED_PIECES`)
-            return want, recv_scattered(sock, dest, hasher)
-        for d in dest:
-            recv_exact_blocking(sock, bytes_of(d))
-        return want, 0.0
 
     def _land_chunk(self, sock: socket.socket, reply: Reply, chunk: int,
                     dest: Sequence[memoryview], verify: Verifier | None) -> int:
