@@ -113,6 +113,25 @@ async def test_serving_many_tensors_over_tcp_keeps_no_view_per_tensor() -> None:
         assert views() - before < 100  # a few per chunk at most, not 3,000
 
 
+@pytest.mark.parametrize("chunk_size", [4096, 65536, 1 << 20])
+async def test_a_lease_of_pieces_is_the_chunk_and_its_size(chunk_size: int) -> None:
+    """What the TCP server sends of each chunk: the pieces' bytes are the chunk's
+    bytes, and the size it is given with them is theirs (cut tensors included)."""
+    async with mesh(1, chunk_size=chunk_size) as (pub,):
+        w = small_model(5, 700)
+        await pub.publish("m", 1, w)
+        key = VersionKey("m", 1)
+        held = pub.store.get(key)
+        assert held is not None
+        flat = b"".join(v.tobytes() for v in w.values())
+        for c in range(held.manifest.num_chunks):
+            start, stop = held.manifest.chunk_range(c)
+            with pub.store.lease_pieces(key, c) as (pieces, size):
+                assert size == stop - start == sum(p.nbytes for p in pieces)
+                assert b"".join(bytes(memoryview(p).cast("B")) for p in pieces) \
+                    == flat[start:stop]
+
+
 def _bad_into(w: dict[str, np.ndarray[Any, Any]], name: str, how: str
               ) -> dict[str, Any]:
     into: dict[str, Any] = {k: np.zeros_like(v) for k, v in w.items()}

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack, suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from functools import partial
 from typing import Any
 
@@ -358,12 +358,11 @@ class _ServerConn:
         try:
             await provider.wait_chunk(key, req.chunk)
             lease = _pieces(provider, key, req.chunk)
-            segments = lease.__enter__()
+            segments, total = lease.__enter__()
         except NotServing as ns:
             await send_frame(self.sock, Reply(req.req_id, ns.status, 0, ns.detail))
             return
         try:
-            total = sum(map(NBYTES, segments))
             await self.send_views([memoryview(encode_frame(Reply(req.req_id, OK, total))),
                                    *segments])
             self.server.on_sent(self.peer, total)
@@ -399,14 +398,15 @@ class _ServerConn:
             for chunk in range(req.first, last + 1):
                 try:
                     try:
-                        segments = leases.enter_context(_pieces(provider, key, chunk))
+                        segments, total = leases.enter_context(_pieces(provider, key, chunk))
                     except NotServing as ns:
                         if ns.status != NOT_YET or waited_out:
                             raise
                         await flush()
                         await provider.wait_chunk(key, chunk)
                         try:
-                            segments = leases.enter_context(_pieces(provider, key, chunk))
+                            segments, total = leases.enter_context(
+                                _pieces(provider, key, chunk))
                         except NotServing as again:
                             waited_out = again.status == NOT_YET
                             raise
@@ -414,7 +414,6 @@ class _ServerConn:
                     views.append(memoryview(encode_frame(
                         ChunkReply(req.req_id, chunk, ns.status, 0, ns.detail))))
                     continue
-                total = sum(map(NBYTES, segments))
                 views += [memoryview(encode_frame(ChunkReply(req.req_id, chunk, OK, total))),
                           *segments]
                 served.append(total)
@@ -441,11 +440,18 @@ class _ServerConn:
 
 
 def _pieces(provider: Provider, key: VersionKey, chunk: int
-            ) -> AbstractContextManager[Sequence[Any]]:
-    """A lease of the chunk's memory as whatever buffers the provider can hand out
-    without a view per tensor (``lease_pieces``, where it has one), else as views."""
+            ) -> AbstractContextManager[tuple[Sequence[Any], int]]:
+    """A lease of the chunk's memory, and its size, as whatever buffers the provider can
+    hand out without a view per tensor (``lease_pieces``, where it has one), else as
+    views."""
     lease = getattr(provider, "lease_pieces", None)
-    return lease(key, chunk) if lease is not None else provider.lease(key, chunk)
+    return lease(key, chunk) if lease is not None else _sized(provider.lease(key, chunk))
+
+
+@contextmanager
+def _sized(lease: AbstractContextManager[Sequence[Any]]) -> Iterator[tuple[Sequence[Any], int]]:
+    with lease as segments:
+        yield segments, sum(map(NBYTES, segments))
 
 
 async def _send_from_thread(twin: socket.socket, views: list[Any]) -> None:
