@@ -187,4 +187,3 @@ def built_specs(place: tuple[str, int, bytes], rows: list[SpecRow]) -> tuple[Ten
         if len(_BUILT) > _BUILT_KEPT:
             _BUILT.popitem(last=False)
     return specs
-
