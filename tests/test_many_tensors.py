@@ -113,6 +113,23 @@ async def test_serving_many_tensors_over_tcp_keeps_no_view_per_tensor() -> None:
         assert views() - before < 100  # a few per chunk at most, not 3,000
 
 
+async def test_without_a_descriptor_to_spare_a_holder_sends_the_arrays_from_its_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server out of descriptors sends from the event loop, piece by piece: the
+    arrays of every dtype go out as their bytes."""
+    from tensorhub.transport import server as server_module
+    monkeypatch.setattr(server_module._ServerConn, "plain", lambda self: None)
+    async with mesh(2, planning=False, transports=("tcp",), chunk_size=1 << 16) as (pub, a):
+        w = small_model(6, 600)
+        await pub.publish("m", 1, w)
+        with trio.fail_after(10):
+            await a.wait_for_version("m", None)
+        with trio.fail_after(30):
+            got = await a.fetch("m", 1, sources=["p0"])
+        assert got.report.verified and got.report.chunks > 4
+        assert all(same_bytes(got.tensors[k], v) for k, v in w.items())
+
+
 @pytest.mark.parametrize("chunk_size", [4096, 65536, 1 << 20])
 async def test_a_lease_of_pieces_is_the_chunk_and_its_size(chunk_size: int) -> None:
     """What the TCP server sends of each chunk: the pieces' bytes are the chunk's
