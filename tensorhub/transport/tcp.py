@@ -228,9 +228,9 @@ class TcpConnection:
                     run = take(budget)
                     if not run and not sizes:
                         return
-                    for chunk, dest, _ in run:
-                        sizes[chunk] = n = sum(map(NBYTES, dest))
-                        ahead += n
+                    for chunk, _, _ in run:  # each a chunk in flight (not a pass over
+                        sizes[chunk] = window.chunk_bytes  # its pieces): the last
+                        ahead += window.chunk_bytes  # one, shorter, counts as a whole
                     await self._send_runs(key, run, stream)
                 await stream.wait()
                 while stream.items:
