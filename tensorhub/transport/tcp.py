@@ -219,18 +219,17 @@ class TcpConnection:
         stream = _Stream(trio.lowlevel.current_trio_token())
         if self.min_rtt is not None:
             window.rtt(self.min_rtt)
-        sizes: dict[int, int] = {}  # chunk -> bytes, asked for and not reported
-        ahead = 0
+        # Chunks asked for and not reported.  Each counts as a whole chunk in flight
+        # (the last, shorter one too): no pass over a chunk's pieces to add them up.
+        asked: set[int] = set()
         try:
             while True:
-                budget = window.ask(ahead)
-                if budget > 0 or not sizes:
+                budget = window.ask(len(asked) * window.chunk_bytes)
+                if budget > 0 or not asked:
                     run = take(budget)
-                    if not run and not sizes:
+                    if not run and not asked:
                         return
-                    for chunk, _, _ in run:  # each a chunk in flight (not a pass over
-                        sizes[chunk] = window.chunk_bytes  # its pieces): the last
-                        ahead += window.chunk_bytes  # one, shorter, counts as a whole
+                    asked.update(chunk for chunk, _, _ in run)
                     await self._send_runs(key, run, stream)
                 await stream.wait()
                 while stream.items:
@@ -238,14 +237,14 @@ class TcpConnection:
                     if isinstance(item, BaseException):  # the connection failed
                         raise _failure(self.peer, item) from None
                     chunk, result, rtt, sample = item
-                    ahead -= sizes.pop(chunk)
+                    asked.discard(chunk)
                     if rtt is not None:
                         self._rtt(rtt)
                         window.rtt(rtt)
                     if sample is not None and window.backlogged(sample[2]):
                         window.delivered(sample[0], sample[1])
                     if not landed(chunk, result):
-                        if sizes:
+                        if asked:
                             self._shutdown()  # chunks in flight: out of step
                         return
         except BaseException:
