@@ -208,14 +208,23 @@ class Store:
         return local
 
     @contextmanager
-    def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:
+    def _leased(self, key: VersionKey, chunk: int,
+                host: Callable[[LocalVersion, int], Sequence[Any]]
+                ) -> Iterator[tuple[LocalVersion, Sequence[Any]]]:
+        """The chunk's memory pinned: ``host(local, chunk)`` of a version in host
+        memory, a staged copy of one in device memory."""
         local = self._leasable(key, chunk)
         with self._pinned(local):
             if local.source is None:
-                yield local.segments(chunk)
+                yield local, host(local, chunk)
             else:
                 with local.source.lease(chunk) as staged:
-                    yield staged
+                    yield local, staged
+
+    @contextmanager
+    def lease(self, key: VersionKey, chunk: int) -> Iterator[Sequence[memoryview]]:
+        with self._leased(key, chunk, LocalVersion.segments) as (_, segments):
+            yield segments
 
     @contextmanager
     def lease_pieces(self, key: VersionKey, chunk: int
@@ -227,14 +236,9 @@ class Store:
         Serving a version of 10,000 small tensors then keeps no view per tensor: 20,000
         such objects a version made every full collection of the garbage collector
         longer, and the serving peer stalled 20-40 ms in some."""
-        local = self._leasable(key, chunk)
-        start, stop = local.manifest.chunk_range(chunk)
-        with self._pinned(local):
-            if local.source is None:
-                yield local.buffers(chunk), stop - start
-            else:
-                with local.source.lease(chunk) as staged:
-                    yield staged, stop - start
+        with self._leased(key, chunk, LocalVersion.buffers) as (local, pieces):
+            start, stop = local.manifest.chunk_range(chunk)
+            yield pieces, stop - start
 
     @contextmanager
     def lease_device(self, key: VersionKey, chunk: int) -> Iterator[Sequence[Any] | None]:
