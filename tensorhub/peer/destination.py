@@ -84,16 +84,13 @@ def _lookup(into: Any, table: TensorTable) -> list[Any] | None:
     them found, has no other key: no set of 10,000 keys to compare (0.2 ms).  Any other
     mapping's keys are compared first, as a ``defaultdict`` makes up a key it lacks."""
     names = table.names
-    if len(into.keys()) != len(names):
+    if len(into.keys()) != len(names) or (
+            type(into) is not dict and not into.keys() >= table.index().keys()):
         return None
-    if type(into) is dict:
-        try:
-            return list(map(into.__getitem__, names))
-        except KeyError:
-            return None
-    if not into.keys() >= table.index().keys():
+    try:
+        return list(map(into.__getitem__, names))
+    except KeyError:
         return None
-    return list(map(into.__getitem__, names))
 
 
 def _plain_match(table: TensorTable, given: list[Any]) -> bool:
