@@ -91,7 +91,7 @@ async def serve_delta(conn: _ServerConn, req: DeltaRunRequest, served: DeltaServ
 
     async def encoder() -> None:
         provider = conn.server.provider
-        async with send:
+        with send:
             for chunk in range(req.first, last + 1):
                 try:
                     await provider.wait_chunk(key, chunk)
@@ -102,19 +102,27 @@ async def serve_delta(conn: _ServerConn, req: DeltaRunRequest, served: DeltaServ
                         delta, size, cpu = await trio.to_thread.run_sync(
                             _encode, list(old), list(new))
                 except NotServing as ns:
-                    await send.send((chunk, ChunkRefusal(ns.status, ns.detail), b""))
-                    continue
-                served.chunks += 1
-                served.raw_chunks += delta[0] == RAW
-                served.chunk_bytes += size
-                served.delta_bytes += len(delta)
-                served.encode_seconds += cpu
-                await send.send((chunk, min(int(cpu * 1e6), 2**32 - 1), delta))
+                    item: tuple[int, Any, bytes] = (chunk, ChunkRefusal(ns.status, ns.detail),
+                                                    b"")
+                else:
+                    served.chunks += 1
+                    served.raw_chunks += delta[0] == RAW
+                    served.chunk_bytes += size
+                    served.delta_bytes += len(delta)
+                    served.encode_seconds += cpu
+                    item = (chunk, min(int(cpu * 1e6), 2**32 - 1), delta)
+                try:
+                    await send.send(item)
+                except trio.BrokenResourceError:
+                    # The sender has ended (the reader left, or its send failed) and its
+                    # error is the run's; raising here could end the run first and get
+                    # a reader gone counted as bad input.
+                    return
 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(encoder)
-            async with receive:
+            with receive:  # closed with no checkpoint: a failed send is the run's error
                 async for chunk, info, delta in receive:
                     if isinstance(info, ChunkRefusal):
                         head = DeltaReply(req.req_id, chunk, info.status, 0, 0, info.detail)
