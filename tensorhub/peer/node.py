@@ -207,12 +207,17 @@ class Peer:
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
 
     def _send(self, out: list[Outbound]) -> None:
+        last: tuple[object, bytes] | None = None  # one message to many: encoded once
         for item in out:
-            try:
-                data = codec.encode(item.msg, self.config.max_message_bytes)
-            except LocalProtocolError as exc:
-                self.internal_error(f"cannot send {type(item.msg).__name__}: {exc}")
-                continue
+            if last is not None and last[0] is item.msg:
+                data = last[1]
+            else:
+                try:
+                    data = codec.encode(item.msg, self.config.max_message_bytes)
+                except LocalProtocolError as exc:
+                    self.internal_error(f"cannot send {type(item.msg).__name__}: {exc}")
+                    continue
+                last = (item.msg, data)
             self._router.send_nowait(item.dest, data, reply=item.reply)
         self._after_change()
 
@@ -374,7 +379,7 @@ class Peer:
         signed = self.control.sign_announcement(local.holding())
         local.announced = (signed.publisher_gen, signed.publisher_sig)
         self.store.add(local)
-        self._send(self.control.put_holding(local.holding()))
+        self._send(self.control.publish_holding(local.holding()))
         return manifest
 
     def unsealed(self, model: str) -> list[str]:

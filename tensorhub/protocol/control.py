@@ -12,7 +12,8 @@ clocks.  It composes two protocols:
   Every ``gossip_interval`` the peer sends its table digest to ``gossip_fanout`` random
   live members; a receiver answers with the entries that are newer on its side and,
   if the digest shows the sender knows something newer, with its own digest so the
-  sender answers in turn (push-pull).  A local change is also pushed at once.
+  sender answers in turn (push-pull).  A local change is also pushed at once: to
+  ``gossip_fanout`` random live members, and a publish of our own to every one.
 
 When membership declares a peer dead or departed, its references are forgotten here,
 so a fetch is never routed to it; when it is seen alive again (it refuted), they are
@@ -42,6 +43,12 @@ from .refs import Holding, OriginEntry, RefTable, Stamp, announcement_bytes
 from .topology import NodeInfo
 from .trust import Trust
 from .versions import Seal, ShardClaim, VersionView
+
+PUSH_HOLDINGS = 16_384
+"""A publish pushes our entry to at most this many holdings' worth of members (about 1
+MiB at some 64 bytes a holding): every member of a 1,000-peer mesh for an entry of up to
+16 holdings, 16 members for one of 1,000 (an adapter trainer's), never fewer than
+``gossip_fanout``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +206,20 @@ class ControlPlane:
         self.refs.put_local(self._current_announcement(holding))
         self._table_changed([self.refs.local])
         return self._push_local()
+
+    def publish_holding(self, holding: Holding) -> list[Outbound]:
+        """Our own publish of ``holding``: as :meth:`put_holding`, but pushed at once to
+        every live member rather than to ``gossip_fanout`` of them.  Readers waiting for
+        the version then hear of it one message after the publish, not after gossip
+        rounds (every ``gossip_interval``, 1 s by default, to 3 members a round): in an
+        8-peer mesh the first fetch after a publish waited 0.04-0.9 s for that.  The
+        cost is one message per member per publish.  Every other change (a reader's
+        progress on a fetch, a drop) still goes to ``gossip_fanout`` members, as each
+        reader's would cost the mesh n messages.  An entry of many holdings goes to
+        fewer members (:data:`PUSH_HOLDINGS`); gossip brings it to the rest."""
+        self.refs.put_local(self._current_announcement(holding))
+        self._table_changed([self.refs.local])
+        return self._push_local(everyone=True)
 
     def drop_holding(self, key: VersionKey) -> list[Outbound]:
         if not self.refs.drop_local(key):
@@ -387,10 +408,16 @@ class ControlPlane:
         return [Outbound(p.control, RefsDigest(self.me.control, self.me.name, stamps, answer))
                 for p in peers]
 
-    def _push_local(self) -> list[Outbound]:
+    def _push_local(self, everyone: bool = False) -> list[Outbound]:
+        """Our entry to ``gossip_fanout`` random live members; ``everyone``: to every
+        live member, as far as :data:`PUSH_HOLDINGS` allows.  One message object for
+        all of them (the shell encodes it once)."""
         entry = self.refs.local
-        return [Outbound(p.control, RefsDelta(self.me.control, self.me.name, (entry,)))
-                for p in self._random_peers(self.config.gossip_fanout)]
+        k = self.config.gossip_fanout
+        if everyone:
+            k = max(k, PUSH_HOLDINGS // max(1, len(entry.holdings)))
+        msg = RefsDelta(self.me.control, self.me.name, (entry,))
+        return [Outbound(p.control, msg) for p in self._random_peers(k)]
 
     def _on_digest(self, msg: RefsDigest) -> list[Outbound]:
         out = [
