@@ -207,17 +207,14 @@ class Peer:
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
 
     def _send(self, out: list[Outbound]) -> None:
-        last: tuple[object, bytes] | None = None  # one message to many: encoded once
+        encoded: dict[int, bytes] = {}  # by id: one message to many members, encoded once
         for item in out:
-            if last is not None and last[0] is item.msg:
-                data = last[1]
-            else:
-                try:
-                    data = codec.encode(item.msg, self.config.max_message_bytes)
-                except LocalProtocolError as exc:
-                    self.internal_error(f"cannot send {type(item.msg).__name__}: {exc}")
-                    continue
-                last = (item.msg, data)
+            try:
+                data = encoded.get(id(item.msg)) or encoded.setdefault(
+                    id(item.msg), codec.encode(item.msg, self.config.max_message_bytes))
+            except LocalProtocolError as exc:
+                self.internal_error(f"cannot send {type(item.msg).__name__}: {exc}")
+                continue
             self._router.send_nowait(item.dest, data, reply=item.reply)
         self._after_change()
 
