@@ -202,10 +202,12 @@ class ControlPlane:
 
     # -- local holdings -----------------------------------------------------------
 
-    def put_holding(self, holding: Holding) -> list[Outbound]:
+    def put_holding(self, holding: Holding, *, everyone: bool = False) -> list[Outbound]:
+        """Add or replace our holding of ``holding.key``, pushed to ``gossip_fanout``
+        live members (``everyone``: see :meth:`publish_holding`)."""
         self.refs.put_local(self._current_announcement(holding))
         self._table_changed([self.refs.local])
-        return self._push_local()
+        return self._push_local(everyone)
 
     def publish_holding(self, holding: Holding) -> list[Outbound]:
         """Our own publish of ``holding``: as :meth:`put_holding`, but pushed at once to
@@ -217,9 +219,7 @@ class ControlPlane:
         progress on a fetch, a drop) still goes to ``gossip_fanout`` members, as each
         reader's would cost the mesh n messages.  An entry of many holdings goes to
         fewer members (:data:`PUSH_HOLDINGS`); gossip brings it to the rest."""
-        self.refs.put_local(self._current_announcement(holding))
-        self._table_changed([self.refs.local])
-        return self._push_local(everyone=True)
+        return self.put_holding(holding, everyone=True)
 
     def drop_holding(self, key: VersionKey) -> list[Outbound]:
         if not self.refs.drop_local(key):
