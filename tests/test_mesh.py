@@ -356,8 +356,8 @@ async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() 
 
 async def test_a_shared_array_written_after_publish_fails_the_check_its_copy_ran() -> None:
     """The publisher's user writes into a published array (a bug the fast digests are
-    there to catch): the same-host reader, which checks each block of the holder's
-    memory just before copying it, finds the chunk bad and ends with a clear error."""
+    there to catch): the same-host reader, which checks the holder's bytes as its copy
+    reads them, finds the chunk bad and ends with a clear error."""
     from tensorhub.transport.samehost.reader import shm_available
 
     ok, why = shm_available()

@@ -24,6 +24,7 @@ import pytest
 import transport_conformance
 import trio
 import trio.testing
+import xxhash
 from corrupting import CorruptingProvider
 from transport_conformance import *  # noqa: F403
 from transport_conformance import (
@@ -402,6 +403,68 @@ async def test_verify_runs_after_the_copy_and_its_error_follows_shm_done(
         with trio.fail_after(5):
             await pub.local.drained.wait()
         assert holder.sent == [10_000]  # the holder saw ShmDone
+        await conn.aclose()
+
+
+class _FastCheck:
+    """A check against a chunk's xxh3-128 that a same-host copy may run as it copies
+    (as the fetch's :class:`LocalDigestCheck`): records how it was asked."""
+
+    algo = "xxh3-128"
+
+    def __init__(self, expected: bytes) -> None:
+        self.expected, self.asked = expected, list[str]()
+
+    def _check(self, digest: bytes) -> None:
+        if digest != self.expected:
+            raise IntegrityError("bad bytes", source="holder")
+
+    def __call__(self, landed: Sequence[memoryview]) -> None:
+        self.asked.append("landed")
+        self._check(xxhash.xxh3_128(b"".join(landed)).digest())
+
+    def check_source(self, blocks: Any) -> None:
+        self.asked.append("source")
+        h = xxhash.xxh3_128()
+        for b in blocks:
+            h.update(b)
+        self._check(h.digest())
+
+    def check_digest(self, digest: bytes, seconds: float) -> None:
+        self.asked.append("digest")
+        assert seconds >= 0
+        self._check(digest)
+
+
+@needs_shm
+@pytest.mark.parametrize("good", [True, False])
+async def test_a_memfd_copy_computes_the_fast_digest_itself(good: bool,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """From memory files, a chunk checked against its xxh3-128 is hashed by the copy
+    that lands it (one read of the holder's bytes), where the routine runs: the check
+    gets the digest; a wrong one fails the read, after the whole chunk landed."""
+    from tensorhub.transport.samehost import checked_copy
+
+    monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
+    rng = rng_for(f"shm-one-pass-{good}")
+    async with tcp_holder(ShmConnection) as holder:
+        pub = publish(holder.store, rng, [300_001, 5, 70_000], chunk_size=200_003)
+        conn = await holder.connect()
+        for c in range(pub.local.manifest.num_chunks):
+            want = xxhash.xxh3_128(pub.chunk(c).tobytes()).digest()
+            check = _FastCheck(want if good else bytes(16))
+            buf = np.zeros(len(pub.chunk(c)) + 3, dtype=np.uint8)[3:]  # misaligned
+            parts = [memoryview(buf[:1000]), memoryview(buf[1000:])]
+            if good:
+                await conn.read_chunk(pub.local.manifest.key, c, parts, check)  # type: ignore[arg-type]
+            else:
+                with pytest.raises(IntegrityError):
+                    await conn.read_chunk(pub.local.manifest.key, c, parts, check)  # type: ignore[arg-type]
+            assert check.asked == ["digest" if checked_copy.available() else "source"]
+            assert np.array_equal(buf, pub.chunk(c))
+            if not good:
+                break  # a chunk that failed its check ends the connection
         await conn.aclose()
 
 

@@ -190,8 +190,10 @@ async def stream_each(conn: Connection, key: VersionKey, take: Take, landed: Lan
     def guarded(chunk: int, verify: Verifier | None) -> Verifier | None:
         if verify is None:
             return None
-        kind = _GuardedSource if checks_source(verify) else _Guarded
-        return kind(chunk, verify, failed)
+        if checks_source(verify):
+            kind = _GuardedDigestSource if takes_digest(verify) else _GuardedSource
+            return kind(chunk, verify, failed)
+        return _Guarded(chunk, verify, failed)
 
     while True:
         if not queue:
@@ -232,5 +234,24 @@ class _GuardedSource(_Guarded):
     def check_source(self, blocks: Iterable[memoryview]) -> None:
         try:
             self.verify.check_source(blocks)
+        except Exception as exc:  # that chunk's result, not the read's
+            self.failed[self.chunk] = exc
+
+
+class _GuardedDigestSource(_GuardedSource):
+    """:class:`_GuardedSource` for a verifier that is a :class:`DigestVerifier` too,
+    which it stays (a same-host copy may hash what it copies:
+    :mod:`tensorhub.transport.samehost.checked_copy`)."""
+
+    verify: Any
+
+    @property
+    def algo(self) -> str:
+        algo: str = self.verify.algo
+        return algo
+
+    def check_digest(self, digest: bytes, seconds: float) -> None:
+        try:
+            self.verify.check_digest(digest, seconds)
         except Exception as exc:  # that chunk's result, not the read's
             self.failed[self.chunk] = exc

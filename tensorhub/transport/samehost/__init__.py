@@ -15,6 +15,8 @@ The pieces:
 - :mod:`.process_vm` -- copying another process's plain memory with ``process_vm_readv``
   (arrays not in memory files, and the handshake).
 - :mod:`.streaming_copy` -- the copy out of mapped memory files, with non-temporal stores.
+- :mod:`.checked_copy` -- the same copy computing the chunk's xxh3-128 as it goes: one
+  read of the holder's bytes for the copy and its check.
 - :mod:`.loopback` -- showing that a TCP connection's holder is such a process too, so
   its chunks are checked against the fast local digests.
 

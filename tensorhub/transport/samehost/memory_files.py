@@ -57,7 +57,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ...errors import RemoteProtocolError, TransportError
-from .streaming_copy import checked_then_copied, stream_copy_all
+from .checked_copy import copy_digest
+from .streaming_copy import checked_then_copied, runs_of, stream_copy_all
 
 Pieces = npt.NDArray[np.uint64]
 """``(fd, inode, offset, length)`` rows: where a chunk lies in the holder's memory files."""
@@ -432,6 +433,14 @@ class MappedFiles:
         block of the holder's bytes for a check just before it is copied
         (:func:`.streaming_copy.checked_then_copied`)."""
         return checked_then_copied(self._pairs(pieces, dest))
+
+    def copy_digest(self, pieces: Pieces, dest: Sequence[memoryview]) -> bytes:
+        """Copy the granted pieces into ``dest`` as :meth:`copy` does, and return the
+        xxh3-128 digest of the holder's bytes as the copy read them
+        (:func:`.checked_copy.copy_digest`)."""
+        pairs = self._pairs(pieces, dest)  # keeps the mappings while their bytes are read
+        runs = runs_of(pairs)
+        return copy_digest(runs, sum(n for _, _, n in runs))
 
     def _pairs(self, pieces: Pieces, dest: Sequence[memoryview]
               ) -> list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]:

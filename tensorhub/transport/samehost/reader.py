@@ -55,7 +55,9 @@ import bisect
 import itertools
 import os
 import select
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -90,11 +92,13 @@ from ..base import (
     checks_source,
     read_each,
     stream_each,
+    takes_digest,
 )
 from ..frames import recv_frame, send_frame
 from ..handshake import DataAuth
 from ..local import credentials, local_name, same_user
 from ..tcp import TcpConnection, dial, greeted
+from . import checked_copy
 from .memory_files import MappedFiles, Pieces
 from .process_vm import Iovecs, iovecs_of, readv_all, shm_available
 
@@ -126,24 +130,34 @@ def _land_batch(files: MappedFiles, jobs: Sequence[tuple[Pieces, Sequence[memory
                 ) -> list[Exception | None]:
     """Copy chunks from the holder's memory files and verify each: one worker-thread
     call.  A chunk whose check may read the holder's bytes
-    (:class:`~tensorhub.transport.base.SourceVerifier`) is checked block by block as it
-    is copied, each block from the cache between the check's read and the copy's
-    (:meth:`MappedFiles.checked_then_copied`): its bytes cross memory twice, as in a
-    plain copy, not three times.  The other chunks are copied first (neighbouring pieces
-    as one run), then checked where they landed: measured faster than checking each one
-    right after its copy, whose streaming stores may still be in flight.  Returns what
-    each check raised, if anything."""
+    (:class:`~tensorhub.transport.base.SourceVerifier`) is checked as it is copied: by
+    the copy itself where the check is an xxh3-128 digest
+    (:mod:`.checked_copy`: one read of each byte), else block by block, each block from
+    the cache between the check's read and the copy's
+    (:meth:`MappedFiles.checked_then_copied`).  Its bytes cross memory twice, as in a
+    plain copy, not three times.  The other chunks are copied first (neighbouring
+    pieces as one run), then checked where they landed: measured faster than checking
+    each one right after its copy, whose streaming stores may still be in flight.
+    Returns what each check raised, if anything."""
     bad: list[Exception | None] = [None] * len(jobs)
     later = []
+    one_pass = checked_copy.available()
     for i, (pieces, dest, verify) in enumerate(jobs):
-        if checks_source(verify):
-            blocks = files.checked_then_copied(pieces, dest)  # raises as files.copy
-            try:
-                verify.check_source(blocks)
-            except Exception as exc:  # raised by the reader once ShmDone is sent
-                bad[i] = exc
-        else:
+        if not checks_source(verify):
             later.append(i)
+            continue
+        if one_pass and takes_digest(verify) and verify.algo == checked_copy.ALGO:
+            began = time.perf_counter()
+            digest = files.copy_digest(pieces, dest)  # raises as files.copy
+            check: Callable[[], None] = partial(
+                verify.check_digest, digest, time.perf_counter() - began)
+        else:
+            check = partial(verify.check_source,
+                            files.checked_then_copied(pieces, dest))  # raises as files.copy
+        try:
+            check()
+        except Exception as exc:  # raised by the reader once ShmDone is sent
+            bad[i] = exc
     files.copy([(jobs[i][0], jobs[i][1]) for i in later])
     for i in later:
         bad[i] = _verified(jobs[i][1], jobs[i][2])

@@ -82,26 +82,46 @@ def assembly() -> str:
 
 
 _Routine = Callable[[int, int, int], None]
+_pages: list[mmap.mmap] = []  # the routines' pages, kept mapped for the process's life
 _lock = threading.Lock()
 _loaded: tuple[_Routine | None, str] | None = None
+
+
+def executable(code: bytes) -> int:
+    """The address of ``code`` copied into pages of their own, made executable (and no
+    longer writable: never both, W^X).  The pages stay mapped for the process's life.
+    Raises ``OSError`` where the kernel or a security policy refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    size = -(-len(code) // mmap.PAGESIZE) * mmap.PAGESIZE
+    pages = mmap.mmap(-1, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    pages.write(code)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(pages))
+    if libc.mprotect(address, size, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"executable page refused: {os.strerror(err)}")
+    _pages.append(pages)
+    return address
+
+
+def native() -> str | None:
+    """Why this process cannot run the x86-64 routines, or None where it can."""
+    if not (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")):
+        return f"not available on {sys.platform} {platform.machine()}"
+    return None
 
 
 def _load() -> tuple[_Routine | None, str]:
     """The routine, or None and why not."""
     if os.environ.get("TENSORHUB_STREAM_COPY", "1") == "0":
         return None, "off (TENSORHUB_STREAM_COPY=0)"
-    if not (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")):
-        return None, f"not available on {sys.platform} {platform.machine()}"
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    page.write(CODE)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-    # Writable, then executable: never both (W^X).  The page is never unmapped.
-    if libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
-        err = ctypes.get_errno()
-        return None, f"executable page refused: {os.strerror(err)}"
-    _pages.append(page)
+    why = native()
+    if why is not None:
+        return None, why
+    try:
+        address = executable(CODE)
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
     routine: _Routine = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_size_t)(address)
     # Check: 130 lines (across page boundaries) from a misaligned source; nothing
@@ -115,9 +135,6 @@ def _load() -> tuple[_Routine | None, str]:
             and not dst[:at].any() and not dst[at + n:].any()):
         return None, "self-check failed"
     return routine, "non-temporal (SSE2)"
-
-
-_pages: list[mmap.mmap] = []  # the routine's page, kept mapped for the process's life
 
 
 def _routine() -> _Routine | None:
@@ -142,7 +159,7 @@ def status() -> str:
 _Pairs = Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]
 
 
-def _runs(pairs: _Pairs) -> list[list[int]]:
+def runs_of(pairs: _Pairs) -> list[list[int]]:
     """``[destination address, source address, length]`` of the pairs' bytes: pairs that
     continue the previous one in memory on both sides are joined into one run."""
     runs: list[list[int]] = []
@@ -186,7 +203,7 @@ def stream_copy_all(pairs: _Pairs) -> None:
     of at least :data:`MIN_BYTES` is copied with non-temporal stores for its 64-byte
     aligned whole blocks where the routine is available, everything else with
     ``memmove``.  The GIL is released during each copy."""
-    for d, s, n in _runs(pairs):
+    for d, s, n in runs_of(pairs):
         _copy_run(d, s, n, n >= MIN_BYTES)
 
 
@@ -209,7 +226,7 @@ def checked_then_copied(pairs: _Pairs) -> Iterator[memoryview]:
     :class:`~tensorhub.transport.base.SourceVerifier`).  A caller that stops asking early
     leaves the rest of ``dst`` as it was.  Raises ``ValueError`` (at once, not once
     iterated) as :func:`stream_copy_all` does."""
-    return _checked_then_copied(_runs(pairs))
+    return _checked_then_copied(runs_of(pairs))
 
 
 def _checked_then_copied(runs: list[list[int]]) -> Iterator[memoryview]:
