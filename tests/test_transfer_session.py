@@ -195,6 +195,13 @@ def test_one_stream_per_copy_and_the_publisher_only_for_what_no_copy_serves() ->
     near = PeerInfo("h1", "tcp://h1:1", "h1:2", (("host", "box"),))
     assert s.streams_to(near, holding(w.m, None, "h0")) == 4
     assert s.streams_to(near, holding(w.m, set(range(8)), "h0")) == 1
+    # ... unless this process has one core: more streams only switch threads
+    for cores, streams in ((1, 1), (2, 4), (0, 4)):
+        s.cores = cores
+        assert s.streams_to(near, holding(w.m, None, "h0")) == streams, cores
+    s.cores = 1  # a link one stream cannot fill still gets more
+    assert s.streams_to(info("h1"), holding(w.m, None, "h0")) == 2
+    s.cores = 0
     s.host = None
     assert s.pick(0.0) == (7, info("h1"))
     c = s.open_stream(0.0, 7, info("h1"))

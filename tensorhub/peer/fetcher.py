@@ -95,13 +95,15 @@ class Fetch:
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
                  only: Sequence[int] | None = None, release: Releaser | None = None,
                  window_cap: int = 256 << 20, socket_window: int = 0,
-                 host: str | None = None, rates: Mapping[str, float] | None = None) -> None:
+                 host: str | None = None, rates: Mapping[str, float] | None = None,
+                 cores: int = 0) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
         needs just the chunks that overlap its slices); ``release`` takes each
         connection a worker is done with (default: close it); ``window_cap`` bounds
         the bytes one stream keeps requested ahead; ``socket_window`` is what one TCP
-        connection keeps in flight, ``host`` this peer's host label and ``rates`` what
-        earlier fetches measured per source (see :class:`TransferSession`)."""
+        connection keeps in flight, ``host`` this peer's host label, ``rates`` what
+        earlier fetches measured per source and ``cores`` the cores this process may
+        run on (see :class:`TransferSession`)."""
         self.local = local
         self.manifest = local.manifest
         self.key = key = local.manifest.key
@@ -115,7 +117,7 @@ class Fetch:
             wanted=range(self.manifest.num_chunks) if only is None else only,
             verified=local.verified, window=window, stall_timeout=stall_timeout,
             upstream=upstream, plan=plan, window_cap=window_cap,
-            socket_window=socket_window, host=host, rates=rates)
+            socket_window=socket_window, host=host, rates=rates, cores=cores)
         self._report = FetchReport(key.model, key.version,
                                    chunk_size=chunk_size_note(self.manifest))
         self._verify_times: list[float] = []

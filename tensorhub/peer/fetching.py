@@ -34,6 +34,7 @@ from ..protocol.refs import Holding
 from ..protocol.ring import Epoch
 from ..protocol.sizing import MIN_CHUNKS
 from ..protocol.transfer import REASK_FIRST, REASK_MAX
+from ..transport import copy_threads
 from ..transport.base import NotServing
 from .delta_fetch import add_to_report, fetch_deltas, known_rates, remember_links
 from .destination import allocate_flat, prepare_destination
@@ -218,7 +219,7 @@ async def _fetch_chunks(peer: Peer, key: VersionKey, manifest: Manifest, publish
                     connect=plane.connect, release=plane.release,
                     window=streams, window_cap=cap,
                     socket_window=socket_window(), host=peer.info.label("host"),
-                    rates=known_rates(peer),
+                    rates=known_rates(peer), cores=copy_threads.pool.cores,
                     stall_timeout=peer.config.stall_timeout, on_progress=progress,
                     banned=peer.banned, on_bad_bytes=peer.ban)
         job.report.plan, job.report.plan_seconds = plan_note, plan_seconds

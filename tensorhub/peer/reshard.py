@@ -18,6 +18,7 @@ from ..protocol.resharding import plan_reshard
 from ..protocol.sharding import Sharding
 from ..protocol.sizing import choose_chunk_size
 from ..protocol.versions import Seal
+from ..transport import copy_threads
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, first_error
 from .fetching import (
@@ -132,6 +133,7 @@ async def _reshard_from(peer: Peer, key: VersionKey, seal: Seal, spec: Sharding,
                     release=plane.release,
                     window=window(peer, m), window_cap=window_cap(peer, m),
                     socket_window=socket_window(), host=peer.info.label("host"),
+                    cores=copy_threads.pool.cores,
                     stall_timeout=peer.config.stall_timeout,
                     on_progress=lambda: None, banned=peer.banned, on_bad_bytes=peer.ban,
                     only=plan.chunks[s])

@@ -33,6 +33,8 @@ class CopyPool:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # pragma: no cover - not Linux
             cores = os.cpu_count() or 2
+        self.cores = max(1, cores)
+        """The cores this process may run on."""
         self._limit = max(1, min(8, cores))
 
     def _work(self) -> None:
