@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +12,11 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from machine_code import assembled, needs_assembler, printed_switched_off
 
 from tensorhub.transport.samehost import checked_copy
 from tensorhub.transport.samehost.checked_copy import SHORTEST, STRIPE, copy_digest
 from tensorhub.transport.samehost.streaming_copy import native
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _avx2() -> bool:
@@ -116,14 +112,9 @@ def test_an_empty_copy_is_the_empty_digest() -> None:
     assert copy_digest([], 0) == xxhash.xxh3_128(b"").digest()
 
 
-@pytest.mark.skipif(not (native() is None and shutil.which("as") and shutil.which("objcopy")),
-                    reason="needs GNU as and objcopy for x86-64")
+@needs_assembler
 def test_the_machine_code_is_the_listing_assembled(tmp_path: Path) -> None:
-    (tmp_path / "xxh3_copy.s").write_text(checked_copy.assembly())
-    subprocess.run(["as", "xxh3_copy.s", "-o", "xxh3_copy.o"], cwd=tmp_path, check=True)
-    subprocess.run(["objcopy", "-O", "binary", "-j", ".text", "xxh3_copy.o", "xxh3_copy.bin"],
-                   cwd=tmp_path, check=True)
-    assert (tmp_path / "xxh3_copy.bin").read_bytes() == checked_copy.CODE
+    assert assembled(checked_copy.assembly(), tmp_path) == checked_copy.CODE
 
 
 def test_switched_off_it_hashes_with_xxhash_and_copies_with_memmove() -> None:
@@ -134,7 +125,5 @@ def test_switched_off_it_hashes_with_xxhash_and_copies_with_memmove() -> None:
               "d = c.copy_digest([[dst.ctypes.data, src.ctypes.data, len(src)]], len(src))\n"
               "print(c.status(), d == xxhash.xxh3_128(src.data).digest(),\n"
               "      bool((dst == src).all()))\n")
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                         text=True, check=True,
-                         env={**os.environ, "TENSORHUB_CHECKED_COPY": "0"}).stdout
-    assert out.split() == ["off", "(TENSORHUB_CHECKED_COPY=0)", "True", "True"]
+    assert printed_switched_off("TENSORHUB_CHECKED_COPY", script) == [
+        "off", "(TENSORHUB_CHECKED_COPY=0)", "True", "True"]

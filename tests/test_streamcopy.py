@@ -6,8 +6,6 @@ from __future__ import annotations
 import itertools
 import os
 import platform
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from machine_code import assembled, needs_assembler, printed_switched_off
 
 from tensorhub.transport.samehost import streaming_copy
 from tensorhub.transport.samehost.streaming_copy import (
@@ -26,7 +25,6 @@ from tensorhub.transport.samehost.streaming_copy import (
     stream_copy_all,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 NATIVE = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
@@ -164,14 +162,9 @@ def test_refuses_a_read_only_destination() -> None:
         stream_copy_all([(dst, np.ones(10, np.uint8))])
 
 
-@pytest.mark.skipif(not (NATIVE and shutil.which("as") and shutil.which("objcopy")),
-                    reason="needs GNU as and objcopy for x86-64")
+@needs_assembler
 def test_the_machine_code_is_the_listing_assembled(tmp_path: Path) -> None:
-    (tmp_path / "ntcopy.s").write_text(streaming_copy.assembly())
-    subprocess.run(["as", "ntcopy.s", "-o", "ntcopy.o"], cwd=tmp_path, check=True)
-    subprocess.run(["objcopy", "-O", "binary", "-j", ".text", "ntcopy.o", "ntcopy.bin"],
-                   cwd=tmp_path, check=True)
-    assert (tmp_path / "ntcopy.bin").read_bytes() == streaming_copy.CODE
+    assert assembled(streaming_copy.assembly(), tmp_path) == streaming_copy.CODE
 
 
 def test_switched_off_it_copies_with_memmove() -> None:
@@ -181,7 +174,5 @@ def test_switched_off_it_copies_with_memmove() -> None:
               "dst = np.zeros_like(src)\n"
               "s.stream_copy_all([(dst[3:], src[3:])])\n"
               "print(s.status(), bool((dst[3:] == src[3:]).all()), int(dst[:3].sum()))\n")
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                         text=True, check=True,
-                         env={**os.environ, "TENSORHUB_STREAM_COPY": "0"}).stdout
-    assert out.split() == ["off", "(TENSORHUB_STREAM_COPY=0)", "True", "0"]
+    assert printed_switched_off("TENSORHUB_STREAM_COPY", script) == [
+        "off", "(TENSORHUB_STREAM_COPY=0)", "True", "0"]

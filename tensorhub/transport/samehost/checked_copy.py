@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import xxhash
 
-from .streaming_copy import executable, native
+from .streaming_copy import OnFirstUse, executable, native
 
 ALGO = "xxh3-128"
 """The digest the routine computes."""
@@ -154,8 +154,6 @@ CODE = bytes.fromhex(
 """:func:`assembly`, assembled (``as`` then ``objcopy -O binary -j .text``)."""
 
 _Routine = Callable[[int, int, int, int, int, int], int]
-_lock = threading.Lock()
-_loaded: tuple[_Routine | None, str] | None = None
 
 
 def _avx2() -> bool:
@@ -210,16 +208,8 @@ def _self_check(routine: _Routine) -> bool:
     return True
 
 
-def _routine() -> _Routine | None:
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                try:
-                    _loaded = _load()
-                except (OSError, ValueError, AttributeError) as exc:
-                    _loaded = None, f"not loaded: {exc}"
-    return _loaded[0]
+_native = OnFirstUse(_load)
+_routine = _native.routine
 
 
 def available() -> bool:
@@ -229,9 +219,7 @@ def available() -> bool:
 
 def status() -> str:
     """How :func:`copy_digest` works in this process, and why (for statistics)."""
-    _routine()
-    assert _loaded is not None
-    return _loaded[1]
+    return _native.status()
 
 
 class _Scratch(threading.local):

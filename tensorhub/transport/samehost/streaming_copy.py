@@ -47,6 +47,7 @@ import platform
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -83,8 +84,35 @@ def assembly() -> str:
 
 _Routine = Callable[[int, int, int], None]
 _pages: list[mmap.mmap] = []  # the routines' pages, kept mapped for the process's life
-_lock = threading.Lock()
-_loaded: tuple[_Routine | None, str] | None = None
+_R = TypeVar("_R")
+
+
+class OnFirstUse(Generic[_R]):
+    """A routine loaded on first use, once per process: ``load()`` returns it, or None,
+    and in either case a line saying how this process runs and why."""
+
+    def __init__(self, load: Callable[[], tuple[_R | None, str]]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._loaded: tuple[_R | None, str] | None = None
+
+    def _get(self) -> tuple[_R | None, str]:
+        if self._loaded is None:
+            with self._lock:
+                if self._loaded is None:
+                    try:
+                        self._loaded = self._load()
+                    except (OSError, ValueError, AttributeError) as exc:
+                        self._loaded = None, f"not loaded: {exc}"
+        return self._loaded
+
+    def routine(self) -> _R | None:
+        """The routine, or None where it is not used."""
+        return self._get()[0]
+
+    def status(self) -> str:
+        """How this process runs, and why."""
+        return self._get()[1]
 
 
 def executable(code: bytes) -> int:
@@ -137,23 +165,13 @@ def _load() -> tuple[_Routine | None, str]:
     return routine, "non-temporal (SSE2)"
 
 
-def _routine() -> _Routine | None:
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                try:
-                    _loaded = _load()
-                except (OSError, ValueError, AttributeError) as exc:
-                    _loaded = None, f"not loaded: {exc}"
-    return _loaded[0]
+_native = OnFirstUse(_load)
+_routine = _native.routine
 
 
 def status() -> str:
     """How :func:`stream_copy_all` copies in this process, and why (for statistics)."""
-    _routine()
-    assert _loaded is not None
-    return _loaded[1]
+    return _native.status()
 
 
 _Pairs = Sequence[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]
