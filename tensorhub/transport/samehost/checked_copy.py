@@ -123,8 +123,7 @@ def assembly() -> str:
                 *stores(streaming), *mix(5, 0, 0), *mix(6, 1, 32),
                 "    add rdx, 64", "    add rsi, 64", "    inc r9", "    cmp r9, 16",
                 f"    jne {label + 1}f", *scramble(0, 3), *scramble(1, 4),
-                "    xor r9d, r9d", f"{label + 1}:", "    dec rcx", f"    jnz {label}b",
-                "    jmp 9f"]
+                "    xor r9d, r9d", f"{label + 1}:", "    dec rcx", f"    jnz {label}b"]
 
     lines = [".intel_syntax noprefix", ".text", ".globl xxh3_copy", "xxh3_copy:",
              "    vmovdqu ymm0, [rdi]", "    vmovdqu ymm1, [rdi+32]",
@@ -132,7 +131,7 @@ def assembly() -> str:
              "    vpbroadcastd ymm2, xmm2",
              "    vmovdqu ymm3, [r8+128]", "    vmovdqu ymm4, [r8+160]",
              "    test sil, 15", "    jnz 3f"]
-    lines += loop(1, True) + loop(3, False)
+    lines += [*loop(1, True), "    jmp 9f", *loop(3, False)]
     lines += ["9:", "    sfence", "    vmovdqu [rdi], ymm0", "    vmovdqu [rdi+32], ymm1",
               "    mov rax, r9", "    vzeroupper", "    ret"]
     return "\n".join(lines) + "\n"
@@ -145,12 +144,12 @@ CODE = bytes.fromhex(
     "fdd4c5c5fdd4c7c4814def7cc820c5bd73d720c4c145f4f8c5fd70f64ec5f5d4cec5f5d4cf4883c2"
     "404883c64049ffc14983f9107549c5c573d02fc5fdefc7c5fdefc3c5c573d020c5fdf4c2c5c5f4fa"
     "c5c573f720c5fdd4c7c5c573d12fc5f5efcfc5f5efccc5c573d120c5f5f4cac5c5f4fac5c573f720"
-    "c5f5d4cf4531c948ffc90f8533ffffffe9b90000000f188a00080000c5fe6f2ac5fe6f7220c5fe7f"
+    "c5f5d4cf4531c948ffc90f8533ffffffe9b70000000f188a00080000c5fe6f2ac5fe6f7220c5fe7f"
     "2ec5fe7f7620c48155ef3cc8c5bd73d720c4c145f4f8c5fd70ed4ec5fdd4c5c5fdd4c7c4814def7c"
     "c820c5bd73d720c4c145f4f8c5fd70f64ec5f5d4cec5f5d4cf4883c2404883c64049ffc14983f910"
     "7549c5c573d02fc5fdefc7c5fdefc3c5c573d020c5fdf4c2c5c5f4fac5c573f720c5fdd4c7c5c573"
     "d12fc5f5efcfc5f5efccc5c573d120c5f5f4cac5c5f4fac5c573f720c5f5d4cf4531c948ffc90f85"
-    "49ffffffeb000faef8c5fe7f07c5fe7f4f204c89c8c5f877c3")
+    "49ffffff0faef8c5fe7f07c5fe7f4f204c89c8c5f877c3")
 """:func:`assembly`, assembled (``as`` then ``objcopy -O binary -j .text``)."""
 
 _Routine = Callable[[int, int, int, int, int, int], int]
