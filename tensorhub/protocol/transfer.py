@@ -555,8 +555,8 @@ class TransferSession:
         (:meth:`~tensorhub.protocol.sizing.StreamWindow.streams`), or from a complete
         holder on this host, where a copy is bound by cores, not by a link -- unless
         this process has one core, where more streams only add thread switches (1 GiB
-        in 4 MiB chunks over loopback TCP, every process on one core: 0.58 s with one
-        stream, 0.60 with two, 0.65 with four; on two cores 0.56 / 0.49 / 0.44)."""
+        in 4 MiB chunks over loopback TCP, every process on one core: 0.59 s with one
+        stream, 0.67 with two or four; on two cores 0.48 / 0.42 / 0.39)."""
         if not holding.complete:
             return 1
         if self.host is not None and peer.label("host") == self.host:
