@@ -35,7 +35,7 @@ class CopyPool:
             cores = os.cpu_count() or 2
         self.cores = max(1, cores)
         """The cores this process may run on."""
-        self._limit = max(1, min(8, cores))
+        self._limit = min(8, self.cores)
 
     def _work(self) -> None:
         while True:

@@ -258,8 +258,6 @@ def _digest(routine: _Routine, runs: Sequence[Sequence[int]], length: int) -> by
     at = lanes.ctypes.data
     stripes = (length - 1) // STRIPE  # the last stripe is mixed apart, with LAST_KEY
     done = k = held = 0
-    last = 0  # where the input's last 64 bytes are, once seen whole in one run
-    seen = 0
     for d, s, n in runs:
         off = 0
         if held:  # a stripe cut by the previous run: join its rest, mix it
@@ -280,10 +278,10 @@ def _digest(routine: _Routine, runs: Sequence[Sequence[int]], length: int) -> by
             if done < stripes:  # the start of a stripe this run cuts
                 held = n - off
                 ctypes.memmove(scratch.joined, s + off, held)
-        seen += n
-        if seen == length and n >= STRIPE:
-            last = s + n - STRIPE
-    if not last:  # the last 64 bytes span runs: gather them
+    _, s, n = runs[-1]
+    if n >= STRIPE:  # the input's last 64 bytes, in its last run
+        last = s + n - STRIPE
+    else:  # they span runs: gather them
         last, want = scratch.joined, STRIPE
         for _, s, n in reversed(runs):
             take = min(n, want)
