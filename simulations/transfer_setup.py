@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tensorhub.config import PeerConfig
-from tensorhub.manifest import Manifest
+from tensorhub.manifest.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
 from tensorhub.protocol.topology import fluid_bound
 from tensorhub.protocol.transfer import Stream, TransferSession

@@ -5,7 +5,6 @@ own: peers hold the bytes in their own buffers, the mesh tracks references, and 
 reader becomes a source.
 """
 
-from .api import BlockingPeer
 from .config import PeerConfig
 from .device.landing import ThroughRing
 from .device.ring import StagingRing
@@ -21,7 +20,8 @@ from .errors import (
     TransportError,
     VersionUnavailable,
 )
-from .manifest import Manifest
+from .integrations.blocking import BlockingPeer
+from .manifest.manifest import Manifest
 from .model import PeerInfo, TensorSpec, VersionKey
 from .peer.fetcher import Fetched, FetchReport
 from .peer.group import Group, GroupStats, GroupSwitchError, open_group

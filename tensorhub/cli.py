@@ -18,10 +18,10 @@ from typing import Any
 
 import trio
 
-from . import cli_ops
-from .cli_ops import Role
 from .config import PeerConfig, parse_labels
 from .errors import ConfigError, TensorHubError
+from .ops import commands as cli_ops
+from .ops.commands import Role
 from .security import load, read_keyring, write_keys
 
 PRESETS = {"local": PeerConfig.local, "datacenter": PeerConfig.datacenter,
@@ -74,8 +74,8 @@ async def _run_peer(config: PeerConfig, keys: str | None = None,
 
 
 async def _status(config: PeerConfig, settle: float) -> dict[str, Any]:
+    from .ops.status import gather
     from .peer.node import open_peer
-    from .statusview import gather
 
     async with open_peer(config) as peer:
         await trio.sleep(settle)
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_peer_options(f, "127.0.0.1:0")
 
     d = sub.add_parser("demo", help="spawn a local mesh on loopback and move weights")
-    from .demo import add_demo_options
+    from .ops.demo import add_demo_options
 
     add_demo_options(d)
 
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _keygen(args)
             return 0
         if args.command == "demo":
-            from .demo import run_demo
+            from .ops.demo import run_demo
 
             return run_demo(args)
         if args.command == "bench":

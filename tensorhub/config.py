@@ -15,9 +15,9 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from .bounds import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_PEER_NAME
-from .digests import DIGEST_ALGOS
 from .errors import ConfigError
 from .limits import MAX_MANIFEST_BYTES, MAX_MODEL_NAME, ManifestLimits
+from .manifest.digests import DIGEST_ALGOS
 from .security import Security
 
 TRANSPORTS = ("rdma", "cuda-ipc", "shm", "tcp", "rdma-standin", "cuda-ipc-standin")

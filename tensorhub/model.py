@@ -2,7 +2,7 @@
 
 Nothing here performs I/O.  A *version* of a model is a flat byte space: its tensors
 are laid end to end in manifest order (each starting at ``TensorSpec.offset``); how that
-space is chunked and checked is the manifest's business (:mod:`tensorhub.manifest`).
+space is chunked and checked is the manifest's business (:mod:`tensorhub.manifest.manifest`).
 """
 
 from __future__ import annotations

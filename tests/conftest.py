@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tensorhub.bench import netns
-from tensorhub.bench.netns import ClusterUnavailable, open_cluster
 from tensorhub.processes import LineProcess
+from tensorhub.testing import netns
+from tensorhub.testing.netns import ClusterUnavailable, open_cluster
 
 # Peers spawned by tests run with the interpreter that runs the tests.
 os.environ.setdefault("PYTHONUNBUFFERED", "1")

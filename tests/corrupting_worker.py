@@ -1,5 +1,5 @@
 """``python tests/corrupting_worker.py CHUNKS <demo worker options>``: a demo worker
-(``python -m tensorhub.demo worker ...``, the same lines in and events out) whose data
+(``python -m tensorhub.ops.demo worker ...``, the same lines in and events out) whose data
 server hands out the first ``CHUNKS`` chunks readers ask it for with one byte flipped
 (:func:`corrupting.corrupt_served`): a holder process that sends bad bytes."""
 
@@ -26,8 +26,8 @@ def main(chunks: int, worker_argv: list[str]) -> None:
             yield peer
 
     node.open_peer = open_corrupting_peer  # the demo worker opens its peer through this
-    sys.argv = ["tensorhub.demo", "worker", *worker_argv]
-    runpy.run_module("tensorhub.demo", run_name="__main__", alter_sys=True)
+    sys.argv = ["tensorhub.ops.demo", "worker", *worker_argv]
+    runpy.run_module("tensorhub.ops.demo", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

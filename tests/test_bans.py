@@ -11,8 +11,8 @@ from test_mesh import mesh, weights
 
 import tensorhub
 from tensorhub import IntegrityError, PeerConfig, VersionKey
-from tensorhub.digests import DIGEST_SIZES, digest_of
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.digests import DIGEST_SIZES, digest_of
+from tensorhub.manifest.manifest import build_manifest
 from tensorhub.peer.fetcher import Fetch
 from tensorhub.protocol.bans import Ban, BanNotice, BanTable
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tensorhub.bench.delta import figures_of
-from tensorhub.bench.rlstep import bf16_weights, rl_step
+from tensorhub.testing.rlstep import bf16_weights, rl_step
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.02, 0.10])

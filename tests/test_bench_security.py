@@ -12,7 +12,7 @@ from conftest import leftovers
 from tensorhub import PeerConfig, cli
 from tensorhub.bench import transfer
 from tensorhub.bench.cluster import KEYED_PORT, mesh_keys, open_mesh
-from tensorhub.bench.netns import open_cluster
+from tensorhub.testing.netns import open_cluster
 
 MIB = 1 << 20
 

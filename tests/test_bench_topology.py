@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import leftovers
 
-from tensorhub.bench.clusterspec import fluid_bound_s, load_topology
+from tensorhub.testing.clusterspec import fluid_bound_s, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

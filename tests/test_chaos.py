@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from tensorhub.bench.chaos_check import Episode, check, family, insider_traces, rogue_traces
-from tensorhub.bench.chaos_episode import draw_faults, episode_rng
-from tensorhub.bench.rogue import MARK, marks
+from tensorhub.testing.chaos.check import Episode, check, family, insider_traces, rogue_traces
+from tensorhub.testing.chaos.episode import draw_faults, episode_rng
+from tensorhub.testing.rogue import MARK, marks
 
 FIGURES = {"peer_crashes", "unauth_reads", "unauth_messages_accepted",
            "forged_versions_accepted", "forged_chunks_accepted", "partial_activations",

@@ -12,7 +12,7 @@ from conftest import leftovers
 
 from tensorhub import cli
 from tensorhub.bench.cluster import TRAINER, open_mesh
-from tensorhub.bench.netns import open_cluster
+from tensorhub.testing.netns import open_cluster
 
 MIB = 1 << 20
 SIZE = 32 * MIB

@@ -1,4 +1,4 @@
-"""Topology files (tensorhub.bench.clusterspec): parsing, clear errors, the shorthand,
+"""Topology files (tensorhub.testing.clusterspec): parsing, clear errors, the shorthand,
 and the fluid bound on heterogeneous NICs and several DCs. Pure: no root needed."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorhub.bench.clusterspec import (
+from tensorhub.errors import ConfigError
+from tensorhub.protocol.topology import fluid_bound
+from tensorhub.testing.clusterspec import (
     ClusterSpec,
     DCLink,
     DCSpec,
@@ -24,8 +26,6 @@ from tensorhub.bench.clusterspec import (
     relay_routes,
     uniform,
 )
-from tensorhub.errors import ConfigError
-from tensorhub.protocol.topology import fluid_bound
 
 MB = 1e6 / 8  # bytes/s in one Mbit/s
 S = 64 * 2**20

@@ -12,13 +12,13 @@ import pytest
 import trio
 from test_data_auth import IDS, SHM, WHY_NOT, holder, keyring, read_chunk
 from test_trust_mesh import Keys, secure_mesh, wait_until, weights
-from transport_conformance import publish
 
 from tensorhub.errors import TransportError
 from tensorhub.model import PeerInfo
 from tensorhub.peer.connections import ConnectionPool
 from tensorhub.peer.store import Store
 from tensorhub.security import Identity
+from tensorhub.testing.conformance import publish
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import Connection
 from tensorhub.transport.handshake import DataAuth

@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 import trio
-from transport_conformance import Published, publish
 
 from tensorhub.errors import TransportError
 from tensorhub.peer.store import Store
@@ -27,6 +26,7 @@ from tensorhub.protocol.dataplane import (
     Reply,
 )
 from tensorhub.security import Identity, Keyring
+from tensorhub.testing.conformance import Published, publish
 from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.handshake import DataAuth, transcript
 from tensorhub.transport.samehost.reader import ShmConnection, shm_available

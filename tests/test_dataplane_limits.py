@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from transport_conformance import Published, publish
 
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
@@ -38,6 +37,7 @@ from tensorhub.protocol.dataplane import (
     ShmHello,
     ShmVersionRequest,
 )
+from tensorhub.testing.conformance import Published, publish
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.frames import encode_frame, recv_exact, recv_frame
 from tensorhub.transport.samehost.reader import ShmConnection
@@ -51,7 +51,7 @@ print(f"tests/test_dataplane_limits.py: seed {SEED}")
 SERVER_PROCESS = """
 import dataclasses, json, random, resource, sys, trio
 sys.path.insert(0, "tests")
-import transport_conformance
+import tensorhub.testing.conformance as transport_conformance
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
 from tensorhub.peer.node import open_peer

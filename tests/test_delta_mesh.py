@@ -14,8 +14,8 @@ from test_mesh import mesh
 
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
-from tensorhub.digests import digest_of
 from tensorhub.errors import RemoteProtocolError
+from tensorhub.manifest.digests import digest_of
 from tensorhub.model import PeerInfo
 from tensorhub.peer.delta_fetch import _link_bps, book
 from tensorhub.protocol.dataplane import NOT_HELD, OK, DeltaReply, DeltaRunRequest

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import trio
-from transport_conformance import publish, rng_for
 
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import DeltaRunRequest
+from tensorhub.testing.conformance import publish, rng_for
 from tensorhub.transport import deltas
 from tensorhub.transport import server as server_module
 from tensorhub.transport.admission import ServerLimits

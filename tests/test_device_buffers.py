@@ -18,7 +18,7 @@ from tensorhub import LocalProtocolError
 from tensorhub.device.buffers import is_device, layout_array, place_of
 from tensorhub.device.copier import cuda_available
 from tensorhub.device.landing import landing_places
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
 from tensorhub.model import VersionKey
 
 NO_GPU = "needs cupy with a CUDA device (cupy.cuda.is_available() is False here)"

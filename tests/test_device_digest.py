@@ -22,7 +22,7 @@ import tensorhub
 from tensorhub import Manifest, RemoteProtocolError, VersionKey
 from tensorhub.device.copier import cuda_available
 from tensorhub.device.digest import host_dsum
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
 
 HOST = (("host", "h1"),)
 

@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.digests import COALESCE_BELOW, DIGEST_ALGOS, HASHED_BLOCK, digest_of
+from tensorhub.manifest.digests import COALESCE_BELOW, DIGEST_ALGOS, HASHED_BLOCK, digest_of
 
 ONE_SHOT = {"blake3": lambda b: blake3.blake3(b).digest(),
             "sha256": lambda b: hashlib.sha256(b).digest(),

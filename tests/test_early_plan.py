@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
 from tensorhub.model import VersionKey
 from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol.dataplane import NOT_HELD, NOT_YET

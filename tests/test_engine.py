@@ -13,7 +13,7 @@ import trio
 from test_mesh import mesh
 
 from tensorhub import LocalProtocolError, Rollout
-from tensorhub.engine import EngineSync, VersionTag, weights
+from tensorhub.integrations.engine import EngineSync, VersionTag, weights
 
 
 class TinyPolicy(torch.nn.Module):

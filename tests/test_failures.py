@@ -26,7 +26,7 @@ def test_kill_9_is_detected_everywhere_and_references_disappear(procs: list[Line
     ports = free_ports(N)
     seed = f"127.0.0.1:{ports[0]}"
     for i in range(N):
-        argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", f"p{i}",
+        argv = [sys.executable, "-m", "tensorhub.ops.demo", "worker", "--name", f"p{i}",
                 "--role", "trainer" if i == 0 else "rollout", "--listen",
                 f"127.0.0.1:{ports[i]}", "--size", str(SIZE), "--expect", str(N)]
         procs.append(LineProcess(f"p{i}", argv + (["--join", seed] if i else [])))

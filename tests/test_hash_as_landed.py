@@ -19,11 +19,11 @@ import xxhash
 from corrupting import CorruptingProvider
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transport_conformance import Published, cut, publish, running
 
 from tensorhub.errors import IntegrityError
 from tensorhub.peer.store import Store
 from tensorhub.protocol.sizing import StreamWindow
+from tensorhub.testing.conformance import Published, cut, publish, running
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.sockio import recv_scattered
 from tensorhub.transport.tcp import HASH_AS_LANDED_PIECES, TcpConnection

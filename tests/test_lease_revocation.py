@@ -17,16 +17,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-import transport_conformance
 import trio
 import trio.testing
-from transport_conformance import Published, publish
 
+import tensorhub.testing.conformance as transport_conformance
 from tensorhub import shared_empty
 from tensorhub.errors import TransportError
 from tensorhub.model import VersionKey
 from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant, ShmRevoke
+from tensorhub.testing.conformance import Published, publish
 from tensorhub.transport import server as server_module
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing

@@ -19,7 +19,7 @@ from test_mesh import mesh
 import tensorhub
 from tensorhub import LocalProtocolError, Manifest, PeerConfig, RemoteProtocolError, VersionKey
 from tensorhub.limits import MAX_DTYPES, MAX_NDIM, MAX_TENSOR_NAME, ManifestLimits
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
 from tensorhub.peer.destination import allocate_flat
 
 KEY = VersionKey("m", 1)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub import Manifest, RemoteProtocolError, VersionKey
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
 
 DTYPES = ["<f4", "<f2", "|i1", "<i8", "|b1", "<u2"]
 NAME_CHARS = st.characters(blacklist_categories=("Cc", "Cs"))  # see limits.BAD_NAME_CHARS
@@ -143,7 +143,7 @@ def test_ten_thousand_tensors_round_trip() -> None:
 
 
 def test_local_digests_are_xxh3_of_each_chunk_next_to_cryptographic_ones() -> None:
-    from tensorhub.digests import LOCAL_ALGO, digest_of
+    from tensorhub.manifest.digests import LOCAL_ALGO, digest_of
     data = np.random.default_rng(5).standard_normal(5000).astype(np.float32)
     m = build_manifest(VersionKey("m", 1), [("w", data)], 4096, "blake3")
     raw = data.tobytes()
@@ -168,7 +168,7 @@ def test_digest_of_pieces_is_the_digest_of_their_bytes_in_order(
         spec: list[tuple[int, int, bool]], algo: str) -> None:
     """Arrays of any dtype, byte views and empty pieces, as a chunk of many small tensors
     hands them over, hash to what their bytes laid end to end hash to."""
-    from tensorhub.digests import digest_of, new_hasher
+    from tensorhub.manifest.digests import digest_of, new_hasher
     rng = np.random.default_rng(len(spec))
     pieces: list[Any] = []
     for kind, n, as_view in spec:

@@ -1,6 +1,6 @@
 """A manifest whose tensor columns are byte for byte those of one decoded lately (the
 next version of a model) reuses that one's specs without parsing the columns
-(:mod:`tensorhub.manifest_columns`); anything odd takes the full parse."""
+(:mod:`tensorhub.manifest.columns`); anything odd takes the full parse."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from test_manifest import manifests
 
 from tensorhub import Manifest, RemoteProtocolError, VersionKey
-from tensorhub import manifest as manifest_module
-from tensorhub import manifest_columns as columns
 from tensorhub.limits import ManifestLimits
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
+from tensorhub.manifest.manifest import columns as columns
+from tensorhub.manifest.manifest import manifest as manifest_module
 
 BOUNDS: dict[str, Any] = {"max_map_len": 16, "max_array_len": 1 << 18,
                           "max_str_len": 1 << 12, "max_bin_len": 1 << 26, "max_ext_len": 0}

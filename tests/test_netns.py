@@ -1,4 +1,4 @@
-"""The emulated cluster harness (tensorhub.bench.netns) and its delaying relay.
+"""The emulated cluster harness (tensorhub.testing.netns) and its delaying relay.
 
 The relay tests run anywhere (loopback only). The cluster tests need root, ``ip``, ``tc``
 and ``nft``; they skip with the reason where a namespace cannot be made. They check the
@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 from conftest import leftovers
 
-from tensorhub.bench import baselines, netns
-from tensorhub.bench.clusterspec import parse_topology
-from tensorhub.bench.netns import ClusterUnavailable, cleanup_stale, open_cluster, open_topology
+from tensorhub.bench import baselines
+from tensorhub.testing import netns
+from tensorhub.testing.clusterspec import parse_topology
+from tensorhub.testing.netns import ClusterUnavailable, cleanup_stale, open_cluster, open_topology
 
 RELAY = Path(netns.__file__).with_name("relay.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +302,7 @@ def test_everything_is_removed_when_the_body_raises(wan_support: None) -> None:
 
 OWNER = r"""
 import signal, sys, time
-from tensorhub.bench.netns import open_cluster
+from tensorhub.testing.netns import open_cluster
 # Ctrl-C raises, as in a terminal, also when the suite runs as a background job (its
 # children inherit SIGINT ignored, and Python then keeps it ignored)
 signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -14,7 +14,6 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 from test_onesided_conformance import onesided_holder
-from transport_conformance import SEED, publish, read_into, rng_for
 
 from tensorhub.errors import RemoteProtocolError, TransportError
 from tensorhub.peer.store import LocalVersion, Store
@@ -30,6 +29,7 @@ from tensorhub.protocol.onesided import (
     grant_frames,
     granted_ranges,
 )
+from tensorhub.testing.conformance import SEED, publish, read_into, rng_for
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing
 from tensorhub.transport.frames import recv_frame, send_frame

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from transport_conformance import *  # noqa: F403
-from transport_conformance import Holder, OpenHolder, running
 
 from tensorhub.model import VersionKey
 from tensorhub.peer.store import LocalVersion, Store
+from tensorhub.testing.conformance import *  # noqa: F403
+from tensorhub.testing.conformance import Holder, OpenHolder, running
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import Provider
 from tensorhub.transport.dial import probe_backend

@@ -18,8 +18,9 @@ from safetensors.numpy import save_file
 from test_mesh import mesh as mesh_of
 
 import tensorhub
-from tensorhub import cli_ops
-from tensorhub.metrics import serve_metrics
+from tensorhub.ops import commands as cli_ops
+from tensorhub.ops.metrics import serve_metrics
+from tensorhub.ops.status import Rates
 from tensorhub.processes import LineProcess, free_ports
 from tensorhub.protocol import codec
 from tensorhub.protocol.messages import register_all
@@ -31,7 +32,6 @@ from tensorhub.protocol.opstatus import (
     StatusReply,
     encode_reply,
 )
-from tensorhub.statusview import Rates
 
 CLI = [sys.executable, "-m", "tensorhub.cli"]
 WEIGHTS = {"w": np.arange(200_000, dtype=np.float32), "b": np.ones(10, np.float16)}

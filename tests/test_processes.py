@@ -11,7 +11,7 @@ SIZE = 24 << 20
 
 def spawn(procs: list[LineProcess], name: str, role: str, port: int, seed: str,
           expect: int) -> LineProcess:
-    argv = [sys.executable, "-m", "tensorhub.demo", "worker", "--name", name, "--role", role,
+    argv = [sys.executable, "-m", "tensorhub.ops.demo", "worker", "--name", name, "--role", role,
             "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", str(expect)]
     if seed:
         argv += ["--join", seed]

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorhub.digests import new_hasher
 from tensorhub.errors import ConsistencyError, LocalProtocolError
-from tensorhub.manifest import Manifest, build_manifest
+from tensorhub.manifest.digests import new_hasher
+from tensorhub.manifest.manifest import Manifest, build_manifest
 from tensorhub.model import VersionKey
 from tensorhub.protocol.layout import execute
 from tensorhub.protocol.resharding import ReshardPlan, plan_reshard

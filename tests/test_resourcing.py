@@ -13,7 +13,7 @@ import trio
 
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
-from tensorhub.demo import checksum
+from tensorhub.ops.demo import checksum
 from tensorhub.processes import LineProcess, free_ports
 
 SIZE = 48 << 20
@@ -26,7 +26,7 @@ def worker(name: str, role: str, port: int, seed: str, expect: int = 3,
     """A demo worker; with ``corrupt``, one whose first ``corrupt`` chunks served are
     corrupt (tests/corrupting_worker.py)."""
     start = ([sys.executable, str(CORRUPTING_WORKER), str(corrupt)] if corrupt
-             else [sys.executable, "-m", "tensorhub.demo", "worker"])
+             else [sys.executable, "-m", "tensorhub.ops.demo", "worker"])
     argv = [*start, "--name", name, "--role", role,
             "--listen", f"127.0.0.1:{port}", "--size", str(SIZE), "--expect", str(expect),
             "--chunk", str(CHUNK), "--transports", "tcp"]

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tensorhub.errors import LocalProtocolError
+from tensorhub.integrations.safetensors import map_safetensors, parse_header, write_safetensors
 from tensorhub.processes import LineProcess, free_ports
-from tensorhub.safetensors_io import map_safetensors, parse_header, write_safetensors
 from tensorhub.transport.samehost.reader import shm_available
 
 CLI = [sys.executable, "-m", "tensorhub.cli"]

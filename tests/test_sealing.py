@@ -27,7 +27,7 @@ from tensorhub import (
     VersionKey,
     VersionUnavailable,
 )
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
 from tensorhub.protocol.resharding import plan_reshard
 
 CHUNK = 4096  # the smallest chunk size a peer allows: many chunks per shard

@@ -18,14 +18,14 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
-import transport_conformance
 import trio
 import trio.testing
-from transport_conformance import publish
 
 import tensorhub
+import tensorhub.testing.conformance as transport_conformance
 from tensorhub import PeerConfig, shared_empty
 from tensorhub.peer.store import Store
+from tensorhub.testing.conformance import publish
 from tensorhub.transport.samehost import memory_files
 from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.server import TcpServer

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_mesh import mesh
 
-from tensorhub.digests import digest_of
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.digests import digest_of
+from tensorhub.manifest.manifest import build_manifest
+from tensorhub.manifest.table import SpecRow, built_specs
 from tensorhub.model import TensorSpec, VersionKey
-from tensorhub.tensortable import SpecRow, built_specs
 
 
 def weights(n: int, seed: int) -> list[tuple[str, np.ndarray[Any, Any]]]:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tensorhub.manifest import Manifest, build_manifest
+from tensorhub.manifest.manifest import Manifest, build_manifest
 from tensorhub.model import SCHEMA_ID_BYTES, VersionKey, schema_id
 from tensorhub.protocol.refs import Holding, announcement_bytes
 from tensorhub.protocol.sharding import Sharding

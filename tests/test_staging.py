@@ -19,10 +19,10 @@ import tensorhub
 from tensorhub import IntegrityError, LocalProtocolError, StagingRing, ThroughRing
 from tensorhub.device.copier import HostCopier
 from tensorhub.device.landing import Landing
-from tensorhub.digests import digest_of
-from tensorhub.manifest import build_manifest
+from tensorhub.device.staging import DeviceRings
+from tensorhub.manifest.digests import digest_of
+from tensorhub.manifest.manifest import build_manifest
 from tensorhub.model import VersionKey
-from tensorhub.peer.staging import DeviceRings
 
 KIB = 1024
 
@@ -127,7 +127,7 @@ def test_landing_checks_each_chunk_in_its_slot_and_places_only_what_passed(
         copier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # blocks of 1 KiB: a 4 KiB chunk is hashed and copied in four, one of them
     # across the end of tensor x
-    monkeypatch.setattr(tensorhub.digests, "HASHED_BLOCK", KIB)
+    monkeypatch.setattr(tensorhub.manifest.digests, "HASHED_BLOCK", KIB)
     landing, dst, src = landing_of(slots=4, copier=copier)
     m = landing.manifest
     flat = np.concatenate([src["x"].view(np.uint8), src["y"].view(np.uint8)])
@@ -164,7 +164,7 @@ def test_landing_checks_each_chunk_in_its_slot_and_places_only_what_passed(
 
 
 def test_digest_of_hands_on_every_byte_once_in_order() -> None:
-    block = tensorhub.digests.HASHED_BLOCK
+    block = tensorhub.manifest.digests.HASHED_BLOCK
     data = np.random.default_rng(3).integers(0, 255, 3 * block + 77, np.uint8)
     parts = [memoryview(data[:1000]), memoryview(data[1000:])]
     seen = bytearray()

@@ -19,7 +19,7 @@ import trio
 
 import tensorhub
 from tensorhub import PeerConfig
-from tensorhub.manifest import build_manifest
+from tensorhub.manifest.manifest import build_manifest
 from tensorhub.model import PeerInfo, VersionKey
 from tensorhub.peer.destination import allocate_flat
 from tensorhub.peer.fetcher import Fetch, FetchReport

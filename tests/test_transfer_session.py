@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub.errors import LocalProtocolError
-from tensorhub.manifest import Manifest, build_manifest
+from tensorhub.manifest.manifest import Manifest, build_manifest
 from tensorhub.model import PeerInfo, VersionKey
 from tensorhub.protocol.bans import Ban
 from tensorhub.protocol.pace import STALL_FLOOR

@@ -21,27 +21,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import transport_conformance
 import trio
 import trio.testing
 import xxhash
 from corrupting import CorruptingProvider
-from transport_conformance import *  # noqa: F403
-from transport_conformance import (
-    SEED,
-    Holder,
-    OpenHolder,
-    Published,
-    landing,
-    publish,
-    read_into,
-    rng_for,
-    running,
-)
 
+import tensorhub.testing.conformance as transport_conformance
 from tensorhub import shared_empty
 from tensorhub.errors import IntegrityError, RemoteProtocolError, TransportError
-from tensorhub.manifest import Manifest
+from tensorhub.manifest.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
 from tensorhub.peer.destination import allocate_flat
 from tensorhub.peer.store import Store
@@ -63,6 +51,18 @@ from tensorhub.protocol.dataplane import (
 )
 from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.security import Identity, Keyring
+from tensorhub.testing.conformance import *  # noqa: F403
+from tensorhub.testing.conformance import (
+    SEED,
+    Holder,
+    OpenHolder,
+    Published,
+    landing,
+    publish,
+    read_into,
+    rng_for,
+    running,
+)
 from tensorhub.transport import tcp
 from tensorhub.transport.base import NotServing
 from tensorhub.transport.frames import recv_frame, send_frame
@@ -188,7 +188,7 @@ def test_iovecs_merge_neighbours_and_skip_empty_views() -> None:
 HOLDER_PROCESS = """
 import random, sys, trio
 sys.path.insert(0, "tests")
-import transport_conformance
+import tensorhub.testing.conformance as transport_conformance
 from tensorhub import shared_empty
 from tensorhub.peer.store import Store
 from tensorhub.protocol.sizing import StreamWindow

@@ -257,7 +257,7 @@ def main() -> int:
     p.add_argument("--join", help=argparse.SUPPRESS)
     p.add_argument("--leg", help=argparse.SUPPRESS)
     args = p.parse_args()
-    from tensorhub.demo import parse_size
+    from tensorhub.ops.demo import parse_size
     args.size = parse_size(str(args.size))
     return run_role(args) if args.role else drive(args)
 

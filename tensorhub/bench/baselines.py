@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorhub.bench.netns import Cluster
+    from tensorhub.testing.netns import Cluster
 
 _SELF = str(Path(__file__).resolve())
 _PORT = 29500
@@ -151,7 +151,7 @@ def _worker(cluster: Cluster, host: str, *args: str, env: dict[str, str] | None 
 
 def _line(process: subprocess.Popen[str], timeout_s: float) -> str:
     # Imported here, not at the top: workers run this file by path, without the package.
-    from tensorhub.bench.netns import read_line
+    from tensorhub.testing.netns import read_line
 
     try:
         return read_line(process, timeout_s)
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if name in _EXTRAS and importlib.util.find_spec(_EXTRAS[name][0]) is None:
             parser.error(f"{name} needs {_EXTRAS[name][0]}: {_EXTRAS[name][1]} (bench extra)")
 
-    from tensorhub.bench.netns import open_cluster
+    from tensorhub.testing.netns import open_cluster
 
     seconds: dict[str, float] = {}
     wan_bytes: dict[str, int] = {}

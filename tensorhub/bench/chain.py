@@ -3,7 +3,7 @@ hop, in an emulated cluster where every NIC is capped, so the answer is physics.
 
 Theory of operation
 -------------------
-:func:`~tensorhub.bench.netns.open_cluster` builds ``--depth + 1`` hosts in one DC, every
+:func:`~tensorhub.testing.netns.open_cluster` builds ``--depth + 1`` hosts in one DC, every
 NIC capped at ``--mbit`` both ways. A TensorHub peer runs on each
 (:func:`~tensorhub.bench.cluster.open_mesh`, TCP): the publisher on ``h0``, relays ``h1``
 ... ``h<depth>``. ``--runs`` times, alternating which goes first:
@@ -37,10 +37,10 @@ from contextlib import ExitStack
 from typing import Any
 
 from ..errors import TensorHubError
+from ..testing.netns import open_cluster
 from .baselines import chunk_text, parse_chunk, parse_size
 from .cluster import MODEL, TRAINER, Mesh, mesh_keys, open_mesh
 from .figures import figure, print_figures
-from .netns import open_cluster
 
 BOUND = 1.3
 _TIMEOUT_S = 900.0

@@ -2,8 +2,8 @@
 peer against a real mesh of processes, with the invariants checked after every seed.
 
 The mesh is a trainer and ``--rollouts`` rollout peers, each its own OS process on
-loopback (:mod:`tensorhub.bench.chaos_worker`), plus the rogue
-(:mod:`tensorhub.bench.rogue`), which has no key and speaks the wire format raw.  Each
+loopback (:mod:`tensorhub.testing.chaos.worker`), plus the rogue
+(:mod:`tensorhub.testing.rogue`), which has no key and speaks the wire format raw.  Each
 **seed** is one short episode on the running mesh, on a model of its own
 (``chaos<seed>``): the trainer publishes ``--versions`` versions ``--interval`` seconds
 apart, every rollout follows ``latest`` and checks every byte it activates against the
@@ -11,20 +11,20 @@ trainer's content, and meanwhile, at moments drawn from the seed,
 
 * up to two faults: ``kill -9`` or ``SIGSTOP`` (then ``SIGCONT``) of a holder, of the
   version's coordinator or of the trainer;
-* one attack of the rogue, in turn from :data:`~tensorhub.bench.rogue.LIGHT`; the heavy
+* one attack of the rogue, in turn from :data:`~tensorhub.testing.rogue.LIGHT`; the heavy
   ones (a 4-million-tensor manifest, 1,000 half-sent data frames) every 50th seed.
 
 The **insider** family (``--insider-seeds``, with keys only) runs more seeds on the same
-mesh, each with one attack of :data:`~tensorhub.bench.insider.INSIDER_ATTACKS` by a
+mesh, each with one attack of :data:`~tensorhub.testing.insider.INSIDER_ATTACKS` by a
 second rogue process that holds the valid member key ``insider`` (no publisher rights):
 its words pass CURVE and the signature checks, so only the rules can refuse them.
 
 The **starved-links** family (``--starved-seeds``, root and ``ip netns`` only, else
 skipped with the reason) runs more seeds the same way with every peer and the rogue on an
-emulated host of its own, NICs capped by ``tc`` (:mod:`tensorhub.bench.netns`).
+emulated host of its own, NICs capped by ``tc`` (:mod:`tensorhub.testing.netns`).
 
 After the episode stopped peers are resumed, the peers' views are read, the invariants
-checked (:mod:`tensorhub.bench.chaos_check`), killed peers restarted, and the mesh
+checked (:mod:`tensorhub.testing.chaos.check`), killed peers restarted, and the mesh
 restarted whole if it kept state it cannot outlive.  Before the seeds, the flood phase
 times a rollout's fetch from the trainer with and without the rogue flooding the
 trainer's control and data ports, alternately (``flood_fetch_time_ratio``).
@@ -46,15 +46,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..demo import parse_size
-from . import netns
-from .chaos_check import ACCEPTED
-from .chaos_episode import Runner
-from .chaos_mesh import TRAINER, Host, Mesh, MeshError
-from .chaos_worker import security_supported
+from ..ops.demo import parse_size
+from ..testing import netns
+from ..testing.chaos.check import ACCEPTED
+from ..testing.chaos.episode import Runner
+from ..testing.chaos.mesh import TRAINER, Host, Mesh, MeshError
+from ..testing.chaos.worker import security_supported
+from ..testing.insider import INSIDER
+from ..testing.rogue import LIGHT
 from .figures import figure, print_figures
-from .insider import INSIDER
-from .rogue import LIGHT
 
 
 def _keys(mode: str, names: list[str], where: Path) -> tuple[str, str]:

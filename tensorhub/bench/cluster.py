@@ -3,14 +3,14 @@ what users run today, in one run and the same namespaces.
 
 Theory of operation
 -------------------
-:func:`~tensorhub.bench.netns.open_topology` builds one namespace per host of
+:func:`~tensorhub.testing.netns.open_topology` builds one namespace per host of
 ``--topology FILE`` (any number of DCs, each host's NIC rate, each DC pair's rate and round
-trip; :mod:`tensorhub.bench.clusterspec`), or of the shorthand ``--hosts``, ``--nic-mbit``,
+trip; :mod:`tensorhub.testing.clusterspec`), or of the shorthand ``--hosts``, ``--nic-mbit``,
 ``--dcs``, ``--wan-mbit``, ``--wan-rtt-ms`` (hosts split into DCs in contiguous blocks,
 every DC pair alike). ``h0`` is the trainer, ``h1`` ... are rollouts. ``--grid`` runs the
 whole benchmark once per setting (:mod:`tensorhub.bench.cluster_grid`); the command line
 is :mod:`tensorhub.bench.cluster_cli`. :func:`open_mesh` starts one TensorHub peer per host
-inside its namespace (:mod:`tensorhub.bench.worker`, TCP only, labels ``host``, ``dc``, ``rack``
+inside its namespace (:mod:`tensorhub.testing.worker`, TCP only, labels ``host``, ``dc``, ``rack``
 and ``nic_bps``, the NIC cap, which the planner's fan-out limits follow),
 driven by JSON lines; each worker's stderr goes to ``<scratch>/<name>.log`` and the tails
 are printed if anything fails. Then, for each of ``--runs``:
@@ -63,11 +63,11 @@ from typing import Any
 
 from ..errors import TensorHubError
 from ..security import write_keys
+from ..testing.clusterspec import ClusterSpec, fluid_bound_s
+from ..testing.netns import Cluster, Host, open_topology
+from ..testing.worker import WorkerClient
 from .baselines import BASELINES, BaselineError
-from .clusterspec import ClusterSpec, fluid_bound_s
 from .figures import figure
-from .netns import Cluster, Host, open_topology
-from .worker import WorkerClient
 
 MODEL = "bench"
 TRAINER = "trainer"
@@ -105,7 +105,7 @@ class _Worker(WorkerClient):
         self.control = f"{host.ip}:{port}"
         self.log = cluster.scratch_dir / f"{name}.log"
         self.prepared = 0
-        argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
+        argv = [sys.executable, "-m", "tensorhub.testing.worker", "--name", name,
                 "--listen", self.control, "--join", join, "--expect", str(expect),
                 "--chunk", str(chunk), "--transports", "tcp", "--host", host.name,
                 "--label", f"dc=dc{host.dc}", "--label", f"rack=dc{host.dc}-r0",
@@ -276,7 +276,7 @@ def mesh_keys(cluster: Cluster, directory: str) -> str:
 
 def bound_s(cluster: Cluster, size: int) -> float:
     """The fluid lower bound of a fan-out from ``h0`` to every other host of ``cluster``
-    (:func:`~tensorhub.bench.clusterspec.fluid_bound_s`)."""
+    (:func:`~tensorhub.testing.clusterspec.fluid_bound_s`)."""
     return fluid_bound_s(cluster.spec, size)
 
 

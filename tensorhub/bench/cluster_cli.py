@@ -9,9 +9,9 @@ import json
 import statistics
 from typing import Any
 
+from ..testing.clusterspec import ClusterSpec, load_topology, uniform
 from .baselines import BASELINES, chunk_text, parse_chunk, parse_size
 from .cluster import BASELINE_EXTRAS, BASELINE_KEYS, ClusterBenchError, Measured, measure, report
-from .clusterspec import ClusterSpec, load_topology, uniform
 from .figures import print_figures
 
 

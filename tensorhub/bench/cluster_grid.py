@@ -18,10 +18,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ..testing.clusterspec import ClusterSpec
 from .baselines import chunk_text
 from .cluster import FANOUT_BOUND, INTERDC_BOUND, ClusterBenchError, measure, report
 from .cluster_cli import check
-from .clusterspec import ClusterSpec
 from .figures import figure, print_figures
 
 GRID_KEYS = ("wan-mbit", "wan-rtt-ms", "nic-mbit")

@@ -33,11 +33,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ..testing.clusterspec import ClusterSpec, uniform
+from ..testing.netns import Cluster, open_topology
 from .baselines import chunk_text, parse_chunk, parse_size
 from .cluster import _FETCH_TIMEOUT_S, _SETUP_TIMEOUT_S, MODEL, ClusterBenchError, open_mesh
-from .clusterspec import ClusterSpec, uniform
 from .figures import figure, print_figures
-from .netns import Cluster, open_topology
 
 _SEED = 1000
 

@@ -37,10 +37,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
-from ..demo import parse_size
+from ..ops.demo import parse_size
 from ..processes import free_ports
+from ..testing.worker import WorkerClient, WorkerError
 from .figures import figure, print_figures
-from .worker import WorkerClient, WorkerError
 
 MODEL = "big"
 READER_STALL = 0.5  # a reader refused the old version moves on within about this
@@ -55,7 +55,7 @@ def _processes(readers: int, chunk: int, transport: str
     procs: dict[str, WorkerClient] = {}
     try:
         for i, name in enumerate(names):
-            argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
+            argv = [sys.executable, "-m", "tensorhub.testing.worker", "--name", name,
                     "--listen", f"127.0.0.1:{ports[i]}", "--expect", str(len(names)),
                     "--chunk", str(chunk)]
             argv += ["--join", seed] if i else []

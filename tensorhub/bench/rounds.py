@@ -52,10 +52,10 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from ..demo import parse_size
+from ..ops.demo import parse_size
 from ..processes import free_ports
 from ..security import write_keys
-from .chaos_mesh import MeshError, Proc
+from ..testing.chaos.mesh import MeshError, Proc
 from .figures import figure, print_figures
 from .rounds_worker import HIDDEN, MODEL, drop_old, model_bytes
 

@@ -44,7 +44,7 @@ from ..peer.node import Peer, open_peer
 from ..protocol.groups import GroupConfig
 from ..protocol.sharding import Sharding
 from ..security import load as load_keys
-from .worker import answer_commands
+from ..testing.worker import answer_commands
 
 MODEL = "rounds"
 HIDDEN = 384

@@ -4,9 +4,9 @@ bytes on the same capped, delayed path, at several added round trips.
 Theory of operation
 -------------------
 For each round trip ``r`` of ``--rtts`` an emulated cluster of two hosts in two DCs is
-built (:func:`~tensorhub.bench.netns.open_topology`): ``h0`` (the holder) and ``h1``
+built (:func:`~tensorhub.testing.netns.open_topology`): ``h0`` (the holder) and ``h1``
 (the reader), each NIC capped at ``--mbit``, the DC pair's link too, and ``r`` added by
-the inter-DC relay (half each way; :mod:`tensorhub.bench.relay`, since this kernel has no
+the inter-DC relay (half each way; :mod:`tensorhub.testing.relay`, since this kernel has no
 netem). A TensorHub peer runs on each host (:func:`~tensorhub.bench.cluster.open_mesh`,
 TCP, the default chunk size, keyless unless ``--keys on``), and a plain TCP server
 holding ``--size`` random bytes runs on ``h0``.
@@ -43,11 +43,11 @@ from contextlib import ExitStack
 from typing import Any
 
 from ..errors import TensorHubError
+from ..testing.clusterspec import ClusterSpec, DCLink, DCSpec
+from ..testing.netns import Cluster, open_topology, read_line
 from .baselines import chunk_text, parse_chunk, parse_size
 from .cluster import MODEL, TRAINER, Mesh, mesh_keys, open_mesh
-from .clusterspec import ClusterSpec, DCLink, DCSpec
 from .figures import figure, print_figures
-from .netns import Cluster, open_topology, read_line
 
 BOUND = 0.9
 STREAM_PORT = 29600

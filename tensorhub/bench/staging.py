@@ -30,9 +30,9 @@ import numpy as np
 import trio
 
 from ..config import PeerConfig
-from ..demo import parse_size
 from ..device.landing import ThroughRing
 from ..device.ring import StagingRing
+from ..ops.demo import parse_size
 from ..peer.node import Peer, open_peer
 from ..protocol.sizing import choose_chunk_size
 from .figures import figure, print_figures

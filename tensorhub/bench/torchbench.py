@@ -25,7 +25,7 @@ import numpy as np
 import trio
 
 from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
-from ..demo import parse_size
+from ..ops.demo import parse_size
 from ..peer.node import Peer, open_peer
 from .figures import figure, print_figures
 

@@ -65,11 +65,11 @@ from typing import Any
 import numpy as np
 
 from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
-from ..demo import parse_size
+from ..ops.demo import parse_size
 from ..processes import free_ports
 from ..security import write_keys
+from ..testing.worker import WorkerClient
 from .figures import figure, print_figures
-from .worker import WorkerClient
 
 RAW_SERVER = r"""
 import socket, sys, numpy as np
@@ -159,7 +159,7 @@ def _mesh(names: list[str], chunk: int, key_dir: str | None, switching: str = "d
     procs: dict[str, WorkerClient] = {}
     try:
         for i, name in enumerate(names):
-            argv = [sys.executable, "-m", "tensorhub.bench.worker", "--name", name,
+            argv = [sys.executable, "-m", "tensorhub.testing.worker", "--name", name,
                     "--listen", f"127.0.0.1:{ports[i]}", "--expect", str(len(names)),
                     "--chunk", str(FORCED_CHUNK if name == "pub4" else chunk),
                     "--transports", transports.get(name, "tcp"), "--timers", "default",

@@ -21,7 +21,7 @@ from ..model import as_host_array
 from ..torch import dtype_of, is_tensor
 
 if TYPE_CHECKING:
-    from ..manifest import Manifest
+    from ..manifest.manifest import Manifest
 
 _DLPACK_CUDA = (2, 13)
 """DLPack device types of CUDA memory: kDLCUDA, kDLCUDAManaged."""

@@ -9,8 +9,8 @@ value and its place, so a changed, moved, missing or stale byte changes the sums
 (two changes cancel with probability about 2**-64 per lane); the sums are cheap to
 compute in parallel, so a GPU checks a chunk at memory speed.  It is **not**
 cryptographic: a holder that wants to can forge it.  A reader uses it only as it uses
-:data:`~tensorhub.digests.LOCAL_ALGO` -- against a holder on its own host that could
-write its memory anyway (:attr:`~tensorhub.manifest.Manifest.device_digests`).
+:data:`~tensorhub.manifest.digests.LOCAL_ALGO` -- against a holder on its own host that could
+write its memory anyway (:attr:`~tensorhub.manifest.manifest.Manifest.device_digests`).
 """
 
 from __future__ import annotations

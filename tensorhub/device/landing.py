@@ -26,7 +26,7 @@ import numpy as np
 import trio
 
 from ..errors import LocalProtocolError, TransportError
-from ..manifest import Manifest
+from ..manifest.manifest import Manifest
 from ..protocol.sizing import MIN_CHUNKS
 from ..transport.base import Verifier
 from .buffers import DeviceBytes, DeviceChunks, Place
@@ -36,7 +36,7 @@ from .ring import Claim, StagingRing
 
 class PassingVerifier(Protocol):
     """A chunk's check that can hand each block on as it hashes it (see
-    :func:`~tensorhub.digests.digest_of`); raises if the chunk fails."""
+    :func:`~tensorhub.manifest.digests.digest_of`); raises if the chunk fails."""
 
     def __call__(self, landed: Sequence[memoryview],
                  each: Callable[[int, memoryview], None] | None = None) -> None: ...

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..digests import THREADED_HASH_BYTES, digest_of
-from ..manifest import Manifest
+from ..manifest.digests import THREADED_HASH_BYTES, digest_of
+from ..manifest.manifest import Manifest
 from ..protocol.dataplane import NOT_HELD, NOT_YET
 from ..transport import copy_threads
 from ..transport.base import NotServing

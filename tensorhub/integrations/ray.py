@@ -2,7 +2,8 @@
 
 An actor class that inherits :class:`TensorHubActor` gains remote methods to start,
 describe and stop its own peer; its code uses ``self.hub``, a
-:class:`~tensorhub.api.BlockingPeer` (``publish``, ``fetch``, ``wait_for_version``...).
+:class:`~tensorhub.integrations.blocking.BlockingPeer` (``publish``, ``fetch``,
+``wait_for_version``...).
 The driver starts the first actor's peer, which returns its address, and hands that
 address to the others as their seed::
 
@@ -26,9 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import security
-from ..api import BlockingPeer
 from ..config import PeerConfig
 from ..errors import LocalProtocolError
+from .blocking import BlockingPeer
 
 if TYPE_CHECKING:
     from types import ModuleType

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import TensorHubError
-from ..manifest import Manifest
+from ..manifest.manifest import Manifest
 from ..model import VersionKey
 from ..protocol.specdiff import RankSpecs, spec_differences
 from ..protocol.versions import LAYOUT, SPECS, Seal

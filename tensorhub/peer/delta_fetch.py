@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..digests import digest_of
 from ..errors import LocalProtocolError, RemoteProtocolError, TransportError
-from ..manifest import Manifest
+from ..manifest.digests import digest_of
+from ..manifest.manifest import Manifest
 from ..model import PeerInfo, VersionKey
 from ..protocol.dataplane import OK, DeltaReply
 from ..protocol.delta import (

@@ -13,9 +13,9 @@ import numpy as np
 
 from ..dtypes import display, dtype_name, storage_dtype
 from ..errors import LocalProtocolError
-from ..manifest import Manifest
+from ..manifest.manifest import Manifest
+from ..manifest.table import TensorTable
 from ..model import as_host_array
-from ..tensortable import TensorTable
 from ..torch import check_into, is_tensor
 from ..transport.samehost.memory_files import fetch_buffer
 

@@ -24,13 +24,13 @@ from typing import Any
 import trio
 
 from ..device.landing import Landing, PassingVerifier
-from ..digests import LOCAL_ALGO, digest_of
 from ..errors import (
     IntegrityError,
     RemoteProtocolError,
     TransportError,
     VersionUnavailable,
 )
+from ..manifest.digests import LOCAL_ALGO, digest_of
 from ..model import PeerInfo, VersionKey
 from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ..device.staging import staged_fetch
 from ..errors import ConsistencyError, RemoteProtocolError, TransportError, VersionUnavailable
-from ..manifest import Manifest
+from ..manifest.manifest import Manifest
 from ..model import PeerInfo, VersionKey
 from ..protocol.refs import Holding
 from ..protocol.ring import Epoch
@@ -39,7 +40,6 @@ from ..transport.base import NotServing
 from .delta_fetch import add_to_report, fetch_deltas, known_rates, remember_links
 from .destination import allocate_flat, prepare_destination
 from .fetcher import Fetch, Fetched, FetchReport, HolderView, first_error
-from .staging import staged_fetch
 from .store import LocalVersion
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ under a millisecond, less than handing the work to a thread and back."""
 INLINE_KNOWN_BYTES = 1 << 20
 """Manifests up to this size whose tensor columns were decoded lately (the next
 version of a model) are decoded on the event loop too, the columns known by their bytes
-(:mod:`tensorhub.manifest_columns`): 33,000 tensors (1,020 KiB) take 0.88 ms here,
+(:mod:`tensorhub.manifest.columns`): 33,000 tensors (1,020 KiB) take 0.88 ms here,
 against 1.13 ms through a thread; 16,000 take 0.41 ms.  One of new columns goes to a
 thread, after about 0.25 ms spent finding that out (10,000 tensors)."""
 

@@ -31,6 +31,7 @@ import zmq
 
 from ..cast import CastSpec, fetch_cast
 from ..config import PeerConfig, parse_hostport
+from ..device.staging import DeviceRings, device_publish
 from ..errors import (
     ConsistencyError,
     LocalProtocolError,
@@ -39,7 +40,7 @@ from ..errors import (
     TransportError,
     VersionUnavailable,
 )
-from ..manifest import Manifest, build_manifest
+from ..manifest.manifest import Manifest, build_manifest
 from ..model import (
     PeerInfo,
     VersionKey,
@@ -77,7 +78,6 @@ from .opstatus import StatusDesk
 from .plane import DataPlane
 from .reshard import fetch_sealed
 from .retention import Retention
-from .staging import DeviceRings, device_publish
 from .stats import INSECURE, PeerStats, peer_statistics
 from .store import LocalVersion, Store
 from .switching import switch_interval

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from ..manifest import Manifest, build_manifest
+from ..manifest.manifest import Manifest, build_manifest
 from ..model import VersionKey, byte_view
 from ..protocol.layout import execute
 from ..protocol.resharding import plan_reshard

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..digests import TRUSTED_ONLY
+from ..manifest.digests import TRUSTED_ONLY
 from ..transport.admission import ServerStats
 from .delta_fetch import book
 from .switching import describe

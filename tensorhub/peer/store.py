@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from ..manifest import Manifest, chunk_buffers, chunk_pieces
+from ..manifest.manifest import Manifest, chunk_buffers, chunk_pieces
 from ..model import VersionKey, byte_views
 from ..protocol.dataplane import BAD_REQUEST, NOT_HELD, NOT_YET
 from ..protocol.refs import Holding, bitmap_of

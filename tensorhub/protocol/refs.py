@@ -74,8 +74,9 @@ class Holding:
     publisher_sig: Signature = b""
     """The publisher's signature over :func:`announcement_bytes` (secure mode)."""
     schema: SchemaId = b""
-    """The schema id of the shard's tensors (:meth:`~tensorhub.manifest.Manifest.schema_id`):
-    the same at every rank of a consistent publish (see versions.py)."""
+    """The schema id of the shard's tensors
+    (:meth:`~tensorhub.manifest.manifest.Manifest.schema_id`): the same at every rank
+    of a consistent publish (see versions.py)."""
     size: U64 = 0
     """Bytes of the shard's tensors (0: not said).  Advisory, under the origin's entry
     signature only: a fetcher asks the coordinator for a plan with it while it reads the

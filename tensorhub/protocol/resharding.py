@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..dtypes import display, storage_dtype
 from ..errors import ConsistencyError, LocalProtocolError
-from ..manifest import Manifest
+from ..manifest.manifest import Manifest
 from ..model import TensorSpec
 from .layout import Shard, ShardPlan, plan_shard
 from .sharding import Sharding

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from ..errors import LocalProtocolError
-from ..manifest import Manifest
+from ..manifest.manifest import Manifest
 from ..model import PeerInfo
 from .bans import Ban
 from .pace import Pace

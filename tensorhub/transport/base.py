@@ -123,7 +123,7 @@ class Connection(Protocol):
     """Whether the holder is shown to be a process of this host run by this user (or
     root): one that could write this reader's memory anyway.  The fetcher then checks
     chunks against the manifest's fast ``local_digests`` (see
-    :attr:`~tensorhub.manifest.Manifest.local_digests`)."""
+    :attr:`~tensorhub.manifest.manifest.Manifest.local_digests`)."""
     batch_bytes: int
     """How many bytes of consecutive chunks a reader should hand one :meth:`read_chunks`
     call: nonzero only where each read has a cost worth sharing (a same-host version

@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..digests import HASHED_AS_LANDED, new_hasher
 from ..errors import RemoteProtocolError, TransportError
 from ..limits import MAX_MANIFEST_BYTES
+from ..manifest.digests import HASHED_AS_LANDED, new_hasher
 from ..model import VersionKey
 from ..protocol.dataplane import (
     MAX_RUN_CHUNKS,
@@ -498,7 +498,7 @@ VERIFY_ASIDE = True
 
 HASH_AS_LANDED_PIECES = 16
 """A chunk that lands in more pieces than this (small tensors) is hashed by the reader
-thread as its pieces land, when its digest allows (:data:`~tensorhub.digests.
+thread as its pieces land, when its digest allows (:data:`~tensorhub.manifest.digests.
 HASHED_AS_LANDED`), instead of in a pool thread after it landed.  The pieces are then
 hashed while in the cache, and the hashing, which keeps the GIL, takes less of it.
 Measured here, 10,000 tensors of 4 KiB from a holder on this host: a fetch 1.1-2.3 ms

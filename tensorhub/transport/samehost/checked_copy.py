@@ -2,7 +2,7 @@
 the same pass, one read of every byte.
 
 A same-host reader checks each chunk against the manifest's local digest (xxh3-128,
-:data:`tensorhub.digests.LOCAL_ALGO`) as it copies it.  Done as two steps, a check
+:data:`tensorhub.manifest.digests.LOCAL_ALGO`) as it copies it.  Done as two steps, a check
 that reads a block and a copy that reads it again from the cache, the two steps never
 overlap: the check's reads wait on memory while nothing is written, then the copy
 writes while nothing is read.  Measured on a 2-core VM (Xeon, KVM), one thread, 1 GiB

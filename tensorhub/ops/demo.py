@@ -1,6 +1,6 @@
 """``tensorhub demo``: a real mesh of processes on loopback moving real weights.
 
-The driver spawns one trainer and N rollout processes (``python -m tensorhub.demo
+The driver spawns one trainer and N rollout processes (``python -m tensorhub.ops.demo
 worker ...``), each a full peer.  Workers talk to the driver in JSON lines: the driver
 writes commands to a worker's stdin, the worker reports events on its stdout.  For each
 version the trainer publishes a synthetic model of realistic tensor shapes; every
@@ -26,11 +26,11 @@ import blake3
 import numpy as np
 import trio
 
-from . import security
-from .config import DEFAULT_CHUNK_SIZE, PeerConfig
-from .model import VersionKey
-from .processes import LineProcess, free_ports
-from .transport.samehost.memory_files import shared_empty
+from .. import security
+from ..config import DEFAULT_CHUNK_SIZE, PeerConfig
+from ..model import VersionKey
+from ..processes import LineProcess, free_ports
+from ..transport.samehost.memory_files import shared_empty
 
 MODEL = "demo-llm"
 
@@ -103,7 +103,7 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 async def _worker(args: argparse.Namespace) -> None:
-    from .peer.node import open_peer
+    from ..peer.node import open_peer
 
     join = tuple(s for s in args.join.split(",") if s)
     config = PeerConfig.local(args.name, listen=args.listen, join=join,
@@ -172,7 +172,7 @@ def _run_mesh(args: argparse.Namespace, keys: str) -> int:
     n = args.rollouts
     ports = free_ports(n + 1)
     seed = f"127.0.0.1:{ports[0]}"
-    base = [sys.executable, "-m", "tensorhub.demo", "worker", "--size", str(size),
+    base = [sys.executable, "-m", "tensorhub.ops.demo", "worker", "--size", str(size),
             "--expect", str(n + 1), *(["--keys", keys] if keys else [])]
     if not args.json:
         print("closed mesh: keys made for this run (members: trainer, rollouts; publisher: "
@@ -251,7 +251,7 @@ def add_demo_options(p: argparse.ArgumentParser) -> None:
 
 
 def _worker_main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="tensorhub.demo worker")
+    p = argparse.ArgumentParser(prog="tensorhub.ops.demo worker")
     p.add_argument("--name", required=True)
     p.add_argument("--role", choices=("trainer", "rollout"), required=True)
     p.add_argument("--listen", required=True)
@@ -269,4 +269,4 @@ if __name__ == "__main__":
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         _worker_main(sys.argv[2:])
     else:
-        sys.exit("usage: python -m tensorhub.demo worker ...  (use `tensorhub demo`)")
+        sys.exit("usage: python -m tensorhub.ops.demo worker ...  (use `tensorhub demo`)")

@@ -1,4 +1,4 @@
-"""The rogue peer of the chaos bench (``python -m tensorhub.bench.rogue``).
+"""The rogue peer of the chaos bench (``python -m tensorhub.testing.rogue``).
 
 A process that was never given a key and that speaks the mesh's own wire format (the
 codec and messages of :mod:`tensorhub.protocol`) over raw ZeroMQ and TCP sockets, with
@@ -20,7 +20,7 @@ peer believed it) the driver measures from the peers' own views and fetches.
 
 With ``--insider-keys DIR`` the same program is the *insider* (:mod:`.insider`): it
 speaks as member ``insider`` of that keyring (CURVE, data-plane handshake, signatures)
-and runs :data:`~tensorhub.bench.insider.INSIDER_ATTACKS`.
+and runs :data:`~tensorhub.testing.insider.INSIDER_ATTACKS`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from ..manifest import manifest_id_of
+from ..manifest.manifest import manifest_id_of
 from ..model import PeerInfo
 from ..processes import free_ports
 from ..protocol import codec
@@ -435,7 +435,7 @@ class Rogue:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tensorhub.bench.rogue")
+    p = argparse.ArgumentParser(prog="python -m tensorhub.testing.rogue")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--chunk", type=int, required=True)
     p.add_argument("--huge-tensors", type=int, default=4_000_000)

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .config import PeerConfig
-    from .peer.node import Peer
+    from ..config import PeerConfig
+    from ..peer.node import Peer
 
 Role = Callable[["Peer", AsyncExitStack], Awaitable[None]]
 
@@ -126,7 +126,7 @@ class _Plain:
 
 async def run_fetch(config: PeerConfig, args: argparse.Namespace) -> dict[str, Any]:
     """``tensorhub fetch``: join, fetch, write the file, leave; the summary."""
-    from .peer.node import open_peer
+    from ..peer.node import open_peer
     from .roles import fetch_to_file
 
     version: int | str = args.version
@@ -165,9 +165,9 @@ async def run_fetch(config: PeerConfig, args: argparse.Namespace) -> dict[str, A
 
 async def run_watch(config: PeerConfig, args: argparse.Namespace) -> None:
     """``tensorhub status --watch``."""
+    from ..peer.node import open_peer
     from .metrics import require
-    from .peer.node import open_peer
-    from .statusview import watch
+    from .status import watch
 
     require("rich")
     async with open_peer(config) as peer:

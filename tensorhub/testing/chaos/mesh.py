@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import TensorHubError
-from ..processes import free_ports
+from ...errors import TensorHubError
+from ...processes import free_ports
 
 TRAINER = "trainer"
 ASYNC_EVENTS = ("fetch_started", "activated", "fetch_error", "slow_unpublish")
@@ -109,7 +109,7 @@ class Mesh:
                  insider: bool = False) -> None:
         """``hosts``: where each peer (and ``rogue``) runs, by name; default: all on
         this host's loopback.  ``insider``: also start the rogue that holds member key
-        ``insider`` of ``keys`` (:mod:`tensorhub.bench.insider`)."""
+        ``insider`` of ``keys`` (:mod:`tensorhub.testing.insider`)."""
         self.names = [TRAINER, *(f"r{i}" for i in range(rollouts))]
         self.hosts = hosts or {}
         self.size, self.chunk, self.keys = size, chunk, keys
@@ -177,7 +177,7 @@ class Mesh:
         for name in names:
             join = [a for n in self.names if n != name for a in ("--join", self.control(n))]
             host = self._host(name)
-            argv = [*host.prefix, sys.executable, "-m", "tensorhub.bench.chaos_worker",
+            argv = [*host.prefix, sys.executable, "-m", "tensorhub.testing.chaos.worker",
                     "--name", name, "--role", "trainer" if name == TRAINER else "rollout",
                     "--listen", self.control(name), "--size", str(self.size),
                     "--chunk", str(self.chunk), "--host", host.label, *join]
@@ -193,14 +193,14 @@ class Mesh:
         if self.rogue is None or self.rogue.p.poll() is not None:
             host = self._host("rogue")
             self.rogue = Proc("rogue", [*host.prefix, sys.executable, "-m",
-                                        "tensorhub.bench.rogue", "--size", str(self.size),
+                                        "tensorhub.testing.rogue", "--size", str(self.size),
                                         "--chunk", str(self.chunk), "--ip", host.ip,
                                         "--huge-tensors", str(self.huge_tensors)],
                               self.logdir, self.events)
             if self.reply("rogue", "ready", timeout) is None:
                 raise MeshError(f"the rogue did not start: {self.rogue.stderr_tail()}")
         if self.with_insider and (self.insider is None or self.insider.p.poll() is not None):
-            self.insider = Proc("insider", [sys.executable, "-m", "tensorhub.bench.rogue",
+            self.insider = Proc("insider", [sys.executable, "-m", "tensorhub.testing.rogue",
                                             "--size", str(self.size), "--chunk",
                                             str(self.chunk), "--huge-tensors", "1",
                                             "--insider-keys", self.keys], self.logdir,

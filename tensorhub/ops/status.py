@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 if TYPE_CHECKING:
-    from .peer.node import Peer
+    from ..peer.node import Peer
 
 MB = 1e6
 

@@ -1,6 +1,6 @@
 """A peer process driven by JSON lines, for benchmarks and multi-process tests.
 
-``python -m tensorhub.bench.worker --name A --listen HOST:PORT [--join ...]`` starts a
+``python -m tensorhub.testing.worker --name A --listen HOST:PORT [--join ...]`` starts a
 peer, prints ``{"event": "ready", ...}`` and then executes one JSON command per stdin
 line, answering each with one JSON line on stdout:
 
@@ -54,9 +54,9 @@ import numpy as np
 import trio
 
 from ..config import PeerConfig, parse_labels
-from ..demo import checksum, fill, model_specs
 from ..errors import TensorHubError
 from ..model import VersionKey
+from ..ops.demo import checksum, fill, model_specs
 from ..peer.node import Peer, open_peer
 from ..peer.rollout import Committed, Rollout, Staged
 from ..security import load as load_keys
@@ -368,7 +368,7 @@ async def answer_commands(handle: Callable[[dict[str, Any]], Awaitable[dict[str,
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m tensorhub.bench.worker")
+    p = argparse.ArgumentParser(prog="python -m tensorhub.testing.worker")
     p.add_argument("--name", required=True)
     p.add_argument("--listen", required=True)
     p.add_argument("--join", default="")

@@ -39,7 +39,7 @@ from ..protocol.refs import Holding, OriginEntry, Stamp, announcement_bytes
 from ..security import load
 from ..transport.frames import encode_frame
 from ..transport.handshake import transcript
-from .chaos_worker import model_bytes
+from .chaos.worker import model_bytes
 from .rogue_wares import forged_offer, read_message
 
 if TYPE_CHECKING:

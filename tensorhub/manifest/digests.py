@@ -1,6 +1,6 @@
 """Chunk digests: the algorithms a manifest may name and how a chunk's bytes are hashed.
 
-Nothing here performs I/O.  A manifest (:mod:`tensorhub.manifest`) carries one digest
+Nothing here performs I/O.  A manifest (:mod:`tensorhub.manifest.manifest`) carries one digest
 per chunk in its algorithm, and, for readers on the holder's own host, one in
 :data:`LOCAL_ALGO`; every chunk a reader lands is checked against one of them with
 :func:`digest_of` before it counts.
@@ -17,7 +17,7 @@ from typing import Any
 import blake3
 import xxhash
 
-from .errors import LocalProtocolError
+from ..errors import LocalProtocolError
 
 DIGEST_ALGOS = ("blake3", "sha256", "xxh3-128")
 """Per-chunk digests a manifest may name.  ``blake3`` (the default) and ``sha256`` are

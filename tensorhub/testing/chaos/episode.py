@@ -1,7 +1,7 @@
 """One seed of the chaos bench: its faults, its attack, the wait, the checks, the repair.
 
-:class:`Runner` drives episodes on a :class:`~tensorhub.bench.chaos_mesh.Mesh` and sums
-what :func:`~tensorhub.bench.chaos_check.check` finds; it also runs the flood phase.
+:class:`Runner` drives episodes on a :class:`~tensorhub.testing.chaos.mesh.Mesh` and sums
+what :func:`~tensorhub.testing.chaos.check.check` finds; it also runs the flood phase.
 See :mod:`tensorhub.bench.chaos` for what an episode is.
 """
 
@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..model import VersionKey
-from ..protocol.ring import coordinator
-from .chaos_check import ACCEPTED, COUNTS, Episode, Verdict, check, family
-from .chaos_mesh import TRAINER, Mesh, MeshError
-from .insider import INSIDER, INSIDER_ATTACKS
-from .rogue import HEAVY, LIGHT
+from ...model import VersionKey
+from ...protocol.ring import coordinator
+from ..insider import INSIDER, INSIDER_ATTACKS
+from ..rogue import HEAVY, LIGHT
+from .check import ACCEPTED, COUNTS, Episode, Verdict, check, family
+from .mesh import TRAINER, Mesh, MeshError
 
 SETTLE_GRACE = 3.0
 """Seconds past the episode's end the check waits for the last version's fetches: a

@@ -19,19 +19,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from . import manifest_columns as columns
-from .digests import (
-    DIGEST_ALGOS,
-    DIGEST_SIZES,
-    LOCAL_ALGO,
-    THREADED_HASH_BYTES,
-    TRUSTED_ONLY,
-    digest_of,
-    new_hasher,
-)
-from .dtypes import EXTENDED, storage_dtype
-from .errors import LocalProtocolError, RemoteProtocolError
-from .limits import (
+from ..dtypes import EXTENDED, storage_dtype
+from ..errors import LocalProtocolError, RemoteProtocolError
+from ..limits import (
     BAD_NAME_CHARS,
     DEFAULT_LIMITS,
     MAX_CHUNK_SIZE,
@@ -49,8 +39,18 @@ from .limits import (
     check_shape,
     check_tensor_name,
 )
-from .model import TensorSpec, VersionKey, byte_views
-from .tensortable import CACHE_LOCK, SpecRow, TensorTable, built_specs, table_of
+from ..model import TensorSpec, VersionKey, byte_views
+from . import columns as columns
+from .digests import (
+    DIGEST_ALGOS,
+    DIGEST_SIZES,
+    LOCAL_ALGO,
+    THREADED_HASH_BYTES,
+    TRUSTED_ONLY,
+    digest_of,
+    new_hasher,
+)
+from .table import CACHE_LOCK, SpecRow, TensorTable, built_specs, table_of
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""What the chaos bench's rogue (:mod:`tensorhub.bench.rogue`) serves: a data port that
+"""What the chaos bench's rogue (:mod:`tensorhub.testing.rogue`) serves: a data port that
 answers with whatever an attack offers, framed as the real data plane frames it, and the
 manifests it forges."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..manifest import build_manifest
+from ..manifest.manifest import build_manifest
 from ..model import VersionKey
 from ..protocol.dataplane import (
     BAD_REQUEST,
@@ -25,7 +25,7 @@ from ..protocol.dataplane import (
     Reply,
 )
 from ..transport.frames import encode_frame, recv_frame_blocking
-from .chaos_worker import model_specs
+from .chaos.worker import model_specs
 
 # -- the data port it serves from ----------------------------------------------------------
 

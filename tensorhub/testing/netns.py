@@ -11,7 +11,7 @@ Theory of operation
        ...        (DC 1)        ┴─ br1 ─ r1 ══veth══ dc1 ┘
                          netns sw (the "switch": one bridge per DC)
 
-What to build is a :class:`~tensorhub.bench.clusterspec.ClusterSpec` (any number of DCs,
+What to build is a :class:`~tensorhub.testing.clusterspec.ClusterSpec` (any number of DCs,
 each host's NIC rate, each DC pair's rate and round trip): :func:`open_topology` takes
 one; :func:`open_cluster` builds the uniform one of its arguments.
 
@@ -24,7 +24,7 @@ one; :func:`open_cluster` builds the uniform one of its arguments.
   the switch-side end (download), at that host's own rate.
 * Cross-DC: hosts route ``10.77.0.0/16`` via their DC's router address ``10.77.d.254``.
   The router does **not** forward IP (``ip_forward=0``); an nftables rule redirects every
-  TCP connection arriving from a DC to the relay (:mod:`tensorhub.bench.relay`), which
+  TCP connection arriving from a DC to the relay (:mod:`tensorhub.testing.relay`), which
   reads the original destination (``SO_ORIGINAL_DST``), dials it from the router and
   delays each direction by half the round trip of the DC pair (source subnet, destination
   subnet). So hosts use each other's real addresses across DCs; servers see the router's
@@ -335,7 +335,7 @@ def open_cluster(
     the **round trip** the relay adds (half per direction). ``mtu`` defaults to jumbo
     frames, as in datacenter fabrics: it keeps header overhead in the counters under 1%
     and the packet rate (CPU) low. ``prefix`` defaults to ``thc<pid>-<token>-``.
-    The same as :func:`open_topology` of :func:`~tensorhub.bench.clusterspec.uniform`.
+    The same as :func:`open_topology` of :func:`~tensorhub.testing.clusterspec.uniform`.
     """
     if hosts < 1 or dcs < 1 or dcs > hosts or hosts > 250 * dcs:
         raise ValueError(f"need 1 <= dcs <= hosts <= 250 * dcs, got {hosts=} {dcs=}")

@@ -20,14 +20,14 @@ from typing import Any
 import blake3
 import msgpack
 
-from .model import TensorSpec
-from .tensortable import CACHE_LOCK
+from ..model import TensorSpec
+from .table import CACHE_LOCK
 
 Specs = tuple[tuple[TensorSpec, ...], int]
 """Tensor specs laid end to end, and the bytes they span."""
 
 KEPT = 16
-"""Columns remembered (by digest), as many as :mod:`tensorhub.manifest` keeps parsed."""
+"""Columns remembered (by digest), as many as :mod:`tensorhub.manifest.manifest` keeps parsed."""
 
 _BY_DIGEST: OrderedDict[bytes, Specs] = OrderedDict()
 

@@ -1,6 +1,6 @@
 """A delaying TCP relay: the user-space stand-in for netem on the inter-DC path.
 
-This kernel has no netem, so the emulated cluster (:mod:`tensorhub.bench.netns`) gets its
+This kernel has no netem, so the emulated cluster (:mod:`tensorhub.testing.netns`) gets its
 WAN latency from this relay, which runs in the router namespace between datacenters.
 
 Theory of operation

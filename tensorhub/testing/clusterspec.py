@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A :class:`ClusterSpec` is the plain description :func:`~tensorhub.bench.netns.open_topology`
+A :class:`ClusterSpec` is the plain description :func:`~tensorhub.testing.netns.open_topology`
 builds: DCs in order, each a list of hosts given by their NIC rate (Mbit/s, both ways),
 and one :class:`DCLink` per pair of DCs with its rate (Mbit/s each way, or no cap) and the
 round trip it adds (ms). Hosts are numbered across DCs in order: ``h0`` is the first host

@@ -49,7 +49,7 @@ import trio
 import trio.testing
 
 from tensorhub.errors import RemoteProtocolError, TransportError
-from tensorhub.manifest import Manifest
+from tensorhub.manifest.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
 from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol import codec

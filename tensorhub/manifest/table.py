@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import storage_dtype
-from .model import TensorSpec, schema_id
+from ..dtypes import storage_dtype
+from ..model import TensorSpec, schema_id
 
 CACHE_LOCK = threading.Lock()
 """Guards the caches of decoded and tabled specs: manifests are built and decoded in
@@ -169,7 +169,7 @@ def built_specs(place: tuple[str, int, bytes], rows: list[SpecRow]) -> tuple[Ten
     layout): the very tuple the last build of that place made when its rows were the
     same.  A publisher's next version of a model lists the same tensors, so its
     manifest shares the specs, and their :class:`TensorTable`, with the last one's, as
-    a decoded manifest does (:func:`~tensorhub.manifest._tensors_from_wire`).
+    a decoded manifest does (:func:`~tensorhub.manifest.manifest._tensors_from_wire`).
 
     Before, every publish made a spec object per tensor, and the table cache kept the
     last 32 tuples alive: a publisher of 10,000 tensors held 320,000 objects that the

@@ -21,19 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .errors import (
+from ..errors import (
     ConsistencyError,
     LocalProtocolError,
     RemoteProtocolError,
     TransportError,
     VersionUnavailable,
 )
-from .model import check_model_name, check_version
-from .safetensors_io import MappedFile, map_safetensors, write_safetensors
+from ..integrations.safetensors import MappedFile, map_safetensors, write_safetensors
+from ..model import check_model_name, check_version
 
 if TYPE_CHECKING:
-    from .peer.fetcher import Fetched
-    from .peer.node import Peer
+    from ..peer.fetcher import Fetched
+    from ..peer.node import Peer
 
 Emit = Callable[[dict[str, Any]], None]
 Progress = Callable[[int, int], None]

@@ -22,16 +22,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import LocalProtocolError
-from .model import VersionKey, check_model_name
-from .protocol.sharding import WHOLE, Sharding
-from .torch import to_torch
+from ..errors import LocalProtocolError
+from ..model import VersionKey, check_model_name
+from ..protocol.sharding import WHOLE, Sharding
+from ..torch import to_torch
 
 if TYPE_CHECKING:
     import torch
 
-    from .cast import CastSpec
-    from .peer.node import Peer
+    from ..cast import CastSpec
+    from ..peer.node import Peer
 
 Rename = Mapping[str, str] | Callable[[str], str | None]
 """Publisher name -> engine name: a mapping (names not in it pass unchanged) or a

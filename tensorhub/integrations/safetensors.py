@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import dtype_name, storage_dtype
-from .errors import LocalProtocolError
+from ..dtypes import dtype_name, storage_dtype
+from ..errors import LocalProtocolError
 
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
           "I16": "<i2", "I8": "|i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",

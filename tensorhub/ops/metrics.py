@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-    from .peer.node import Peer
+    from ..peer.node import Peer
 
 INSTALL = "needs the ops extra: pip install 'tensorhub[ops]' (rich, prometheus-client)"
 

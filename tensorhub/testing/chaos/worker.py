@@ -1,4 +1,4 @@
-"""A peer process of the chaos bench (``python -m tensorhub.bench.chaos_worker``).
+"""A peer process of the chaos bench (``python -m tensorhub.testing.chaos.worker``).
 
 It runs one real peer and speaks JSON lines with the driver (:mod:`tensorhub.bench.chaos`):
 commands on stdin, events on stdout, one object per line.
@@ -35,12 +35,12 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..config import PeerConfig
-from ..errors import TensorHubError, VersionUnavailable
-from ..model import VersionKey
-from ..peer.node import Peer, open_peer
-from ..transport.samehost.memory_files import shared_empty
-from .worker import answer_commands
+from ...config import PeerConfig
+from ...errors import TensorHubError, VersionUnavailable
+from ...model import VersionKey
+from ...peer.node import Peer, open_peer
+from ...transport.samehost.memory_files import shared_empty
+from ..worker import answer_commands
 
 TENSOR_BYTES = 256 << 10
 SLOW_UNPUBLISH = 2.0
@@ -248,7 +248,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tensorhub.bench.chaos_worker")
+    p = argparse.ArgumentParser(prog="python -m tensorhub.testing.chaos.worker")
     p.add_argument("--name", required=True)
     p.add_argument("--role", choices=("trainer", "rollout"), required=True)
     p.add_argument("--listen", required=True)

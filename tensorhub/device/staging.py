@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..device.buffers import Place, is_device, layout_array, place_of
-from ..device.copier import Copier, copier_for
-from ..device.landing import Landing, ThroughRing, landing_places
-from ..device.ring import StagingRing
-from ..device.serving import DeviceSource, ServeCache, dsum_digests, staged_digests
 from ..errors import LocalProtocolError
-from ..manifest import Manifest
+from ..manifest.manifest import Manifest
 from ..torch import destination
+from .buffers import Place, is_device, layout_array, place_of
+from .copier import Copier, copier_for
+from .landing import Landing, ThroughRing, landing_places
+from .ring import StagingRing
+from .serving import DeviceSource, ServeCache, dsum_digests, staged_digests
 
 Digests = Callable[[Manifest], list[bytes]]
 GPU_COPIER: Callable[[int], Copier] = partial(copier_for, True)
