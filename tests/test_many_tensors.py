@@ -20,7 +20,7 @@ from test_mesh import mesh
 
 from tensorhub import LocalProtocolError, Manifest, RemoteProtocolError, VersionKey
 from tensorhub.manifest.manifest import build_manifest, chunk_pieces
-from tensorhub.manifest.manifest import manifest as manifest_module
+from tensorhub.manifest import manifest as manifest_module
 from tensorhub.model import byte_view
 from tensorhub.peer.store import LocalVersion
 from tensorhub.transport.sockio import recv_scattered, send_segments
