@@ -22,15 +22,10 @@ Refusals are counted on the :class:`~.trust.Trust` under ``"membership claim"``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ..model import PeerInfo
+from .swim_wire import KIND_ALIVE, KIND_LEFT, Update
 from .trust import Trust
-
-if TYPE_CHECKING:
-    from .membership import Update
-
-_ALIVE, _LEFT = 0, 3  # kinds (ranks of view.STATUSES)
 
 
 class ClaimCheck:
@@ -43,9 +38,9 @@ class ClaimCheck:
     def about_other(self, u: Update, live: Iterable[PeerInfo]) -> bool:
         """Does claim ``u`` about another member count?  ``live``: the live members'
         info, ourselves included (for the address check of alive claims)."""
-        if u.kind == _ALIVE or u.kind == _LEFT:
+        if u.kind == KIND_ALIVE or u.kind == KIND_LEFT:
             ok = (u.origin == u.name and self.trust.check(u.name, u.signed_bytes(), u.sig)
-                  and not (u.kind == _ALIVE and _takes_address(u, live)))
+                  and not (u.kind == KIND_ALIVE and _takes_address(u, live)))
             if ok and u.incarnation > self.self_signed.get(u.name, -1):
                 self.self_signed[u.name] = u.incarnation
         else:
@@ -55,7 +50,7 @@ class ClaimCheck:
 
     def about_me(self, u: Update, incarnation: int) -> bool:
         """Does claim ``u`` about us (at ``incarnation`` now) count, so that we refute?"""
-        if u.kind == _ALIVE or u.kind == _LEFT:
+        if u.kind == KIND_ALIVE or u.kind == KIND_LEFT:
             ok = u.origin == self.me and self.trust.check(self.me, u.signed_bytes(), u.sig)
         else:
             ok = (u.incarnation <= incarnation and u.origin != self.me

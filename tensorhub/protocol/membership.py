@@ -59,11 +59,10 @@ from .claims import ClaimCheck
 from .probe import Probe, Prober
 from .suspicion import Health, Suspicion
 from .swim_wire import (
-    _A,
-    _D,
-    _HANDLED,
-    _L,
-    _S,
+    KIND_ALIVE,
+    KIND_DEAD,
+    KIND_LEFT,
+    KIND_SUSPECT,
     MESSAGES,
     PIGGYBACK_GOSSIP,
     PIGGYBACK_PROBE,
@@ -77,7 +76,6 @@ from .swim_wire import (
     Ping,
     PushPull,
     Update,
-    _with_info,
 )
 from .trust import Trust
 from .view import ALIVE, DEAD, LEFT, RANK, STATUSES, SUSPECT, MemberState, View
@@ -96,6 +94,7 @@ RECONNECT_MAX = 4096       # ... and at most this many (oldest forgotten first)
 EVENTS_MAX = 65536         # undrained events kept; older ones are dropped and counted
 
 _T_SUSPECT, _T_REAP, _T_FORGET = range(3)
+_HANDLED = frozenset(MESSAGES)
 MAX_INCARNATION = 2**63 - 1  # what an incarnation field may carry (bounds.U63)
 
 
@@ -306,12 +305,12 @@ class Membership:
         keys = self._view.keys
         for u in updates:
             kind = u.kind
-            if sync and kind == _D:
-                kind = _S  # a remote view's "dead" only makes us suspect
+            if sync and kind == KIND_DEAD:
+                kind = KIND_SUSPECT  # a remote view's "dead" only makes us suspect
             key = keys.get(u.name)
             if key is not None:  # the common case, old news, is decided here
                 new = u.incarnation * 4 + kind
-                if new < key or (new == key and kind != _S):
+                if new < key or (new == key and kind != KIND_SUSPECT):
                     continue
             if self._check is not None and u.name != self._name \
                     and not self._check.about_other(u, self._live_infos()):
@@ -329,11 +328,11 @@ class Membership:
             return
         st = self._view.states.get(name)
         if st is None:  # a tombstone of a member we do not know teaches nothing
-            if u.info is not None and u.kind <= _S:
+            if u.info is not None and u.kind <= KIND_SUSPECT:
                 self._change(now, name, kind, u.incarnation, u.origin, u.info, u)
             return
         if u.incarnation == st.incarnation and kind == RANK[st.status]:
-            if kind == _S:
+            if kind == KIND_SUSPECT:
                 if u.kind != kind and self._trust is not None:  # a remote "dead": ours now
                     self._confirm(name, self._name, None)
                 else:
@@ -341,7 +340,7 @@ class Membership:
             return
         # Secure mode: only a member's own (signed) alive claim may change its info.
         info = u.info
-        if info is None or info == st.info or (self._trust is not None and u.kind != _A):
+        if info is None or info == st.info or (self._trust is not None and u.kind != KIND_ALIVE):
             info = st.info
         self._change(now, name, kind, u.incarnation, u.origin, info, u)
 
@@ -351,27 +350,30 @@ class Membership:
             # Share the record we were sent (peers' views hold one object) and its
             # signature, which does not depend on info except for alive claims, and
             # those carry the info they are stored with.
-            record = heard if heard.info is info else _with_info(heard, info)
+            record = heard if heard.info is info else heard.with_info(info)
         else:  # ours, or a remote "dead" taken as a suspicion: secure mode makes it ours
             record = self._signed(Update(kind, name, inc, self._name if self._trust
                                          else origin, info))
         old = self._view.set(name, MemberState(info, STATUSES[kind], inc), record, now)
-        old_kind = RANK[old.status] if old is not None else _L
-        if kind <= _S < old_kind:
+        old_kind = RANK[old.status] if old is not None else KIND_LEFT
+        if kind <= KIND_SUSPECT < old_kind:
             self._prober.insert(name)
         self._suspicions.pop(name, None)
-        if kind == _S:
+        if kind == KIND_SUSPECT:
             s = Suspicion.for_cluster(now, inc, origin, len(self._view.live) + 1, self._cfg,
                                       self._health)
             self._suspicions[name] = s
             self._push_timer(s.deadline(), _T_SUSPECT, name)
-        if kind >= _D:
+        if kind >= KIND_DEAD:
             self._push_timer(now + self._cfg.dead_reap_after, _T_REAP, name)
-        if kind != _A:  # suspicions and deaths travel without the member's info
+        if kind != KIND_ALIVE:  # suspicions and deaths travel without the member's info
             record = heard if heard is not None and heard.kind == kind and heard.info is None \
-                else _with_info(record, None)
+                else record.with_info(None)
         self._queue.put(name, record)
-        event = ("joined" if old_kind >= _D else ALIVE) if kind == _A else STATUSES[kind]
+        if kind == KIND_ALIVE:
+            event = "joined" if old_kind >= KIND_DEAD else ALIVE
+        else:
+            event = STATUSES[kind]
         self._emit(MemberEvent(event, name, inc))
 
     def _confirm(self, name: str, accuser: str, sig: bytes | None) -> None:
@@ -379,7 +381,8 @@ class Membership:
         s = self._suspicions.get(name)
         if s is not None and s.confirm(accuser):
             self._push_timer(s.deadline(), _T_SUSPECT, name)
-            claim = Update(_S, name, s.incarnation, accuser, None, b"" if sig is None else sig)
+            claim = Update(KIND_SUSPECT, name, s.incarnation, accuser, None,
+                           b"" if sig is None else sig)
             self._queue.put(name, self._signed(claim) if sig is None else claim)
 
     def _signed(self, u: Update) -> Update:
@@ -392,11 +395,11 @@ class Membership:
     def _about_me(self, now: float, u: Update, out: list[Outbound]) -> None:
         if self._left or u.incarnation < self._inc or u.incarnation >= MAX_INCARNATION:
             return  # (at the top a refutation would not decode anywhere: nothing to do)
-        if u.incarnation == self._inc and u.kind == _A and u.info == self.me:
+        if u.incarnation == self._inc and u.kind == KIND_ALIVE and u.info == self.me:
             return
         if self._check is not None and not self._check.about_me(u, self._inc):
             return
-        if u.kind != _A:
+        if u.kind != KIND_ALIVE:
             self._health.apply(1)
         self._inc = u.incarnation + 1
         record = self._set_self(ALIVE, now)
@@ -427,10 +430,10 @@ class Membership:
         if s is None or s.deadline() > now:
             return
         info = self._view.states[name].info
-        self._change(now, name, _D, s.incarnation, self._name, info)
+        self._change(now, name, KIND_DEAD, s.incarnation, self._name, info)
         # If it is only slow, it refutes when it hears this.
         out.append(Outbound(info.control, Gossip(
-            self._addr, self._name, (_with_info(self._view.records[name], None),))))
+            self._addr, self._name, (self._view.records[name].with_info(None),))))
 
     def _reap(self, now: float, name: str) -> None:
         if self._view.reap(name, now, self._cfg.dead_reap_after) and name in self._view.failed:
@@ -480,9 +483,9 @@ class Membership:
         if st.status != ALIVE:
             return
         self._counts["suspicions"] += 1
-        self._change(now, p.target, _S, st.incarnation, self._name, st.info)
+        self._change(now, p.target, KIND_SUSPECT, st.incarnation, self._name, st.info)
         out.append(Outbound(st.info.control, Gossip(self._addr, self._name, (
-            _with_info(self._view.records[p.target], None),))))
+            self._view.records[p.target].with_info(None),))))
 
     def _on_ack(self, msg: Ack, out: list[Outbound]) -> None:
         relay = self._prober.relays.pop(msg.seq, None)

@@ -15,7 +15,7 @@ from ..bounds import MAX_PEERS, U63, ControlEndpoint, MaxLen, PeerName, Range, S
 from ..model import PeerInfo
 from .codec import fields_bytes
 
-_A, _S, _D, _L = range(4)  # an Update's kind: the rank of STATUSES
+KIND_ALIVE, KIND_SUSPECT, KIND_DEAD, KIND_LEFT = range(4)  # an Update's kind: the rank of STATUSES
 _TAG = b"tensorhub/member-claim/1\0"
 PIGGYBACK_PROBE = 8        # updates riding on a ping or ack
 PIGGYBACK_GOSSIP = 256     # updates in one gossip message (TCP: no datagram limit)
@@ -30,7 +30,7 @@ class Update:
     carried by alive claims and by full-state records; ``sig`` is the origin's
     signature (empty without security; see :meth:`signed_bytes`)."""
 
-    kind: Annotated[int, Range(0, _L)]
+    kind: Annotated[int, Range(0, KIND_LEFT)]
     name: PeerName
     incarnation: U63
     origin: PeerName
@@ -38,9 +38,9 @@ class Update:
     sig: Signature = b""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.kind <= _L or self.incarnation < 0:
+        if not 0 <= self.kind <= KIND_LEFT or self.incarnation < 0:
             raise ValueError("update kind or incarnation out of range")
-        if (self.info is None and self.kind == _A) or (
+        if (self.info is None and self.kind == KIND_ALIVE) or (
             self.info is not None and self.info.name != self.name
         ):
             raise ValueError("update info missing or about another member")
@@ -48,8 +48,13 @@ class Update:
     def signed_bytes(self) -> bytes:
         """What ``sig`` covers: the claim, with ``info`` only where it is the claim's
         own (alive), so records may carry a member's info beside any claim."""
-        info = self.info if self.kind == _A else None
+        info = self.info if self.kind == KIND_ALIVE else None
         return fields_bytes(_TAG, self.kind, self.name, self.incarnation, self.origin, info)
+
+    def with_info(self, info: PeerInfo | None) -> Update:
+        """This claim carrying ``info`` (its signature stays valid: see
+        :meth:`signed_bytes`)."""
+        return Update(self.kind, self.name, self.incarnation, self.origin, info, self.sig)
 
 
 ProbeUpdates = Annotated[tuple[Update, ...], MaxLen(PIGGYBACK_PROBE + 1)]
@@ -113,12 +118,6 @@ class PushPull:
 
 MESSAGES = (Ping, IndirectPing, Ack, Nack, Gossip, PushPull)  # append only
 Message = Ping | IndirectPing | Ack | Nack | Gossip | PushPull
-_HANDLED = frozenset(MESSAGES)
-
-
-def _with_info(u: Update, info: PeerInfo | None) -> Update:
-    """``u`` carrying ``info`` (its signature stays valid: see :meth:`Update.signed_bytes`)."""
-    return Update(u.kind, u.name, u.incarnation, u.origin, info, u.sig)
 
 
 # -- outputs -------------------------------------------------------------------------

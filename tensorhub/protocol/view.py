@@ -20,12 +20,9 @@ import hashlib
 import random
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from ..model import PeerInfo
-
-if TYPE_CHECKING:
-    from .membership import Update
+from .swim_wire import Update
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
 STATUSES = (ALIVE, SUSPECT, DEAD, LEFT)  # index = rank = an Update's ``kind``
