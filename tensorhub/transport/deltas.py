@@ -23,7 +23,7 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -37,14 +37,11 @@ from ..protocol.dataplane import (
     DeltaRunRequest,
 )
 from ..protocol.delta import RAW, encode_chunk
-from .base import NotServing
+from .base import NotServing, Provider
 from .frames import encode_frame, recv_body, recv_frame, send_frame
 from .handshake import DataAuth
 from .sockio import tune
 from .tcp import dial
-
-if TYPE_CHECKING:
-    from .server import _ServerConn
 
 _LAST_CHUNK = 2**32 - 1
 _AHEAD = 2
@@ -79,8 +76,12 @@ def _encode(base: list[memoryview], new: list[memoryview]) -> tuple[bytes, int, 
     return delta, len(new_b), time.thread_time() - began
 
 
-async def serve_delta(conn: _ServerConn, req: DeltaRunRequest, served: DeltaServed) -> None:
-    """Answer ``req`` on ``conn`` (see the module docstring)."""
+async def serve_delta(send_views: Callable[[list[Any]], Awaitable[None]],
+                      on_sent: Callable[[int], None], provider: Provider,
+                      req: DeltaRunRequest, served: DeltaServed) -> None:
+    """Answer ``req`` from ``provider`` (see the module docstring): ``send_views`` sends
+    buffers on the reader's connection in one write, ``on_sent(n)`` counts ``n`` payload
+    bytes served."""
     last = req.first + req.count - 1
     if last > _LAST_CHUNK:
         raise RemoteProtocolError(f"delta run of chunks {req.first}..{last} passes the "
@@ -90,7 +91,6 @@ async def serve_delta(conn: _ServerConn, req: DeltaRunRequest, served: DeltaServ
     send, receive = trio.open_memory_channel[tuple[int, Any, bytes]](_AHEAD)
 
     async def encoder() -> None:
-        provider = conn.server.provider
         with send:
             for chunk in range(req.first, last + 1):
                 try:
@@ -126,12 +126,11 @@ async def serve_delta(conn: _ServerConn, req: DeltaRunRequest, served: DeltaServ
                 async for chunk, info, delta in receive:
                     if isinstance(info, ChunkRefusal):
                         head = DeltaReply(req.req_id, chunk, info.status, 0, 0, info.detail)
-                        await conn.send_views([memoryview(encode_frame(head))])
+                        await send_views([memoryview(encode_frame(head))])
                         continue
                     head = DeltaReply(req.req_id, chunk, OK, len(delta), info)
-                    await conn.send_views([memoryview(encode_frame(head)),
-                                           memoryview(delta)])
-                    conn.server.on_sent(conn.peer, len(delta))
+                    await send_views([memoryview(encode_frame(head)), memoryview(delta)])
+                    on_sent(len(delta))
     except BaseExceptionGroup as group:  # the server tells a reader gone from bad input
         raise one_error(group) from None
 

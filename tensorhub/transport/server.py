@@ -337,7 +337,8 @@ class _ServerConn:
         elif isinstance(req, ChunkRunRequest):
             await self.send_run(req)
         elif isinstance(req, DeltaRunRequest):
-            await serve_delta(self, req, self.server.delta)
+            await serve_delta(self.send_views, partial(self.server.on_sent, self.peer),
+                              provider, req, self.server.delta)
         elif isinstance(req, ShmHello | ShmChunkRequest | ShmVersionRequest):
             if not self.local:  # a remote client never gets a lease on our memory
                 self.counts["shm_over_tcp"] += 1
