@@ -12,6 +12,7 @@ from typing import Any
 from ..testing.clusterspec import ClusterSpec, load_topology, uniform
 from .baselines import BASELINES, chunk_text, parse_chunk, parse_size
 from .cluster import BASELINE_EXTRAS, BASELINE_KEYS, ClusterBenchError, Measured, measure, report
+from .cluster_grid import run_grid
 from .figures import print_figures
 
 
@@ -98,11 +99,9 @@ def check(args: argparse.Namespace) -> tuple[ClusterSpec, list[str]]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.grid:
-        from .cluster_grid import run_grid
-
-        return run_grid(args)
     spec, chosen = check(args)
+    if args.grid:
+        return run_grid(args, spec, chosen)
     size, chunk = args.size, args.chunk
     print(f"cluster benchmark: trainer + {len(spec.hosts) - 1} rollouts; {spec.describe()}; "
           f"{size / 2**20:g} MiB, {chunk_text(chunk, size)}, "

@@ -21,7 +21,6 @@ from typing import Any
 from ..testing.clusterspec import ClusterSpec
 from .baselines import chunk_text
 from .cluster import FANOUT_BOUND, INTERDC_BOUND, ClusterBenchError, measure, report
-from .cluster_cli import check
 from .figures import figure, print_figures
 
 GRID_KEYS = ("wan-mbit", "wan-rtt-ms", "nic-mbit")
@@ -59,8 +58,9 @@ def label(setting: dict[str, float]) -> str:
     return " ".join(f"{k}={v:g}" for k, v in setting.items())
 
 
-def run_grid(args: argparse.Namespace) -> int:
-    spec, chosen = check(args)
+def run_grid(args: argparse.Namespace, spec: ClusterSpec, chosen: list[str]) -> int:
+    """Run the grid of ``args.grid`` over ``spec`` (the options' cluster) with the
+    ``chosen`` baselines (both as :func:`~.cluster_cli.check` found them)."""
     settings = parse_grid(args.grid)
     if len(spec.dcs) == 1 and any(k.startswith("wan-") for s in settings for k in s):
         raise ClusterBenchError("--grid wan-* needs more than one DC")
