@@ -26,7 +26,7 @@ import os
 import socket
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -40,16 +40,34 @@ from ..security import load
 from ..transport.frames import encode_frame
 from ..transport.handshake import transcript
 from .chaos.worker import model_bytes
-from .rogue_wares import forged_offer, read_message
-
-if TYPE_CHECKING:
-    from .rogue import Rogue
+from .rogue_wares import DataServer, forged_offer, read_message
 
 INSIDER = "insider"
 INSIDER_ATTACKS = ("insider_false_left", "insider_take_address", "insider_announce",
                    "insider_impersonate", "insider_forged_chunks")
 ALIVE, SUSPECT, DEAD, LEFT = range(4)
 FORGED_VERSION = 999
+
+
+class RogueProgram(Protocol):
+    """What the insider's attacks need of the rogue program that runs them
+    (:class:`~tensorhub.testing.rogue.Rogue`): its control socket, its data server and
+    the model's sizes, and its claim on the trainer's versions."""
+
+    control: str
+    names: set[str]
+    """The member names the program answers pings for."""
+    server: DataServer
+    size: int
+    chunk: int
+
+    def send(self, dest: str, msg: Any) -> None: ...
+
+    def pump(self, seconds: float) -> None: ...
+
+    def claim_as_published(self, name: str, peers: list[dict[str, Any]],
+                           cmd: dict[str, Any], claimed: tuple[Holding, ...],
+                           reads: list[str], copy_signed: bool = False) -> None: ...
 
 
 class Insider:
@@ -125,7 +143,7 @@ class Insider:
 # -- the attacks ----------------------------------------------------------------------------
 
 
-def join(rogue: Rogue, ins: Insider, peers: list[dict[str, Any]]) -> None:
+def join(rogue: RogueProgram, ins: Insider, peers: list[dict[str, Any]]) -> None:
     """Join as member ``insider`` (a fresh incarnation), as a joiner does."""
     rogue.names.add(INSIDER)
     ins.incarnation = ins.tick()
@@ -135,14 +153,14 @@ def join(rogue: Rogue, ins: Insider, peers: list[dict[str, Any]]) -> None:
         rogue.send(p["control"], PushPull(rogue.control, INSIDER, b"", (me,), True))
 
 
-def own_info(rogue: Rogue, control: str | None = None, data: str | None = None) -> PeerInfo:
+def own_info(rogue: RogueProgram, control: str | None = None, data: str | None = None) -> PeerInfo:
     """On the readers' host (they try shared memory, are refused, read over TCP),
     claiming a very fast NIC: the planner wants to read from it."""
     return PeerInfo(INSIDER, control or rogue.control, data or rogue.server.address,
                     (("host", "localhost"), ("nic_bps", "1e15")))
 
 
-def leave(rogue: Rogue, ins: Insider) -> None:
+def leave(rogue: RogueProgram, ins: Insider) -> None:
     """Say we left (signed, at our incarnation), so the mesh does not suspect us."""
     if not ins.joined:
         return
@@ -154,14 +172,14 @@ def leave(rogue: Rogue, ins: Insider) -> None:
     rogue.names.discard(INSIDER)
 
 
-def gossip(rogue: Rogue, peers: list[dict[str, Any]], *updates: Update,
+def gossip(rogue: RogueProgram, peers: list[dict[str, Any]], *updates: Update,
            skip: str = "") -> None:
     for p in peers:
         if p["name"] != skip:
             rogue.send(p["control"], Gossip(rogue.control, INSIDER, updates))
 
 
-def ask_coordinator(rogue: Rogue, peers: list[dict[str, Any]], h: Holding) -> None:
+def ask_coordinator(rogue: RogueProgram, peers: list[dict[str, Any]], h: Holding) -> None:
     """Register as a fetcher of ``h``'s version with its coordinator (asked through
     every peer), as a reader does before it fetches: the coordinator's plan may then
     send later readers to us."""
@@ -171,12 +189,12 @@ def ask_coordinator(rogue: Rogue, peers: list[dict[str, Any]], h: Holding) -> No
                                               model_bytes(rogue.size), h.num_chunks))
 
 
-def announce(rogue: Rogue, peers: list[dict[str, Any]], entry: OriginEntry) -> None:
+def announce(rogue: RogueProgram, peers: list[dict[str, Any]], entry: OriginEntry) -> None:
     for p in peers:
         rogue.send(p["control"], RefsDelta(rogue.control, INSIDER, (entry,)))
 
 
-def attack(rogue: Rogue, ins: Insider, cmd: dict[str, Any], mark: range,
+def attack(rogue: RogueProgram, ins: Insider, cmd: dict[str, Any], mark: range,
            notes: list[str]) -> None:
     """Run insider attack ``cmd["kind"]`` (the rogue pumps and answers after)."""
     kind, peers = cmd["kind"], cmd["peers"]
