@@ -166,7 +166,7 @@ class Sim:
             stall_timeout=cfg.stall_timeout, upstream=allowed or frozenset(), plan=plan,
             window_cap=cfg.max_inflight_bytes // window,
             socket_window=setup.socket_window)
-        return Reader(self, name, session)
+        return Reader(name, session)
 
     @staticmethod
     def _no_ban(now: float, name: str) -> Ban | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tensorhub.config import PeerConfig
 from tensorhub.manifest.manifest import Manifest
@@ -15,9 +14,6 @@ from tensorhub.protocol.topology import fluid_bound
 from tensorhub.protocol.transfer import Stream, TransferSession
 
 from .flows import Flow
-
-if TYPE_CHECKING:
-    from .transfer_engine import Sim
 
 KEY = VersionKey("sim", 1)
 MAX_EVENTS_PER_CHUNK = 2000
@@ -151,8 +147,8 @@ class SimStream:
 
 
 class Reader:
-    def __init__(self, sim: Sim, name: str, session: TransferSession) -> None:
-        self.sim, self.name, self.session = sim, name, session
+    def __init__(self, name: str, session: TransferSession) -> None:
+        self.name, self.session = name, session
         self.conns: list[dict[str, Conn]] = [{} for _ in range(session.window)]
         self.busy: list[bool] = [False] * session.window
         self.waiting: dict[int, None] = {}
