@@ -36,6 +36,7 @@ from ..protocol.coordination import CoordRequest
 from ..protocol.dataplane import NONCE_BYTES, AuthHello, AuthProof
 from ..protocol.membership import Gossip, PushPull, Update
 from ..protocol.refs import Holding, OriginEntry, Stamp, announcement_bytes
+from ..protocol.swim_wire import KIND_ALIVE, KIND_DEAD, KIND_LEFT
 from ..security import load
 from ..transport.frames import encode_frame
 from ..transport.handshake import transcript
@@ -45,7 +46,6 @@ from .rogue_wares import DataServer, forged_offer, read_message
 INSIDER = "insider"
 INSIDER_ATTACKS = ("insider_false_left", "insider_take_address", "insider_announce",
                    "insider_impersonate", "insider_forged_chunks")
-ALIVE, SUSPECT, DEAD, LEFT = range(4)
 FORGED_VERSION = 999
 
 
@@ -147,7 +147,7 @@ def join(rogue: RogueProgram, ins: Insider, peers: list[dict[str, Any]]) -> None
     """Join as member ``insider`` (a fresh incarnation), as a joiner does."""
     rogue.names.add(INSIDER)
     ins.incarnation = ins.tick()
-    me = ins.update(Update(ALIVE, INSIDER, ins.incarnation, INSIDER, own_info(rogue)))
+    me = ins.update(Update(KIND_ALIVE, INSIDER, ins.incarnation, INSIDER, own_info(rogue)))
     ins.joined = peers
     for p in peers:
         rogue.send(p["control"], PushPull(rogue.control, INSIDER, b"", (me,), True))
@@ -164,7 +164,7 @@ def leave(rogue: RogueProgram, ins: Insider) -> None:
     """Say we left (signed, at our incarnation), so the mesh does not suspect us."""
     if not ins.joined:
         return
-    bye = ins.update(Update(LEFT, INSIDER, ins.incarnation, INSIDER, None))
+    bye = ins.update(Update(KIND_LEFT, INSIDER, ins.incarnation, INSIDER, None))
     for p in ins.joined:
         rogue.send(p["control"], Gossip(rogue.control, INSIDER, (bye,)))
     ins.joined = []
@@ -203,16 +203,16 @@ def attack(rogue: RogueProgram, ins: Insider, cmd: dict[str, Any], mark: range,
     join(rogue, ins, peers)
     rogue.pump(0.3)
     if kind == "insider_false_left":
-        gossip(rogue, peers, ins.update(Update(LEFT, victim["name"], mark[1], INSIDER, None)),
-               ins.update(Update(DEAD, victim["name"], mark[2], INSIDER, None)),
+        gossip(rogue, peers, ins.update(Update(KIND_LEFT, victim["name"], mark[1], INSIDER, None)),
+               ins.update(Update(KIND_DEAD, victim["name"], mark[2], INSIDER, None)),
                skip=victim["name"])
     elif kind == "insider_take_address":
         theirs = PeerInfo(victim["name"], rogue.control, rogue.server.address,
                           (("host", "localhost"), ("nic_bps", "1e15")))
         ins.incarnation = ins.tick()
         gossip(rogue, peers,
-               ins.update(Update(ALIVE, victim["name"], mark[3], INSIDER, theirs)),
-               ins.update(Update(ALIVE, INSIDER, ins.incarnation, INSIDER,
+               ins.update(Update(KIND_ALIVE, victim["name"], mark[3], INSIDER, theirs)),
+               ins.update(Update(KIND_ALIVE, INSIDER, ins.incarnation, INSIDER,
                                  own_info(rogue, victim["control"], victim["data"]))))
     elif kind == "insider_announce":
         holdings = []

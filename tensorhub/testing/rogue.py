@@ -54,6 +54,7 @@ from ..protocol.dataplane import (
 from ..protocol.membership import Ack, Gossip, Ping, PushPull, Update
 from ..protocol.messages import register_all
 from ..protocol.refs import Holding, OriginEntry, Stamp
+from ..protocol.swim_wire import KIND_ALIVE, KIND_LEFT, KIND_SUSPECT
 from ..transport.frames import FRAME_LENGTH, encode_frame, recv_exact_blocking
 from . import insider as insider_mod
 from .insider import INSIDER_ATTACKS, Insider
@@ -66,7 +67,6 @@ MARK = 1 << 62
 boot times in microseconds, ~2**51, or small counters)."""
 FORGED_VERSION = 999
 MAX_U64 = 2**64 - 1
-ALIVE, SUSPECT, DEAD, LEFT = range(4)
 
 LIGHT = ("max_incarnation", "bad_endpoint", "false_left", "announce_future",
          "claim_existing", "impersonate_origin", "forged_chunks", "control_flood",
@@ -168,7 +168,7 @@ class Rogue:
     def join(self, name: str, peers: list[dict[str, Any]]) -> None:
         """Announce ourselves as a member, the way a joiner does (full state to seeds)."""
         self.names.add(name)
-        me = Update(ALIVE, name, 0, name, self.info(name))
+        me = Update(KIND_ALIVE, name, 0, name, self.info(name))
         for p in peers:
             self.send(p["control"], PushPull(self.control, name, b"", (me,), True))
 
@@ -199,20 +199,20 @@ class Rogue:
                              (("host", "localhost"),))
             for p in peers:
                 self.send(p["control"], Gossip(self.control, name, (
-                    Update(ALIVE, victim["name"], MAX_U64, victim["name"], vinfo),
-                    Update(SUSPECT, victim["name"], MAX_U64, name, None))))
+                    Update(KIND_ALIVE, victim["name"], MAX_U64, victim["name"], vinfo),
+                    Update(KIND_SUSPECT, victim["name"], MAX_U64, name, None))))
         elif kind == "bad_endpoint":
             for p in peers:
                 self.send(p["control"], Ping("tcp://no-such-host:99999", name, 1, p["name"], ()))
                 self.send(p["control"], PushPull("not an endpoint", name, b"", (), True))
                 bad = self.info(name, "tcp://[::1:bad", nic="fast")
                 self.send(p["control"], Gossip(self.control, name,
-                                               (Update(ALIVE, name, mark[0], name, bad),)))
+                                               (Update(KIND_ALIVE, name, mark[0], name, bad),)))
         elif kind == "false_left":
             for p in peers:
                 if p["name"] != victim["name"]:
                     self.send(p["control"], Gossip(self.control, name, (
-                        Update(LEFT, victim["name"], mark[1], name, None),)))
+                        Update(KIND_LEFT, victim["name"], mark[1], name, None),)))
         elif kind in ("announce_future", "claim_existing", "forged_chunks", "huge_manifest"):
             holdings = self._offers(kind, cmd, name, reads)  # ready before we join
             self.join(name, peers)
