@@ -10,7 +10,7 @@ fair sharing, store-and-forward per chunk: a holder sends a chunk only once it h
 verified, as real relays do).  Each request takes half a round trip to reach its holder
 and each reply half a round trip back.
 
-*Readers* do what the shell (``tensorhub.peer.fetcher``) does, as events: ``window``
+*Readers* do what the shell (``tensorhub.read.transfer``) does, as events: ``window``
 workers each ask the session for a job (:meth:`~TransferSession.pick`), open a stream
 (a new connection costs one round trip), and keep asking for runs
 (:meth:`~TransferSession.next_run`) while at least half the stream's window (or a
@@ -46,9 +46,10 @@ from functools import partial
 
 from tensorhub.model import PeerInfo
 from tensorhub.protocol.bans import Ban
+from tensorhub.protocol.reading import REASK_FIRST, REASK_MAX
 from tensorhub.protocol.refs import Holding
 from tensorhub.protocol.sizing import MIN_CHUNKS
-from tensorhub.protocol.transfer import REASK_FIRST, REASK_MAX, FailureKind, TransferSession
+from tensorhub.protocol.transfer import FailureKind, TransferSession
 
 from .events import EventQueue
 from .flows import Link, Network
@@ -154,7 +155,7 @@ class Sim:
 
     def _reader(self, name: str) -> Reader:
         setup, cfg = self.setup, self.setup.config
-        window = max(1, min(cfg.fetch_window,  # as tensorhub.peer.fetching.window
+        window = max(1, min(cfg.fetch_window,  # as tensorhub.read.reader.window
                             cfg.max_inflight_bytes // (MIN_CHUNKS * self.m.chunk_size)))
         plan = self.plan_for(name) if setup.plan and name not in setup.upstream \
             and not setup.incremental_plan else []
@@ -208,7 +209,7 @@ class Sim:
     # -- the holder view ----------------------------------------------------------------
 
     def view(self, me: str, allowed: frozenset[str] | None) -> list[tuple[PeerInfo, Holding]]:
-        """What ``me`` sees advertised (as ``tensorhub.peer.fetching.holder_view``).
+        """What ``me`` sees advertised (as ``tensorhub.read.reader.holder_view``).
         Holders that advertised no chunk yet are left out: no session would read from
         them (named sources are added back, as the shell does)."""
         cached = self._views.get("" if allowed is None else me)

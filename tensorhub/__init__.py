@@ -23,13 +23,13 @@ from .errors import (
 from .integrations.blocking import BlockingPeer
 from .manifest.manifest import Manifest
 from .model import PeerInfo, TensorSpec, VersionKey
-from .peer.fetcher import Fetched, FetchReport
 from .peer.group import Group, GroupStats, GroupSwitchError, open_group
 from .peer.node import Peer, open_peer
 from .peer.rollout import Committed, Rollout, Staged
 from .peer.stats import PeerStats
 from .protocol.groups import GroupConfig
 from .protocol.sharding import Sharding
+from .read.report import Fetched, FetchReport
 from .transport.samehost.memory_files import shared_empty
 
 __version__ = "0.1.0"

@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tensorhub {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:  # an error inside the peer's nursery (a role)
-        from .peer.fetcher import first_error
+        from .read.transfer import first_error
 
         first = first_error(group)
         if not isinstance(first, TensorHubError | OSError):

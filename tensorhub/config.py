@@ -186,7 +186,7 @@ class PeerConfig:
 
     delta: str = "auto"
     """Chunk deltas against an older version of the model held here (see
-    :mod:`tensorhub.peer.delta_fetch`).  ``"auto"`` (the default): ask a holder of both
+    :mod:`tensorhub.read.deltas`).  ``"auto"`` (the default): ask a holder of both
     versions for what changed where encoding and applying beat the link measured to it
     (so across DCs and on slow links, not on a fast LAN or loopback), and copy chunks
     that did not change from the older version instead of fetching them; ``"always"``:

@@ -18,7 +18,7 @@ from test_mesh import mesh, weights
 
 import tensorhub
 from tensorhub import BlockingPeer, LocalProtocolError, PeerClosed, PeerConfig
-from tensorhub.peer import destination
+from tensorhub.read import destination
 from tensorhub.transport.samehost import memory_files
 
 

@@ -13,8 +13,8 @@ import tensorhub
 from tensorhub import IntegrityError, PeerConfig, VersionKey
 from tensorhub.manifest.digests import DIGEST_SIZES, digest_of
 from tensorhub.manifest.manifest import build_manifest
-from tensorhub.peer.fetcher import Fetch
 from tensorhub.protocol.bans import Ban, BanNotice, BanTable
+from tensorhub.read.transfer import Transfer
 
 
 async def test_the_default_digest_is_cryptographic_and_one_flipped_bit_fails() -> None:
@@ -29,8 +29,8 @@ async def test_the_default_digest_is_cryptographic_and_one_flipped_bit_fails() -
     assert digest_of("blake3", [memoryview(flipped[4096:8192])]) != m.chunk_digests[1]
     assert digest_of("blake3", [memoryview(arr[4096:8192])]) == m.chunk_digests[1]
     # the fetcher's check names the source of the bad chunk
-    local = tensorhub.peer.store.LocalVersion(m, [flipped], "pub", verified=False)
-    job = Fetch(me="me", local=local, view=lambda k: [], connect=None,  # type: ignore[arg-type]
+    local = tensorhub.read.store.LocalVersion(m, [flipped], "pub", verified=False)
+    job = Transfer(me="me", local=local, view=lambda k: [], connect=None,  # type: ignore[arg-type]
                 upstream=frozenset(), window=1, stall_timeout=1.0, on_progress=lambda: None,
                 banned=lambda n: None, on_bad_bytes=lambda *a: None)
     with pytest.raises(IntegrityError, match="chunk 1") as info:

@@ -17,7 +17,7 @@ from test_mesh import mesh
 from test_torch import Tiny, wait_version
 
 from tensorhub import LocalProtocolError
-from tensorhub.cast import Fp8, cast_all, plan, quantize
+from tensorhub.read.cast import Fp8, cast_all, plan, quantize
 from tensorhub.torch import as_torch
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -44,7 +44,7 @@ def test_a_plain_cast_equals_torchs_to(x: np.ndarray, src: torch.dtype, target: 
 
 def naive_fp8(x: torch.Tensor, dtype: torch.dtype, block: int | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile at a time, the definition in tensorhub.cast.Fp8 written out."""
+    """One tile at a time, the definition in tensorhub.read.cast.Fp8 written out."""
     top = torch.finfo(dtype).max
     xf = x.float()
     if block is None or xf.dim() != 2:

@@ -15,8 +15,8 @@ from test_trust_mesh import Keys, secure_mesh, wait_until, weights
 
 from tensorhub.errors import TransportError
 from tensorhub.model import PeerInfo
-from tensorhub.peer.connections import ConnectionPool
-from tensorhub.peer.store import Store
+from tensorhub.read.connections import ConnectionPool
+from tensorhub.read.store import Store
 from tensorhub.security import Identity
 from tensorhub.testing.conformance import publish
 from tensorhub.transport.admission import ServerLimits

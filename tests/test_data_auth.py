@@ -16,7 +16,6 @@ import pytest
 import trio
 
 from tensorhub.errors import TransportError
-from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
     NONCE_BYTES,
     UNAUTHORIZED,
@@ -25,6 +24,7 @@ from tensorhub.protocol.dataplane import (
     ManifestRequest,
     Reply,
 )
+from tensorhub.read.store import Store
 from tensorhub.security import Identity, Keyring
 from tensorhub.testing.conformance import Published, publish
 from tensorhub.transport.frames import recv_frame, send_frame

@@ -26,7 +26,6 @@ import trio.testing
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
 from tensorhub.peer.node import open_peer
-from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
     MAX_FRAME,
@@ -37,6 +36,7 @@ from tensorhub.protocol.dataplane import (
     ShmHello,
     ShmVersionRequest,
 )
+from tensorhub.read.store import Store
 from tensorhub.testing.conformance import Published, publish
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.frames import encode_frame, recv_exact, recv_frame
@@ -55,7 +55,7 @@ import tensorhub.testing.conformance as transport_conformance
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
 from tensorhub.peer.node import open_peer
-from tensorhub.peer.store import Store
+from tensorhub.read.store import Store
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.samehost.reader import ShmConnection

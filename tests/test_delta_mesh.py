@@ -17,7 +17,6 @@ from tensorhub import PeerConfig, VersionKey
 from tensorhub.errors import RemoteProtocolError
 from tensorhub.manifest.digests import digest_of
 from tensorhub.model import PeerInfo
-from tensorhub.peer.delta_fetch import _link_bps, book
 from tensorhub.protocol.dataplane import NOT_HELD, OK, DeltaReply, DeltaRunRequest
 from tensorhub.transport.deltas import delta_run
 from tensorhub.transport.frames import recv_frame, send_frame
@@ -169,8 +168,8 @@ async def test_where_the_link_outruns_encoding_auto_sends_full_chunks() -> None:
         await pub.publish("m", 1, w1)
         await wait_complete(reader, VersionKey("m", 1), 1)
         await reader.fetch("m", 1)
-        assert book(reader).links["p0"] > 0  # measured by that full fetch
-        book(reader).links["p0"] = 1e12  # as if the link were a terabyte a second
+        assert reader.reader.links.rates["p0"] > 0  # measured by that full fetch
+        reader.reader.links.rates["p0"] = 1e12  # as if the link were a terabyte a second
         w2 = step(w1, 0.01, 4)
         w2["frozen"] = w1["frozen"]
         await pub.publish("m", 2, w2)
@@ -254,8 +253,8 @@ async def test_before_any_measurement_the_link_is_what_the_nic_labels_say() -> N
         labelled = PeerInfo("h", "tcp://127.0.0.1:1", "127.0.0.1:2", (("nic_bps", "1e9"),))
         plain = PeerInfo("p", "tcp://127.0.0.1:1", "127.0.0.1:2")
         garbled = PeerInfo("g", "tcp://127.0.0.1:1", "127.0.0.1:2", (("nic_bps", "x"),))
-        assert _link_bps(reader, labelled) == 50e6  # 400 Mbit here: a delta pays
-        assert _link_bps(reader, plain) == 50e6
-        assert _link_bps(reader, garbled) == reader.config.nic_bps
-        book(reader).links["h"] = 3e9  # measured since: that counts
-        assert _link_bps(reader, labelled) == 3e9
+        assert reader.reader.deltas.link_bps(labelled) == 50e6  # 400 Mbit here: a delta pays
+        assert reader.reader.deltas.link_bps(plain) == 50e6
+        assert reader.reader.deltas.link_bps(garbled) == reader.config.nic_bps
+        reader.reader.links.rates["h"] = 3e9  # measured since: that counts
+        assert reader.reader.deltas.link_bps(labelled) == 3e9

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import trio
 
-from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import DeltaRunRequest
+from tensorhub.read.store import Store
 from tensorhub.testing.conformance import publish, rng_for
 from tensorhub.transport import deltas
 from tensorhub.transport import server as server_module

@@ -79,10 +79,10 @@ async def test_a_fetch_over_the_rdma_stand_in_shows_its_transport() -> None:
         served = pub.statistics().registrations["rdma-standin"]
         assert served["registered"] == len(w) and served["revoked"] == len(w)
         assert served["granted"] == 2 * len(w)
-        print("links opened", pub.dialer.host.links_opened, "pool", reader._pool.opened,
-              reader._pool.reused)
-        assert pub.dialer.host.links_opened == reader._pool.opened  # kept between fetches
-        assert reader._pool.reused > 0
+        print("links opened", pub.reader.dialer.host.links_opened, "pool", reader.reader.pool.opened,
+              reader.reader.pool.reused)
+        assert pub.reader.dialer.host.links_opened == reader.reader.pool.opened  # kept between fetches
+        assert reader.reader.pool.reused > 0
 
 
 async def test_every_refusal_shows_and_the_next_transport_is_used() -> None:

@@ -11,8 +11,8 @@ import trio.testing
 
 from tensorhub.manifest.manifest import build_manifest
 from tensorhub.model import VersionKey
-from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol.dataplane import NOT_HELD, NOT_YET
+from tensorhub.read.store import LocalVersion, Store
 from tensorhub.transport.base import NotServing
 
 ALGO = "blake3"

@@ -31,7 +31,7 @@ def test_errors_say_whose_fault() -> None:
 def test_importing_tensorhub_and_its_torch_modules_does_not_import_torch() -> None:
     import subprocess
     import sys
-    code = ("import sys, tensorhub, tensorhub.cast, tensorhub.integrations.engine, "
+    code = ("import sys, tensorhub, tensorhub.read.cast, tensorhub.integrations.engine, "
             "tensorhub.torch; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub.errors import IntegrityError
-from tensorhub.peer.store import Store
 from tensorhub.protocol.sizing import StreamWindow
+from tensorhub.read.store import Store
 from tensorhub.testing.conformance import Published, cut, publish, running
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.sockio import recv_scattered

@@ -24,8 +24,8 @@ import tensorhub.testing.conformance as transport_conformance
 from tensorhub import shared_empty
 from tensorhub.errors import TransportError
 from tensorhub.model import VersionKey
-from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant, ShmRevoke
+from tensorhub.read.store import Store
 from tensorhub.testing.conformance import Published, publish
 from tensorhub.transport import server as server_module
 from tensorhub.transport.admission import ServerLimits

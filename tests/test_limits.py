@@ -20,7 +20,7 @@ import tensorhub
 from tensorhub import LocalProtocolError, Manifest, PeerConfig, RemoteProtocolError, VersionKey
 from tensorhub.limits import MAX_DTYPES, MAX_NDIM, MAX_TENSOR_NAME, ManifestLimits
 from tensorhub.manifest.manifest import build_manifest
-from tensorhub.peer.destination import allocate_flat
+from tensorhub.read.destination import allocate_flat
 
 KEY = VersionKey("m", 1)
 

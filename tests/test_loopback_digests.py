@@ -201,7 +201,7 @@ def test_only_a_check_against_the_local_digests_may_read_the_holders_bytes() -> 
     """A copying transport may run a check on the holder's memory as it copies only when
     the check is against the fast local digests (the holder could write this process's
     memory anyway); a cryptographic check reads what landed."""
-    from tensorhub.peer.fetcher import DigestCheck, LocalDigestCheck
+    from tensorhub.read.transfer import DigestCheck, LocalDigestCheck
     from tensorhub.transport.base import checks_source
 
     fast = LocalDigestCheck(None, 0, "p0", "xxh3-128", b"")  # type: ignore[arg-type]

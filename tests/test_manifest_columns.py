@@ -18,9 +18,9 @@ from test_manifest import manifests
 
 from tensorhub import Manifest, RemoteProtocolError, VersionKey
 from tensorhub.limits import ManifestLimits
+from tensorhub.manifest import manifest as manifest_module
 from tensorhub.manifest.manifest import build_manifest
 from tensorhub.manifest.manifest import columns as columns
-from tensorhub.manifest import manifest as manifest_module
 
 BOUNDS: dict[str, Any] = {"max_map_len": 16, "max_array_len": 1 << 18,
                           "max_str_len": 1 << 12, "max_bin_len": 1 << 26, "max_ext_len": 0}

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from test_mesh import mesh
 
 from tensorhub import LocalProtocolError, Manifest, RemoteProtocolError, VersionKey
-from tensorhub.manifest.manifest import build_manifest, chunk_pieces
 from tensorhub.manifest import manifest as manifest_module
+from tensorhub.manifest.manifest import build_manifest, chunk_pieces
 from tensorhub.model import byte_view
-from tensorhub.peer.store import LocalVersion
+from tensorhub.read.store import LocalVersion
 from tensorhub.transport.sockio import recv_scattered, send_segments
 
 
@@ -198,7 +198,7 @@ async def test_a_bad_into_array_among_ten_thousand_is_named_before_any_byte_move
 def test_into_mappings_with_other_keys_are_refused_and_left_as_they_were(kind: str) -> None:
     """Keys are compared before any value is looked up in a mapping that is not a
     plain dict: a ``defaultdict`` is not given the key it lacks."""
-    from tensorhub.peer.destination import prepare_destination
+    from tensorhub.read.destination import prepare_destination
     w = small_model(4, 40)
     m = build_manifest(VersionKey("m", 1), list(w.items()), 4096, "xxh3-128")
     make = {"dict": dict, "OrderedDict": collections.OrderedDict,
@@ -216,7 +216,7 @@ def test_into_mappings_with_other_keys_are_refused_and_left_as_they_were(kind: s
 
 
 def test_into_arrays_of_other_kinds_are_viewed_and_checked_one_by_one() -> None:
-    from tensorhub.peer.destination import prepare_destination
+    from tensorhub.read.destination import prepare_destination
     w = small_model(3, 50)
     m = build_manifest(VersionKey("m", 1), list(w.items()), 4096, "blake3")
     into: dict[str, Any] = {k: np.zeros_like(v) for k, v in w.items()}
@@ -235,7 +235,7 @@ def test_into_arrays_unaligned_or_read_only_or_not_contiguous_are_checked_one_by
     """The fast check passes only aligned, writeable, C-contiguous plain arrays; any
     other goes the per-tensor way, which takes an unaligned one as it is (no copy: the
     fetch lands in the caller's memory) and refuses the other two by name."""
-    from tensorhub.peer.destination import prepare_destination
+    from tensorhub.read.destination import prepare_destination
     w = small_model(3, 50)
     m = build_manifest(VersionKey("m", 1), list(w.items()), 4096, "blake3")
     first = next(iter(w))

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from test_onesided_conformance import onesided_holder
 
 from tensorhub.errors import RemoteProtocolError, TransportError
-from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol.dataplane import NOT_YET, OK, ChunkReply
 from tensorhub.protocol.onesided import (
     GRANT_ROWS,
@@ -29,6 +28,7 @@ from tensorhub.protocol.onesided import (
     grant_frames,
     granted_ranges,
 )
+from tensorhub.read.store import LocalVersion, Store
 from tensorhub.testing.conformance import SEED, publish, read_into, rng_for
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tensorhub.model import VersionKey
-from tensorhub.peer.store import LocalVersion, Store
+from tensorhub.read.store import LocalVersion, Store
 from tensorhub.testing.conformance import *  # noqa: F403
 from tensorhub.testing.conformance import Holder, OpenHolder, running
 from tensorhub.transport.admission import ServerLimits

@@ -14,7 +14,7 @@ from slow_serving import slow_served
 
 import tensorhub
 from tensorhub import PeerConfig
-from tensorhub.protocol.transfer import REASK_MAX
+from tensorhub.protocol.reading import REASK_MAX
 
 CHUNK = 1 << 16
 CHUNKS = 64

@@ -77,8 +77,8 @@ async def fetch_and_act_midway(reader: tensorhub.Peer, act: Callable[[str], obje
         sources: list[str] = []
         with trio.fail_after(30):  # (between two streams, a replan's, there are none)
             while (local := reader.store.get(key)) is None or local.num_verified < 8 \
-                    or len(sources := [stream.source.name for job in reader._fetches
-                                       for stream, _ in job._streams.values()]) != 1:
+                    or len(sources := [s for job in reader.reader.progress()
+                                       for s in job.streaming_from]) != 1:
                 await trio.sleep(0)
         act(sources[0])  # the one stream's source (fetch_window=1), mid-read
     return result[0], sources[0]

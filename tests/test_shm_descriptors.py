@@ -24,7 +24,7 @@ import trio.testing
 import tensorhub
 import tensorhub.testing.conformance as transport_conformance
 from tensorhub import PeerConfig, shared_empty
-from tensorhub.peer.store import Store
+from tensorhub.read.store import Store
 from tensorhub.testing.conformance import publish
 from tensorhub.transport.samehost import memory_files
 from tensorhub.transport.samehost.reader import ShmConnection, shm_available

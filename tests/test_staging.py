@@ -293,7 +293,9 @@ async def test_a_mismatched_staged_into_is_refused_before_any_byte_moves() -> No
 # -- device versions, with host memory posing as device memory ------------------------
 
 def host_rings(peer: tensorhub.Peer) -> None:
-    peer.device_rings = DeviceRings(lambda device: HostCopier(), slots=8, slot_bytes=1 << 20)
+    """The peer's rings (publish's and its reader's) copy host memory."""
+    rings = DeviceRings(lambda device: HostCopier(), slots=8, slot_bytes=1 << 20)
+    peer.device_rings = peer.reader.rings = rings
 
 
 async def test_device_tensors_publish_and_fetch_through_rings_and_are_served_on() -> None:

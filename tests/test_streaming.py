@@ -1,4 +1,4 @@
-"""A fetch streams from its holders (:class:`tensorhub.peer.fetcher.Fetch` over the real
+"""A fetch streams from its holders (:class:`tensorhub.read.transfer.Transfer` over the real
 TCP data plane, in this process): runs of chunks asked ahead, each chunk counted when it
 lands and passes its digest, a holder still receiving streamed as it lands, a stall
 judged by progress, a holder that fails mid-stream replaced without losing a chunk."""
@@ -21,9 +21,6 @@ import tensorhub
 from tensorhub import PeerConfig
 from tensorhub.manifest.manifest import build_manifest
 from tensorhub.model import PeerInfo, VersionKey
-from tensorhub.peer.destination import allocate_flat
-from tensorhub.peer.fetcher import Fetch, FetchReport
-from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol import codec
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
@@ -35,6 +32,10 @@ from tensorhub.protocol.dataplane import (
 from tensorhub.protocol.messages import register_all
 from tensorhub.protocol.refs import Holding
 from tensorhub.protocol.sizing import StreamWindow, choose_chunk_size
+from tensorhub.read.destination import allocate_flat
+from tensorhub.read.report import FetchReport
+from tensorhub.read.store import LocalVersion, Store
+from tensorhub.read.transfer import Transfer
 from tensorhub.transport.base import Connection
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.tcp import TcpConnection
@@ -86,7 +87,7 @@ def version(seed: int, size: int, chunk: int) -> tuple[LocalVersion, np.ndarray[
     return LocalVersion(manifest, [data], "h0", verified=True), data
 
 
-def fetch(reader: LocalVersion, sources: list[Holder], **kw: Any) -> Fetch:
+def fetch(reader: LocalVersion, sources: list[Holder], **kw: Any) -> Transfer:
     def view(_key: VersionKey) -> list[tuple[PeerInfo, Holding]]:
         return [(h.info, local.holding()) for h in sources
                 if (local := h.store.get(KEY)) is not None]
@@ -94,7 +95,7 @@ def fetch(reader: LocalVersion, sources: list[Holder], **kw: Any) -> Fetch:
     async def connect(peer: PeerInfo) -> Connection:
         return await TcpConnection.connect(peer.data, peer.name, 5)
 
-    return Fetch(me="reader", local=reader, view=view, connect=connect, release=kw.pop(
+    return Transfer(me="reader", local=reader, view=view, connect=connect, release=kw.pop(
                      "release", None),
                  upstream=frozenset(kw.pop("upstream", ())), window=kw.pop("window", 2),
                  stall_timeout=kw.pop("stall_timeout", 10.0), on_progress=lambda: None,

@@ -134,7 +134,7 @@ def test_tensorhub_works_without_torch(tmp_path: Path) -> None:
     script.write_text(
         "import sys\n"
         "sys.modules['torch'] = None  # import torch now raises ImportError\n"
-        "import numpy as np, trio, tensorhub, tensorhub.cast, tensorhub.integrations.engine\n"
+        "import numpy as np, trio, tensorhub, tensorhub.read.cast, tensorhub.integrations.engine\n"
         "async def main():\n"
         "    async with tensorhub.open_peer(tensorhub.PeerConfig.local('a')) as a:\n"
         "        await a.publish('m', 1, {'x': np.arange(5.0)})\n"

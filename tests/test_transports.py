@@ -31,8 +31,6 @@ from tensorhub import shared_empty
 from tensorhub.errors import IntegrityError, RemoteProtocolError, TransportError
 from tensorhub.manifest.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
-from tensorhub.peer.destination import allocate_flat
-from tensorhub.peer.store import Store
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
     NOT_HELD,
@@ -50,6 +48,8 @@ from tensorhub.protocol.dataplane import (
     ShmWelcome,
 )
 from tensorhub.protocol.sizing import StreamWindow
+from tensorhub.read.destination import allocate_flat
+from tensorhub.read.store import Store
 from tensorhub.security import Identity, Keyring
 from tensorhub.testing.conformance import *  # noqa: F403
 from tensorhub.testing.conformance import (
@@ -190,7 +190,7 @@ import random, sys, trio
 sys.path.insert(0, "tests")
 import tensorhub.testing.conformance as transport_conformance
 from tensorhub import shared_empty
-from tensorhub.peer.store import Store
+from tensorhub.read.store import Store
 from tensorhub.protocol.sizing import StreamWindow
 from tensorhub.transport.server import TcpServer
 if sys.argv[4] == "shared":

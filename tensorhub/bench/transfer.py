@@ -43,7 +43,7 @@ sends and receives (manifest and plan requests), the manifest's publisher signat
 check, and the keyed mesh's signed gossip running meanwhile (signing and checking on
 the same cores). Not in it: ``publish`` (manifest signing), joining (the ZAP handshake),
 loading keys, and the data connection's handshake after the first round (the fetcher
-keeps its connections to the holder between fetches: :mod:`tensorhub.peer.connections`).
+keeps its connections to the holder between fetches: :mod:`tensorhub.read.connections`).
 The chunk digest is blake3 in both meshes (keys do not change it) and the
 data bytes are not encrypted in either, so the difference is the keys alone.
 """

@@ -18,14 +18,14 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..cast import CastSpec
 from ..config import PeerConfig
 from ..errors import PeerClosed
 from ..manifest.manifest import Manifest
-from ..peer.fetcher import Fetched
 from ..peer.node import Peer, open_peer
 from ..peer.stats import PeerStats
 from ..protocol.sharding import Sharding
+from ..read.cast import CastSpec
+from ..read.report import Fetched
 from ..torch import Into
 
 T = TypeVar("T")

@@ -30,8 +30,8 @@ from ..torch import to_torch
 if TYPE_CHECKING:
     import torch
 
-    from ..cast import CastSpec
     from ..peer.node import Peer
+    from ..read.cast import CastSpec
 
 Rename = Mapping[str, str] | Callable[[str], str | None]
 """Publisher name -> engine name: a mapping (names not in it pass unchanged) or a

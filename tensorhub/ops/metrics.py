@@ -77,7 +77,6 @@ def families(peer: Peer, stages: StageTimes) -> list[Any]:
     counter, gauge = core.CounterMetricFamily, core.GaugeMetricFamily
     st = peer.statistics()
     ms = peer.control.membership.statistics()
-    rs = peer._router.statistics()
     stages.update(st.fetches, st.reports, (st.switches, st.switch_seconds),
                   (st.casts, st.cast_seconds))
 
@@ -115,13 +114,13 @@ def families(peer: Peer, stages: StageTimes) -> list[Any]:
         counter("tensorhub_malformed_dropped", "Malformed control messages dropped",
                 value=st.malformed_dropped),
         labelled(gauge, "tensorhub_gossip_queue_depth", "Messages waiting, by queue",
-                 "queue", {"broadcast": ms.broadcast_queue, "inbound": rs.inbound_waiting}),
+                 "queue", {"broadcast": ms.broadcast_queue, "inbound": st.control_waiting}),
         labelled(gauge, "tensorhub_members", "Members in this peer's view, by state",
                  "state", by_state),
         gauge("tensorhub_versions_held", "Versions (shards) held here", value=len(held)),
         gauge("tensorhub_held_bytes", "Bytes of the versions held here",
               value=sum(v.manifest.total_bytes for v in held)),
-        gauge("tensorhub_fetches_in_flight", "Fetches running", value=len(peer._fetches)),
+        gauge("tensorhub_fetches_in_flight", "Fetches running", value=st.fetches_in_flight),
     ]
 
 

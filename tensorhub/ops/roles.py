@@ -32,8 +32,8 @@ from ..integrations.safetensors import MappedFile, map_safetensors, write_safete
 from ..model import check_model_name, check_version
 
 if TYPE_CHECKING:
-    from ..peer.fetcher import Fetched
     from ..peer.node import Peer
+    from ..read.report import Fetched
 
 Emit = Callable[[dict[str, Any]], None]
 Progress = Callable[[int, int], None]
@@ -133,7 +133,7 @@ async def _watch_progress(peer: Peer, model: str, version: int, progress: Progre
     """Tell ``progress`` the verified bytes of the fetch of ``model@version`` now and
     then (a display, not synchronisation: nothing waits for it)."""
     while True:
-        for job in list(peer._fetches):
+        for job in peer.reader.progress():
             if job.key.model == model and job.key.version == version:
-                progress(job.report.bytes, job.manifest.total_bytes)
+                progress(job.bytes, job.total_bytes)
         await trio.sleep(PROGRESS_INTERVAL)

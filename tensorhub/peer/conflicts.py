@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -24,11 +24,11 @@ from ..manifest.manifest import Manifest
 from ..model import VersionKey
 from ..protocol.specdiff import RankSpecs, spec_differences
 from ..protocol.versions import LAYOUT, SPECS, Seal
+from ..read.store import Store
 from ..transport.base import NotServing
-from .fetching import fetch_manifest
 
-if TYPE_CHECKING:
-    from .node import Peer
+ManifestRead = Callable[[VersionKey, frozenset[str]], Awaitable[tuple[Manifest, str]]]
+"""Reads a version's manifest (and its publisher) from one of the named holders."""
 
 log = logging.getLogger("tensorhub.peer")
 MAX_COMPARED = 64
@@ -50,8 +50,16 @@ def explainable(seal: Seal) -> bool:
 
 
 class Explainer:
-    def __init__(self, peer: Peer) -> None:
-        self._peer = peer
+    def __init__(self, me: str, store: Store, seal_status: Callable[[str, int], Seal | None],
+                 read_manifest: ManifestRead,
+                 spawn: Callable[[Callable[[], Awaitable[None]]], None],
+                 internal_error: Callable[[str, BaseException], None]) -> None:
+        """``seal_status(model, version)``: the seal as this peer sees it; ``spawn``:
+        run a task in the peer's nursery (:class:`~tensorhub.errors.PeerClosed` once it
+        is closing); ``internal_error``: count a bug of ours."""
+        self.me, self.store, self._seal_status = me, store, seal_status
+        self._read_manifest, self._spawn, self._internal_error = \
+            read_manifest, spawn, internal_error
         self._known: OrderedDict[tuple[str, int], tuple[Fingerprint, str]] = OrderedDict()
         self._running: set[tuple[str, int, Fingerprint]] = set()
 
@@ -69,7 +77,7 @@ class Explainer:
     async def explain(self, model: str, version: int, why: str) -> str:
         """``why`` (a conflict's text), completed with the tensors the ranks of
         ``model@version`` disagree on."""
-        seal = self._peer.control.seal_status(model, version)
+        seal = self._seal_status(model, version)
         if seal is None or not explainable(seal):
             return why
         known = self._cached(model, seal)
@@ -83,20 +91,23 @@ class Explainer:
 
     def _start(self, model: str, seal: Seal) -> None:
         job = (model, seal.version, _fingerprint(seal))
-        if job in self._running or len(self._running) >= KEPT or self._peer._closed:
+        if job in self._running or len(self._running) >= KEPT:
             return
-        self._running.add(job)
 
         async def run() -> None:
             try:
                 await self._compute(model, seal)
             except Exception as exc:  # a bug: count it, the peer goes on
-                self._peer.internal_error(f"explaining {model}@{seal.version}: "
-                                          f"{type(exc).__name__}: {exc}", exc)
+                self._internal_error(f"explaining {model}@{seal.version}: "
+                                     f"{type(exc).__name__}: {exc}", exc)
             finally:
                 self._running.discard(job)
 
-        self._peer._nursery.start_soon(run)
+        try:
+            self._spawn(run)
+        except TensorHubError:  # the peer is closing: nothing to explain to
+            return
+        self._running.add(job)
 
     async def _compute(self, model: str, seal: Seal) -> str:
         wanted: dict[tuple[int, bytes, bytes], set[str]] = {}
@@ -127,16 +138,16 @@ class Explainer:
     async def _manifest(self, key: VersionKey, mid: bytes, origins: set[str]
                         ) -> Manifest | None:
         """The manifest ``mid`` of ``key``: ours, or from one of ``origins``."""
-        local = self._peer.store.get(key)
+        local = self.store.get(key)
         if local is not None and local.manifest.manifest_id() == mid:
             return local.manifest
-        others = frozenset(origins - {self._peer.info.name})
+        others = frozenset(origins - {self.me})
         if not others:
             return None
         try:
-            manifest, _ = await fetch_manifest(self._peer, key, others)
+            manifest, _ = await self._read_manifest(key, others)
         except (TensorHubError, NotServing, OSError) as exc:
             log.info("peer %s: no manifest of %s to explain a conflict: %s",
-                     self._peer.info.name, key, exc)
+                     self.me, key, exc)
             return None
         return manifest if manifest.manifest_id() == mid else None

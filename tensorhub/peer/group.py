@@ -76,7 +76,7 @@ from ..protocol.groups import (
     Switch,
 )
 from ..protocol.sharding import Sharding
-from .fetcher import Fetched
+from ..read.report import Fetched
 from .node import Peer
 from .release import Release
 from .rollout import Rollout, Staged
@@ -446,24 +446,21 @@ async def open_group(peer: Peer, name: str, members: Sequence[str], rank: int, *
     if not 0 <= rank < len(members) or members[rank] != peer.info.name:
         raise LocalProtocolError(f"rank {rank} of {list(members)!r} is not peer "
                                  f"{peer.info.name!r}")
-    if name in peer._group_inbox:
-        raise LocalProtocolError(f"group {name!r} is already open on peer {peer.info.name!r}")
     group = Group(peer, name, members, rank, model=model, layout=layout,
                   config=config or GroupConfig(), spare=spare,
                   boot=time.time_ns() // 1000 if boot is None else boot)
     group._check_live()
-    peer._group_inbox[name] = group._deliver
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(group._receive)
-            nursery.start_soon(group._tick)
-            nursery.start_soon(group._watch)
-            nursery.start_soon(group._work)
-            try:
-                yield group
-            finally:
-                nursery.cancel_scope.cancel()
-    finally:
-        del peer._group_inbox[name]
-        with trio.CancelScope(shield=True):
-            await group._close()
+    with peer.group_inbox(name, group._deliver):  # refused when the group is open here
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(group._receive)
+                nursery.start_soon(group._tick)
+                nursery.start_soon(group._watch)
+                nursery.start_soon(group._work)
+                try:
+                    yield group
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await group._close()

@@ -1,8 +1,11 @@
-"""The peer: a thin trio shell around the sans-IO control plane and the data plane.
+"""The peer: a thin trio shell around the sans-IO control plane and the read path.
 
 One nursery holds every task: the ZeroMQ socket's owner, the control dispatcher (decode,
 feed :class:`ControlPlane`, send what it returns), the timer task that ticks it at its
-deadlines, and the TCP data server.  Time comes from trio's clock only.
+deadlines, and the TCP data server.  Time comes from trio's clock only.  Reads are the
+business of one object, the peer's :class:`~tensorhub.read.reader.Reader` (its
+connections, link memory, fetches in flight and read counters); the peer builds it with
+narrow :class:`~tensorhub.read.ports.Ports` and hands :meth:`Peer.fetch` to it.
 
 No input ends the dispatcher: a frame that does not decode, a message of a kind the
 control port does not take, or one whose sender field is not the connection it came on
@@ -22,14 +25,22 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import asdict, replace
 from typing import Any
 
 import trio
 import zmq
 
-from ..cast import CastSpec, fetch_cast
 from ..config import PeerConfig, parse_hostport
 from ..device.staging import DeviceRings, device_publish
 from ..errors import (
@@ -41,13 +52,7 @@ from ..errors import (
     VersionUnavailable,
 )
 from ..manifest.manifest import Manifest, build_manifest
-from ..model import (
-    PeerInfo,
-    VersionKey,
-    as_host_array,
-    check_model_name,
-    check_version,
-)
+from ..model import PeerInfo, VersionKey, as_host_array, check_model_name, check_version
 from ..processes import free_ports
 from ..protocol import codec
 from ..protocol.addressing import claimed_name, misaddressed
@@ -61,26 +66,25 @@ from ..protocol.opstatus import StatusQuery, StatusReply
 from ..protocol.retention import KeepAnswer, KeepQuery
 from ..protocol.sharding import WHOLE, Sharding
 from ..protocol.sizing import choose_chunk_size
+from ..protocol.trust import Trust
 from ..protocol.versions import Seal
+from ..read.cast import CastSpec
+from ..read.dialing import Dialer
+from ..read.ports import Ports
+from ..read.reader import Reader
+from ..read.report import Fetched
+from ..read.store import LocalVersion, Store
 from ..security import Identity
-from ..torch import Into, destination
+from ..torch import Into
 from ..transport.admission import ServerLimits
-from ..transport.base import Connection
 from ..transport.handshake import DataAuth
 from ..transport.server import TcpServer
-from . import keys
 from .conflicts import Explainer
-from .connections import ConnectionPool
-from .dialing import Dialer
-from .fetcher import Fetch, Fetched, FetchReport
 from .operations import Operations, operation
-from .opstatus import StatusDesk
-from .plane import DataPlane
-from .reshard import fetch_sealed
+from .opstatus import StatusDesk, status_reply
 from .retention import Retention
-from .stats import INSECURE, PeerStats, peer_statistics
-from .store import LocalVersion, Store
-from .switching import switch_interval
+from .stats import INSECURE, PeerStats, Switches, chunking_text, digest_text
+from .switching import describe, switch_interval
 from .zap import HandshakeMonitor, ZapHandler
 from .zmq_trio import CurveKeys, ZmqRouter
 
@@ -93,9 +97,9 @@ class Peer:
     """A member of the mesh.  Create it with :func:`open_peer`."""
 
     def __init__(self, config: PeerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        """Inside trio (:func:`open_peer` builds it): binds both sockets."""
         self.config = config
-        self.dialer = Dialer(config.transports)  # fails first if a transport is missing
-        """Which transport reads each holder, and why not the others (:mod:`.dialing`)."""
+        dialer = Dialer(config.transports)  # fails first if a transport is missing
         host, port = parse_hostport(config.listen)
         port = port or free_ports(1, host)[0]
         sec = config.security
@@ -118,20 +122,14 @@ class Peer:
             raise
         self.store = Store(chunk_wait=config.stall_timeout)
         self.device_rings = DeviceRings()
-        security = getattr(config, "security", None)  # PeerConfig.security: keys, or None
-        self._data_auth = None if security is None else \
-            DataAuth(config.name, security.identity, security.keyring)
-        keyring = None if security is None else security.keyring
-        self._pool = ConnectionPool(self._connect,
-                                    lambda: 0 if keyring is None else keyring.generation,
-                                    max_idle=min(10.0, config.data_idle_timeout))
-        """Data connections kept between reads (see :mod:`.connections`)."""
+        self._data_auth = None if sec is None else \
+            DataAuth(config.name, sec.identity, sec.keyring)
         self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
             config.data_max_connections, config.data_max_connections_per_address,
             config.data_idle_timeout, config.data_frame_timeout,
             config.data_requests_per_second, config.lease_timeout), self._data_auth,
-            self.dialer.host)
-        self.store.on_dropped.append(self.dialer.host.dropped)
+            dialer.host)
+        self.store.on_dropped.append(dialer.host.dropped)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
         try:
@@ -141,33 +139,45 @@ class Peer:
             raise
         self.info = PeerInfo(config.name, self._router.endpoint, f"{data_host}:{data_port}",
                              tuple(config.labels))
-        self.control: ControlPlane
+        self.control = ControlPlane(self.info, config, random.Random(), trio.current_time(),
+                                    time.time_ns() // 1000)
         self._changed = trio.Event()
         self._seen_changes = 0
         self._wake_ticker = trio.Event()
-        self._fetches: set[Fetch] = set()
         self.chunking = "nothing published yet"
         """The chunk size of this peer's last publish, and why (``statistics().chunking``)."""
-        self._closed = False
         self.operations = Operations(config.name)
         """The API calls in flight: closing the peer ends them with PeerClosed."""
-        self._served = self._chunks_served = self._fetched = self._nfetches = self._malformed = 0
-        self._switches, self._switch_seconds = 0, 0.0  # rollouts' swaps (stats.account_switch)
-        self._casts, self._cast_seconds = 0, 0.0  # fetch(cast=...) (stats.account_cast)
+        self._served = self._chunks_served = self._malformed = 0
         self._internal_errors = 0
         self._internal_texts: list[str] = []
-        self._by_source: dict[str, int] = {}
-        self._by_transport: dict[str, int] = {}
-        self._integrity: dict[str, int] = {}
+        self.switches = Switches()
+        """Versions rollouts and group ranks made live here (:mod:`.rollout`)."""
         self.bans = BanTable(config.ban_seconds)
-        self._reports: list[dict[str, Any]] = []
         self.bad_inputs: list[str] = []
-        self._resharding: set[VersionKey] = set()
-        self.retention = Retention(self)
-        self.conflicts = Explainer(self)  # which tensors ranks disagree on
-        self.status_desk = StatusDesk(self)  # status queries (tensorhub status)
+        membership = self.control.membership
+        self.reader = Reader(self.info, config, self.store, self.device_rings, dialer, Ports(
+            holders=self.control.holders, live=membership.live_members,
+            members=lambda: {n: m.info for n, m in membership.members().items()},
+            announcement=self.control.announcement,
+            announce=lambda holding: self._send(self.control.put_holding(holding)),
+            withdraw=self.withdraw, ask_coordinator=self._ask_coordinator,
+            changed=self.wait_changed, banned=self.banned, ban=self.ban,
+            spawn=self.start_background, data_auth=lambda: self._data_auth))
+        """The read path: every fetch here, its connections, link memory and counters
+        (:mod:`tensorhub.read`)."""
+        self.retention = Retention(config.name, config, self.store, self.control,
+                                   self.send_to, self.withdraw, self._count_bad,
+                                   lambda task: self._nursery.start_soon(task))
+        self.conflicts = Explainer(  # which tensors ranks disagree on
+            config.name, self.store, self.control.seal_status, self.reader.read_manifest,
+            self.start_background, self.internal_error)
+        self.status_desk = StatusDesk(  # status queries (tensorhub status)
+            config.name, self._status_reply,
+            lambda to, data: self._router.send_nowait(to, data, reply=True), self.send_to,
+            membership.live_members, self._count_bad, config.max_message_bytes)
         self._group_inbox: dict[str, Callable[[GroupEnvelope], None]] = {}
-        """Handlers of group messages by group name (see :mod:`tensorhub.peer.group`)."""
+        """Handlers of group messages by group name (see :meth:`group_inbox`)."""
         self._nursery: trio.Nursery
 
     # -- lifecycle --------------------------------------------------------------------
@@ -183,8 +193,6 @@ class Peer:
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         await nursery.start(self._server.serve)
-        self.control = ControlPlane(self.info, self.config, random.Random(),
-                                    trio.current_time(), time.time_ns() // 1000)
         if self._zap is not None and self._monitor is not None:
             await nursery.start(self._zap.run)
             await nursery.start(self._monitor.run)
@@ -200,9 +208,7 @@ class Peer:
 
     async def _leave(self) -> None:
         await self.operations.close(self.config.stall_timeout)
-        self._closed = True
-        self._pool.close()
-        self.dialer.close()
+        self.reader.close()
         self._send(self.control.leave(trio.current_time()))
         await trio.sleep(min(0.2, self.config.gossip_interval * 2))  # let the news go out
 
@@ -225,8 +231,7 @@ class Peer:
                 self.retention.release_unretained()
             self._changed.set()
             self._changed = trio.Event()
-            for f in self._fetches:
-                f.poke()
+            self.reader.view_changed()
         self._wake_ticker.set()
 
     async def _dispatch(self) -> None:
@@ -287,9 +292,19 @@ class Peer:
                                  codec.encode(msg, self.config.max_message_bytes))
         return True
 
-    def data_plane(self) -> DataPlane:
-        """What fetching, resharding and retention use of this peer (:mod:`.plane`)."""
-        return DataPlane(self)
+    @contextmanager
+    def group_inbox(self, group: str, handler: Callable[[GroupEnvelope], None]
+                    ) -> Iterator[None]:
+        """Hand group ``group``'s messages to ``handler`` meanwhile (it must not block:
+        it runs in the dispatcher); LocalProtocolError if the group is open here."""
+        if group in self._group_inbox:
+            raise LocalProtocolError(f"group {group!r} is already open on peer "
+                                     f"{self.info.name!r}")
+        self._group_inbox[group] = handler
+        try:
+            yield
+        finally:
+            del self._group_inbox[group]
 
     async def wait_changed(self) -> None:
         """Return at the next change of the reference table or of coordination answers."""
@@ -350,8 +365,7 @@ class Peer:
                                      "--publisher MODEL=NAME)")
         if not tensors and spec.size == 1:
             raise LocalProtocolError("publish needs at least one tensor")
-        if self.store.get(key) is not None:
-            raise LocalProtocolError(f"{key} is already held here; unpublish it first")
+        self._check_free(key)
         device = device_publish(self.device_rings, tensors)
         arrays = device.layout if device is not None else \
             [(str(name), as_host_array(t, str(name))) for name, t in tensors.items()]
@@ -364,6 +378,7 @@ class Peer:
                                   self.config.manifest_limits)
         manifest = await (trio.to_thread.run_sync(build) if device is None
                           else device.manifest(build, chunk_size))
+        self._check_free(key)  # a fetch or another publish of it may have begun meanwhile
         mid = manifest.manifest_id()
         for peer, holding in self.control.holders(key):
             if holding.manifest_id != mid:
@@ -378,6 +393,14 @@ class Peer:
         self.store.add(local)
         self._send(self.control.publish_holding(local.holding()))
         return manifest
+
+    def _check_free(self, key: VersionKey) -> None:
+        """Publishing ``key`` needs it neither held nor being fetched here."""
+        if self.reader.in_flight(key):
+            raise LocalProtocolError(f"{key} is being fetched here; publish it once that "
+                                     "fetch returned and it was unpublished")
+        if self.store.get(key) is not None:
+            raise LocalProtocolError(f"{key} is already held here; unpublish it first")
 
     def unsealed(self, model: str) -> list[str]:
         """Versions of ``model`` newer than ``latest`` that some rank announced but that
@@ -406,7 +429,8 @@ class Peer:
                         layout: Sharding | None = None) -> None:
         """Stop serving ``model@version`` from the caller's arrays now; return once reads
         of them have drained, after which the caller may overwrite them.  ``layout`` is
-        the sharding it was published or fetched with.
+        the sharding it was published or fetched with.  A version still being fetched
+        here is not held yet: LocalProtocolError (cancel the fetch instead).
 
         Retention: if the version must stay readable (one of the newest sealed
         versions its model keeps, ``retain_for``, or pinned here) and this peer is the last
@@ -415,6 +439,9 @@ class Peer:
         off that raises :class:`RetentionError` instead and nothing changes."""
         spec = layout or WHOLE
         key = spec.key(check_model_name(model), check_version(version))
+        if self.reader.in_flight(key):
+            raise LocalProtocolError(f"{key} is still being fetched here; cancel that "
+                                     "fetch, or unpublish it once the fetch returned")
         local = self.store.get(key)
         if local is None or local.hidden:
             raise LocalProtocolError(f"{key} is not held here")
@@ -451,7 +478,7 @@ class Peer:
                     ) -> Fetched:
         """Pull ``model@version`` into ``into`` (or new arrays); afterwards we hold it.
         ``into``: arrays or torch tensors by name, or an ``nn.Module``; ``cast``: see
-        :mod:`tensorhub.cast`.
+        :mod:`tensorhub.read.cast`.
 
         Only sealed versions can be fetched (see :meth:`publish`).  ``layout`` asks for
         the slices rank ``layout.rank`` of that sharding holds (default: every tensor
@@ -462,11 +489,12 @@ class Peer:
         ``sources`` restricts the holders to read from (by peer name), e.g. to follow a
         plan; a named source that is itself still receiving is asked for every chunk and
         serves each as soon as it has verified it (pipelining).  The fetch waits up to
-        ``stall_timeout`` for a named source to appear as a holder."""
-        if cast is not None:
-            return await fetch_cast(self, model, version, into, cast, sources=sources,
-                                    layout=layout)
-        into = None if into is None else destination(into)  # a module: its state_dict
+        ``stall_timeout`` for a named source to appear as a holder.
+
+        One transfer per version at a time: a fetch of a version that another fetch here
+        is moving waits for it and gets the arrays this peer serves, or a copy in its
+        own ``into=`` (``FetchReport.joined``; see :mod:`tensorhub.read.reader`).  A
+        version held here complete is not moved again either."""
         check_model_name(model)
         spec = layout or WHOLE
         if not isinstance(spec, Sharding):
@@ -479,17 +507,10 @@ class Peer:
             resolved = check_version(version)
         else:
             raise LocalProtocolError(f"version must be an int or 'latest', got {version!r}")
-        key = spec.key(model, resolved)
-        held = self.store.get(key)
-        if held is not None and held.complete and not held.hidden and into is None:
-            names = held.manifest.table.names
-            return Fetched(resolved, dict(zip(names, held.arrays, strict=True)),
-                           FetchReport(model, resolved, verified=True, served_arrays=True))
-        if held is not None or key in self._resharding:
-            raise LocalProtocolError(f"{key} is already being fetched or held here")
         allowed = frozenset(sources) if sources is not None else None
-        seal = await self._sealed(model, resolved, wait=allowed is not None)
-        return await fetch_sealed(self, key, seal, spec, into, allowed)
+        sealed = functools.partial(self._sealed, model, resolved, wait=allowed is not None)
+        return await self.reader.fetch(spec.key(model, resolved), sealed, spec, into,
+                                       allowed, cast)
 
     async def wait_sealed(self, model: str, version: int) -> None:
         """Wait up to ``stall_timeout`` until ``model@version`` is sealed in this peer's
@@ -513,12 +534,6 @@ class Peer:
             with trio.move_on_at(deadline):
                 await self._changed.wait()
 
-    async def _connect(self, peer: PeerInfo) -> Connection:
-        """A data connection to ``peer`` over the first of ``config.transports`` that
-        works for it; the others' reasons are kept for statistics (:mod:`.dialing`)."""
-        return await self.dialer.connect(self.info, peer, self.config.connect_timeout,
-                                         self._data_auth)
-
     # -- coordinators ----------------------------------------------------------------------
 
     def coordinator(self, model: str, version: int) -> str:
@@ -533,7 +548,11 @@ class Peer:
         the mesh to whoever coordinates it; returns its name, epoch and fetchers.
         Retries while views settle, at once when the coordinator asked leaves the view;
         raises :class:`TransportError` if none answers."""
-        key = VersionKey(check_model_name(model), check_version(version))
+        return await self._ask_coordinator(
+            VersionKey(check_model_name(model), check_version(version)), size, chunks)
+
+    async def _ask_coordinator(self, key: VersionKey, size: int, chunks: int
+                               ) -> CoordinatorAnswer:
         last = "no answer"
         for _attempt in range(3):
             req_id, out = self.control.ask_coordinator(key, size, chunks)
@@ -556,15 +575,39 @@ class Peer:
         """Swap in a new member list (and publishers; None keeps them): key rotation
         without a restart.  Handshakes and signatures by removed keys stop counting at
         once; connections already made stay up."""
-        keys.update_keyring(self, members, publishers)
+        trust = self._trust()
+        trust.keyring.replace(members, publishers)
+        self.control.keyring_changed()
+        self._after_change()
 
     def rotate_identity(self, identity: Identity) -> None:
         """Sign and connect with ``identity`` from now on.  Its key must already be in
         the keyring for this peer's name (add it everywhere first, then switch, then
         remove the old one).  Our membership claim, our reference entry and the
         announcements we published are re-signed at once."""
-        keys.rotate_identity(self, identity)
+        trust = self._trust()
+        if identity.public not in trust.keyring.keys_of(self.info.name):
+            raise LocalProtocolError(f"the new key of {self.info.name} is not in the "
+                                     "keyring yet: add it (update_keyring) before "
+                                     "switching to it")
+        trust.rotate(identity)
+        if self._data_auth is not None:  # new data connections prove the new key
+            self._data_auth = replace(self._data_auth, identity=identity)
+            self._server.auth = self._data_auth
+            self.reader.identity_changed()  # and so do reads from now on
+        self._router.set_client_keys(*identity.curve_keys())
+        for local in self.store.versions.values():
+            if local.publisher == self.info.name and not local.derived:
+                signed = self.control.sign_announcement(local.holding())
+                local.announced = (signed.publisher_gen, signed.publisher_sig)
+        self._send(self.control.renew(trio.current_time()))
         self._identity = identity
+
+    def _trust(self) -> Trust:
+        trust = self.control.trust
+        if trust is None:
+            raise LocalProtocolError("this peer runs without keys (PeerConfig.security)")
+        return trust
 
     @property
     def identity(self) -> Identity | None:
@@ -577,8 +620,66 @@ class Peer:
     def members(self) -> dict[str, tuple[PeerInfo, str]]:
         return {n: (m.info, m.status) for n, m in self.control.membership.members().items()}
 
+    def _status_reply(self, nonce: int) -> StatusReply:
+        return status_reply(nonce, self.info.name, self.store, self.reader.progress(),
+                            self.reader.statistics(), self._served,
+                            self.control.membership.statistics().suspicions)
+
     def statistics(self) -> PeerStats:
-        return peer_statistics(self)
+        """A snapshot of what this peer did and sees (see :class:`PeerStats`)."""
+        rs, reads, dialer = self._router.statistics(), self.reader.statistics(), \
+            self.reader.dialer
+        trust = self.control.trust
+        refused = dict(trust.refused) if trust is not None else {}
+        if self._zap is not None and self._monitor is not None:
+            refused["handshake"] = self._monitor.failed  # no CURVE, wrong cluster key, ...
+            refused["not a member"] = self._zap.refused  # ... or a key not in the keyring
+        if self._sender_mismatch:
+            refused["sender name"] = self._sender_mismatch
+        shm_ok, shm_why = dialer.found.get("shm", (False, "not enabled"))
+        served = self._server.delta
+        return PeerStats(
+            name=self.info.name, control=self.info.control, data=self.info.data,
+            members={n: m.status for n, m in self.control.membership.members().items()},
+            holdings={str(k): ("complete" if v.complete else
+                               f"{v.num_verified}/{v.manifest.num_chunks} chunks")
+                      for k, v in self.store.versions.items() if not v.hidden},
+            bytes_served=self._served, chunks_served=self._chunks_served,
+            bytes_fetched=reads.bytes_fetched,
+            bytes_fetched_by_source=reads.bytes_fetched_by_source,
+            bytes_by_transport=reads.bytes_by_transport, fetches=reads.fetches,
+            integrity_failures=reads.integrity_failures, malformed_dropped=self._malformed,
+            gossip_dropped=rs.dropped_inbound + rs.dropped_outbound,
+            control_received=rs.received, control_sent=rs.sent,
+            internal_errors=self._internal_errors,
+            internal_error_texts=tuple(self._internal_texts),
+            shm="available" if shm_ok else f"unavailable: {shm_why}",
+            shm_fallbacks={h: r["shm"] for h, r in dialer.refusals.items() if "shm" in r},
+            transports=dialer.describe(), transport_chosen=dict(dialer.chosen),
+            transport_refusals={h: dict(r) for h, r in dialer.refusals.items() if r},
+            tcp_local_digests=dict(dialer.local_digests),
+            registrations={name: asdict(st) for name, st in
+                           dialer.host.statistics().items()},
+            security=INSECURE if trust is None else (
+                f"keys: {len(trust.keyring.members())} members, keyring generation "
+                f"{trust.keyring.generation}; control socket CURVE with a member "
+                "allow-list"),
+            refused=refused, digest=digest_text(self.config.digest_algo),
+            bans={n: f"{why} ({left:.0f} s left)"
+                  for n, (left, why) in self.bans.active(trio.current_time()).items()},
+            ban_notices=dict(self.bans.notices), reports=reads.reports,
+            data_server=self._server.statistics(), switches=self.switches.count,
+            switch_seconds=self.switches.seconds, casts=reads.casts,
+            cast_seconds=reads.cast_seconds,
+            delta={**reads.delta, "served_chunks": served.chunks,
+                   "served_raw_chunks": served.raw_chunks,
+                   "served_chunk_bytes": served.chunk_bytes,
+                   "served_delta_bytes": served.delta_bytes,
+                   "served_encode_seconds": served.encode_seconds},
+            switch_interval=describe(self.config.switch_interval),
+            chunking=chunking_text(self.config, self.chunking),
+            fetches_joined=reads.fetches_joined, fetches_in_flight=reads.in_flight,
+            control_waiting=rs.inbound_waiting)
 
 
 @asynccontextmanager

@@ -4,19 +4,19 @@ between holders leaving at once)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import trio
 
+from ..config import PeerConfig
 from ..errors import RetentionError
 from ..model import VersionKey
+from ..protocol.control import ControlPlane
 from ..protocol.retention import KeepAnswer, KeepQuery
-from .store import LocalVersion
-
-if TYPE_CHECKING:
-    from .node import Peer
+from ..read.store import LocalVersion, Store
 
 log = logging.getLogger("tensorhub.peer")
 
@@ -25,8 +25,17 @@ class Retention:
     """A peer's pins, its host copies of retained versions, and the keep queries it has
     asked or answers."""
 
-    def __init__(self, peer: Peer) -> None:
-        self.peer = peer
+    def __init__(self, me: str, config: PeerConfig, store: Store, control: ControlPlane,
+                 send_to: Callable[[str, object], bool],
+                 withdraw: Callable[[VersionKey], None], count_bad: Callable[[str], None],
+                 spawn: Callable[[Callable[[], Awaitable[None]]], None]) -> None:
+        """``send_to(name, message)``: send a control message to a live member (False
+        if it is not one); ``withdraw(key)``: refuse new reads of a version and tell the
+        mesh; ``count_bad``: count an unexpected message; ``spawn``: run a task in the
+        peer's nursery."""
+        self.me, self.config, self.store, self.control = me, config, store, control
+        self._send_to, self._withdraw, self._count_bad, self._spawn = \
+            send_to, withdraw, count_bad, spawn
         self.pins: set[tuple[str, int]] = set()
         self.offloaded: set[VersionKey] = set()
         """Versions served from our own host copies, not caller arrays."""
@@ -42,8 +51,8 @@ class Retention:
         still on its way), so its last copy is kept until a newer version seals."""
         if (key.model, key.version) in self.pins:
             return True
-        control = self.peer.control
-        keep = self.peer.config.retain_for(key.model)
+        control = self.control
+        keep = self.config.retain_for(key.model)
         if not keep:
             return False
         newest = control.readable(key.model)[-keep:]
@@ -66,17 +75,17 @@ class Retention:
             others = self._other_complete_holders(key)
             if await self._kept_elsewhere(key, others):
                 return False
-            if not self.peer.config.retention_offload:
+            if not self.config.retention_offload:
                 raise RetentionError(
                     f"{key} is retained and this peer holds its last complete copy; "
                     "offload is off (PeerConfig.retention_offload), so it stays published")
             copies = await trio.to_thread.run_sync(local.host_copy)
             copy = LocalVersion(local.manifest, copies, local.publisher, verified=True)
             copy.announced = local.announced
-            await self.peer.store.swap(copy)
+            await self.store.swap(copy)
             self.offloaded.add(key)
             log.info("peer %s: unpublish of %s keeps a host copy (%d bytes) until it is no "
-                     "longer retained: %s", self.peer.info.name, key, local.manifest.total_bytes,
+                     "longer retained: %s", self.me, key, local.manifest.total_bytes,
                      f"none of {others} confirmed keeping it" if others
                      else "no other complete holder is known")
             return True
@@ -84,8 +93,8 @@ class Retention:
             self._leaving.discard(key)  # the caller hides it with no await in between
 
     def _other_complete_holders(self, key: VersionKey) -> list[str]:
-        me = self.peer.info.name
-        return [p.name for p, h in self.peer.control.holders(key)
+        me = self.me
+        return [p.name for p, h in self.control.holders(key)
                 if h.complete and not h.derived and p.name != me]
 
     async def _kept_elsewhere(self, key: VersionKey, others: list[str]) -> bool:
@@ -95,15 +104,15 @@ class Retention:
             return False
         send, recv = trio.open_memory_channel[bool](len(others))
         nonces = []
-        members = self.peer.control.membership.members()
+        members = self.control.membership.members()
         for name in others:
             nonce = next(self._nonces)
-            if self.peer.send_to(name, KeepQuery(self.peer.info.name, nonce, key.model,
-                                                 key.version, key.shard, key.layout)):
+            if self._send_to(name, KeepQuery(self.me, nonce, key.model, key.version,
+                                             key.shard, key.layout)):
                 self._asks[nonce] = (send, members[name].info.control)
                 nonces.append(nonce)
         try:
-            with trio.move_on_after(self.peer.config.probe_interval * 2):
+            with trio.move_on_after(self.config.probe_interval * 2):
                 for _ in nonces:
                     if await recv.receive():
                         return True
@@ -118,22 +127,21 @@ class Retention:
         if isinstance(msg, KeepAnswer):
             ask = self._asks.get(msg.nonce)
             if ask is None or sender != ask[1]:  # late (timed out), or not who we asked
-                self.peer.data_plane().count_bad(f"unexpected retention answer from {sender}")
+                self._count_bad(f"unexpected retention answer from {sender}")
                 return
             del self._asks[msg.nonce]
             ask[0].send_nowait(msg.keeps)
             return
         key = VersionKey(msg.model, msg.version, msg.shard, msg.layout)
-        local = self.peer.store.get(key)
+        local = self.store.get(key)
         keeps = (local is not None and not local.hidden and local.complete
                  and not local.derived and key not in self._leaving)
-        self.peer.send_to(msg.asker, KeepAnswer(msg.nonce, keeps))
+        self._send_to(msg.asker, KeepAnswer(msg.nonce, keeps))
 
     def release_unretained(self) -> None:
         """Drop host copies of versions that are no longer retained."""
-        peer = self.peer
         for key in [k for k in self.offloaded if not self.retained(k)]:
             self.offloaded.discard(key)
-            if peer.store.get(key) is not None:
-                peer.withdraw(key)
-                peer.data_plane().spawn(peer.store.wait_drained, key)
+            if self.store.get(key) is not None:
+                self._withdraw(key)
+                self._spawn(functools.partial(self.store.wait_drained, key))

@@ -39,10 +39,9 @@ import trio
 from ..errors import LocalProtocolError, PeerClosed, VersionUnavailable
 from ..model import as_host_array, check_model_name
 from ..protocol.sharding import Sharding
-from .fetcher import Fetched
+from ..read.report import Fetched
 from .node import Peer
 from .release import Release, Tensors
-from .stats import account_switch
 
 
 @dataclass(frozen=True)
@@ -205,7 +204,7 @@ class Rollout:
             self._releases.append(release)
         staged.switch_seconds = trio.current_time() - started
         if not staged._trivial:
-            account_switch(self.peer, staged.fetched.report, staged.switch_seconds)
+            self.peer.switches.add(staged.fetched.report, staged.switch_seconds)
         return release
 
 

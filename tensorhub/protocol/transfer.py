@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 A fetch pulls the chunks of a version it does not have yet from holders.  Every wanted
 chunk is in exactly one state: *pending*, *claimed* by one stream, or *verified*.  The
-shell (``tensorhub.peer.fetcher``) runs a bounded number of workers; each asks
+shell (``tensorhub.read.transfer``) runs a bounded number of workers; each asks
 :meth:`TransferSession.pick` for the lowest pending chunk and the best holder that has it
 -- a holder other than the original publisher first, then the one we are reading least
 from -- and opens a stream to it (:meth:`~TransferSession.open_stream`).  The stream
@@ -88,13 +88,6 @@ chunk-time; the stream's window keeps the parent's next chunks asked for, and th
 sends each as it lands.  Measured in the 8-host emulated cluster (256 MiB, 4 MiB chunks,
 one request at a time): 1 gave 1.16x the fluid bound, 2 gave 1.28x (two chunks share
 our link, so every level lags by two)."""
-
-REASK_FIRST = 0.2
-"""Seconds from a plan's answer to a planned fetch's first ask for a newer one (every
-fetcher that started with it has registered by then; see ``Planner.reconsider``)."""
-REASK_MAX = 3.2
-"""Longest wait between two asks (each waits twice the one before, up to this): a
-handful of asks per fetch, not one per chunk."""
 
 RETRY_BASE = 0.1
 """Seconds before a source whose connection failed is tried again; doubles with each

@@ -51,7 +51,6 @@ import trio.testing
 from tensorhub.errors import RemoteProtocolError, TransportError
 from tensorhub.manifest.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
-from tensorhub.peer.store import LocalVersion, Store
 from tensorhub.protocol import codec
 from tensorhub.protocol.dataplane import (
     BAD_REQUEST,
@@ -66,6 +65,7 @@ from tensorhub.protocol.dataplane import (
 )
 from tensorhub.protocol.messages import register_all
 from tensorhub.protocol.sizing import StreamWindow
+from tensorhub.read.store import LocalVersion, Store
 from tensorhub.transport.base import Connection, NotServing, Verifier
 from tensorhub.transport.server import TcpServer
 

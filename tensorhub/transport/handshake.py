@@ -11,7 +11,7 @@ member it reached.
 A handshake costs two round trips and two Ed25519 signatures and verifications per
 connection (measured: 0.44 ms a connect with it, 0.10 without, on loopback, and a
 millisecond or more when either event loop is busy); a reader keeps its connection for
-later reads from the same holder (:mod:`tensorhub.peer.connections`), so a fetch pays
+later reads from the same holder (:mod:`tensorhub.read.connections`), so a fetch pays
 it only when it needs a new connection, not once per manifest and per worker.
 """
 

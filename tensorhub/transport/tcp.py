@@ -430,7 +430,7 @@ class TcpConnection:
         """True iff this connection is in step and open: nothing in flight, no reply
         pending or stray byte waiting, not closed by either side.  A kept idle
         connection is checked with this before each reuse (see
-        :mod:`tensorhub.peer.connections`)."""
+        :mod:`tensorhub.read.connections`)."""
         if self._ended is not None or self._queue or self._sock.fileno() < 0:
             return False
         probe = socket.socket(fileno=self._sock.fileno())

@@ -24,7 +24,7 @@ user's process, a kernel that forbids reading other processes' memory, a socket 
 by some process other than the one that answered -- leaves the connection on the
 cryptographic digests, and the reason is kept.  No step is skipped for speed: the proof
 runs once per connection opened, and connections are kept between reads
-(:mod:`tensorhub.peer.connections`).
+(:mod:`tensorhub.read.connections`).
 """
 
 from __future__ import annotations

@@ -22,19 +22,16 @@ The fetch report's ``cast`` names every cast tensor with ``from->to``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .dtypes import display
-from .errors import LocalProtocolError
-from .peer.destination import disjoint
-from .peer.fetcher import Fetched
-from .peer.stats import account_cast
-from .torch import (
+from ..dtypes import display
+from ..errors import LocalProtocolError
+from ..torch import (
     as_torch,
     check_into,
     destination,
@@ -44,12 +41,11 @@ from .torch import (
     require_torch,
     torch_dtype,
 )
+from .destination import disjoint
+from .report import Fetched
 
 if TYPE_CHECKING:
     import torch
-
-    from .peer.node import Peer
-    from .protocol.sharding import Sharding
 
 SCALE_SUFFIX = "_scale"
 
@@ -182,15 +178,12 @@ def _check_into(into: Any, wanted: Mapping[str, tuple[str, tuple[int, ...]]]
     return dict(given)
 
 
-async def fetch_cast(peer: Peer, model: str, version: int | str, into: Any,
-                     spec: CastSpec, *, sources: Sequence[str] | None,
-                     layout: Sharding | None) -> Fetched:
-    """:meth:`Peer.fetch` with ``cast=spec``: fetch and verify as published, then cast
-    (see the module text).  ``into`` (torch tensors, or an ``nn.Module``) is checked in
-    full against the cast result before any of its bytes is written."""
+async def cast_fetched(fetched: Fetched, spec: CastSpec, into: Any) -> Fetched:
+    """``fetched`` (as published, verified) cast as ``spec`` says (see the module
+    text), into new tensors or ``into`` (torch tensors, or an ``nn.Module``), which is
+    checked in full against the cast result before any of its bytes is written."""
     require_torch()
     import torch
-    fetched = await peer.fetch(model, version, sources=sources, layout=layout)
     src = as_torch(fetched)
     targets = plan(spec, src)
     wanted = result_specs(src, targets)
@@ -206,6 +199,5 @@ async def fetch_cast(peer: Peer, model: str, version: int | str, into: Any,
     report.cast = {name: f"{display(dtype_of(src[name]))}->{target}" for name, target in
                    targets.items()}
     report.cast_seconds = time.perf_counter() - start
-    account_cast(peer, report)
     tensors = {name: host_view(t, name) for name, t in out.items()}
     return Fetched(fetched.version, tensors, report)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ class FetchReport:
     transport_by_source: dict[str, str] = field(default_factory=dict)
     transport_refusals: dict[str, str] = field(default_factory=dict)
     """Per source: the transports preferred over the one used and skipped, and why
-    (``PeerConfig.transports``; :mod:`tensorhub.peer.dialing`)."""
+    (``PeerConfig.transports``; :mod:`tensorhub.read.dialing`)."""
     local_digest_chunks: int = 0
     """Chunks checked against the manifest's fast local digests (xxh3-128) instead of
     its cryptographic ones: read from a same-host holder that could write this process's
@@ -94,11 +95,23 @@ class FetchReport:
     """The delta phase (``PeerConfig.delta``): the base version, a note (sources, or
     why none), formats, sources that fell back to full chunks and why, sources skipped
     because full chunks were faster; empty with deltas off."""
+    joined: bool = False
+    """True when another fetch of the same version was already moving it here: this one
+    waited for that transfer (single flight) instead of moving the bytes again, and
+    this report is a copy of that fetch's, with the result read as held here
+    (``served_arrays``, or copied into ``into=``: ``copy_seconds``)."""
+    copy_seconds: float = 0.0
+    """Seconds spent copying the version, held here complete, into the caller's
+    ``into=`` arrays (a version fetched again, or a fetch that joined another)."""
     served_arrays: bool = False
     """True when the fetch found the version already held here complete and returned
     the very arrays this peer serves it from (the caller's published arrays, or those of
     an earlier fetch), not a copy: writing to them changes what readers get.  Unpublish
     first, or fetch with ``into=``, to get arrays of one's own."""
+
+    def copy(self) -> FetchReport:
+        """A copy whose dicts are its own."""
+        return copy.deepcopy(self)
 
     def add(self, other: FetchReport) -> None:
         """Count ``other`` (a part of the same fetch) in this report."""
@@ -136,7 +149,8 @@ class FetchReport:
             "banned_sources": dict(self.banned_sources),
             "resourced_chunks": self.resourced_chunks, "verified": self.verified,
             "stall_retries": dict(self.stall_retries),
-            "served_arrays": self.served_arrays,
+            "served_arrays": self.served_arrays, "joined": self.joined,
+            "copy_seconds": self.copy_seconds,
             "cast": dict(self.cast), "cast_seconds": self.cast_seconds,
             "planned_bytes": self.planned_bytes, "plan": self.plan,
             "plan_seconds": self.plan_seconds, "switch_seconds": self.switch_seconds,

@@ -1,4 +1,5 @@
-"""One fetch: the trio shell around :class:`~tensorhub.protocol.transfer.TransferSession`.
+"""One transfer of a manifest's chunks: the trio shell around
+:class:`~tensorhub.protocol.transfer.TransferSession`.
 
 The session decides (see :mod:`tensorhub.protocol.transfer`): which chunk next, from
 which holder, how many chunks a run claims, what a failure or a stall means, when to
@@ -43,8 +44,7 @@ from ..protocol.transfer import (
     chunk_size_note,
 )
 from ..transport.base import Connection, NotServing, Verifier
-from .fetch_report import Fetched as Fetched
-from .fetch_report import FetchReport as FetchReport
+from .report import FetchReport
 from .store import LocalVersion
 
 HolderView = Callable[[VersionKey], list[tuple[PeerInfo, Holding]]]
@@ -86,8 +86,8 @@ def failure_of(exc: Exception) -> tuple[FailureKind, str]:
     raise exc
 
 
-class Fetch:
-    """The state of one fetch; :meth:`run` drives it to completion or failure."""
+class Transfer:
+    """The state of one transfer; :meth:`run` drives it to completion or failure."""
 
     def __init__(self, *, me: str, local: LocalVersion, view: HolderView, connect: Connector,
                  upstream: frozenset[str], window: int, stall_timeout: float,
@@ -136,6 +136,10 @@ class Fetch:
             if hasattr(self._report, f.name):  # not the landing times
                 setattr(self._report, f.name, getattr(tally, f.name))
         return self._report
+
+    def streaming_from(self) -> tuple[str, ...]:
+        """The source of each stream open now."""
+        return tuple(stream.source.name for stream, _ in self._streams.values())
 
     def poke(self) -> None:
         """Gossip changed the holder view: wake workers waiting for a source."""
@@ -336,7 +340,7 @@ class DigestCheck:
     landed, timed into the fetch's ``verify_seconds``: a
     :class:`~tensorhub.device.landing.PassingVerifier`."""
 
-    def __init__(self, fetch: Fetch, chunk: int, source: str, algo: str, expected: bytes
+    def __init__(self, fetch: Transfer, chunk: int, source: str, algo: str, expected: bytes
                  ) -> None:
         self.fetch, self.chunk, self.source = fetch, chunk, source
         self.algo, self.expected = algo, expected

@@ -1,0 +1,56 @@
+"""The plan phase of a fetch: ask the version's coordinator for our part of its plan,
+and while the chunks flow ask again on :class:`~tensorhub.protocol.reading.PlanFollow`'s
+schedule, handing a newer plan to the transfer (:meth:`Transfer.replan`)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from ..errors import TransportError
+from ..model import VersionKey
+from ..protocol.reading import Plan, PlanFollow, PlanStamp, plan_of
+from .ports import Ports
+from .report import FetchReport
+from .transfer import Transfer, first_error
+
+PlanAnswer = tuple[Plan, str, PlanStamp | None]
+"""Our part of a plan, a note on it (or why there is none), and its stamp (None: no
+plan)."""
+
+
+async def ask_plan(ports: Ports, me: str, key: VersionKey, size: int, chunks: int
+                   ) -> PlanAnswer:
+    """Our part of the coordinator's plan for ``key`` of ``size`` bytes in ``chunks``
+    chunks; on any failure no plan (the fetch then picks holders itself) and why."""
+    try:
+        answer = await ports.ask_coordinator(key, size, chunks)
+    except TransportError as exc:
+        return [], f"no plan: {exc}", None
+    return plan_of(answer, ports.members(), me)
+
+
+async def run_following(transfer: Transfer, follow: PlanFollow,
+                        ask: Callable[[], Awaitable[PlanAnswer]]) -> FetchReport:
+    """Run ``transfer``; meanwhile ask again (``ask``) as ``follow`` schedules, take a
+    plan newer than the one followed, and keep the report's ``plan`` note."""
+    async def follow_plan() -> None:
+        while True:
+            await trio.sleep(follow.next_delay())  # a schedule, not a wait for an event
+            plan, _, stamp = await ask()
+            if stamp is None or not follow.newer(stamp):
+                continue
+            moved, ended = transfer.replan(plan)
+            follow.took(trio.current_time(), stamp, moved, ended)
+            transfer.report.plan = follow.note
+
+    done: list[FetchReport] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow_plan)
+            done.append(await transfer.run())
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    return done[0]
