@@ -46,9 +46,9 @@ from functools import partial
 
 from tensorhub.model import PeerInfo
 from tensorhub.protocol.bans import Ban
-from tensorhub.protocol.reading import REASK_FIRST, REASK_MAX
+from tensorhub.protocol.reading import PlanFollow, named_view, stream_cap, streams
 from tensorhub.protocol.refs import Holding
-from tensorhub.protocol.sizing import MIN_CHUNKS
+from tensorhub.protocol.ring import Epoch
 from tensorhub.protocol.transfer import FailureKind, TransferSession
 
 from .events import EventQueue
@@ -155,8 +155,7 @@ class Sim:
 
     def _reader(self, name: str) -> Reader:
         setup, cfg = self.setup, self.setup.config
-        window = max(1, min(cfg.fetch_window,  # as tensorhub.read.reader.window
-                            cfg.max_inflight_bytes // (MIN_CHUNKS * self.m.chunk_size)))
+        window = streams(cfg, self.m.chunk_size)
         plan = self.plan_for(name) if setup.plan and name not in setup.upstream \
             and not setup.incremental_plan else []
         allowed = setup.upstream.get(name)
@@ -165,7 +164,7 @@ class Sim:
             banned=self._no_ban, wanted=range(self.m.num_chunks),
             verified=[0] * self.m.num_chunks, window=window,
             stall_timeout=cfg.stall_timeout, upstream=allowed or frozenset(), plan=plan,
-            window_cap=cfg.max_inflight_bytes // window,
+            window_cap=stream_cap(cfg, self.m.chunk_size),
             socket_window=setup.socket_window)
         return Reader(name, session)
 
@@ -178,52 +177,53 @@ class Sim:
         return [(self.infos[r.peer], r.first, r.stop)
                 for r in self.coordinator.sources(reader)]
 
-    def ask(self, r: Reader, delay: float | None) -> None:
-        """``r`` asks the coordinator (``delay`` None: its first ask, at its start): the
-        answer is made half a round trip later and lands a whole one later; a newer plan
-        is taken; the next ask follows after ``delay`` doubled, up to ``REASK_MAX``."""
-        rtt, answer = self.rtt(r.name, self.setup.coordinator or self.setup.publisher), []
+    def ask(self, r: Reader) -> None:
+        """``r`` asks the coordinator (at its start, then as its
+        :class:`~tensorhub.protocol.reading.PlanFollow` schedules, as the shell does):
+        the answer is made half a round trip later and lands a whole one later; a newer
+        plan is taken."""
+        coordinator = self.setup.coordinator or self.setup.publisher
+        rtt, answer = self.rtt(r.name, coordinator), []
         self.at(self.now + rtt / 2, lambda t: answer.append(self.coordinator.ask(r.name)))
 
         def back(t: float) -> None:
             if r.dead or r.name in self.done:
                 return
             sources, epoch = answer[0]
-            if epoch > r.plan_epoch:
+            stamp = (Epoch(1, coordinator, 0), epoch)
+            first = r.follow is None
+            if r.follow is None or r.follow.newer(stamp):
                 moved = r.session.replan(t, [(self.infos[x.peer], x.first, x.stop)
                                              for x in sources])
-                r.replans += r.plan_epoch >= 0 and moved > 0
-                r.plan_epoch = epoch
-                for st in [x for x in r.streams if x.s.source.name in r.session.abandon]:
+                r.replans += not first and moved > 0
+                ended = [x for x in r.streams if x.s.source.name in r.session.abandon]
+                for st in ended:
                     st.s.stop = True  # its connection closes: what it asked is not sent
                     self.end(st, None)
+                if r.follow is None:
+                    r.follow = PlanFollow(t, stamp, "")
+                else:
+                    r.follow.took(t, stamp, moved, len(ended))
                 self.notify(r)
-            if delay is None:
+            if first:
                 for w in range(r.session.window):
                     self.worker(r, w)
             if self.setup.reask:
-                wait = REASK_FIRST if delay is None else min(REASK_MAX, 2 * delay)
-                self.at(t + wait, lambda _t: self.ask(r, wait))
+                self.at(t + r.follow.next_delay(), lambda _t: self.ask(r))
         self.at(self.now + rtt, back)
 
     # -- the holder view ----------------------------------------------------------------
 
     def view(self, me: str, allowed: frozenset[str] | None) -> list[tuple[PeerInfo, Holding]]:
-        """What ``me`` sees advertised (as ``tensorhub.read.reader.holder_view``).
-        Holders that advertised no chunk yet are left out: no session would read from
-        them (named sources are added back, as the shell does)."""
+        """What ``me`` sees advertised, as the shell's view does
+        (:func:`~tensorhub.protocol.reading.named_view`).  Holders that advertised no
+        chunk yet are left out: no session would read from them (named sources are
+        added back, as holding nothing)."""
         cached = self._views.get("" if allowed is None else me)
         if cached is not None and cached[0] == self.view_version:
             return cached[1]
-        every = self._every()
-        found = every if allowed is None else [x for x in every if x[0].name in allowed]
-        if allowed is not None and self.setup.publisher in self.advertised:
-            ref = self._holding(self.setup.publisher)
-            nothing = bytes((self.m.num_chunks + 7) // 8)
-            found += [(self.infos[n], Holding(ref.model, ref.version, ref.manifest_id,
-                                              ref.publisher, ref.num_chunks, nothing))
-                      for n in sorted(allowed - {x[0].name for x in found} - {me})
-                      if n not in self.dead]
+        live = [self.infos[n] for n in sorted(self.hosts) if n not in self.dead]
+        found = named_view(self._every(), live, allowed, me)
         self._views["" if allowed is None else me] = (self.view_version, found)
         return found
 
@@ -309,7 +309,7 @@ class Sim:
     def _start(self, r: Reader, _now: float) -> None:
         self.advertise(r.name, None)  # downstream can find us
         if self.setup.incremental_plan and self.setup.plan and r.name not in self.setup.upstream:
-            self.ask(r, None)  # the workers start with the answer
+            self.ask(r)  # the workers start with the answer
             return
         for w in range(r.session.window):
             self.worker(r, w)

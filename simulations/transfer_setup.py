@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tensorhub.config import PeerConfig
 from tensorhub.manifest.manifest import Manifest
 from tensorhub.model import TensorSpec, VersionKey
+from tensorhub.protocol.reading import PlanFollow
 from tensorhub.protocol.topology import fluid_bound
 from tensorhub.protocol.transfer import Stream, TransferSession
 
@@ -45,7 +46,7 @@ class Setup:
     starts (``Planner.add_fetcher``); False: one plan with every reader as a fetcher."""
     reask: bool = True
     """With ``incremental_plan``: each reader asks again while it runs, as the shell
-    does (``REASK_FIRST``, doubling to ``REASK_MAX``), and takes a newer plan."""
+    does (:class:`~tensorhub.protocol.reading.PlanFollow`), and takes a newer plan."""
     coordinator: str | None = None
     """The host that coordinates the version (answers take a round trip to it); None:
     the publisher's."""
@@ -159,8 +160,8 @@ class Reader:
         """A wake-up of the waiting workers is scheduled."""
         self.streams: list[SimStream] = []
         self.dead = False
-        self.plan_epoch = -1
-        """The epoch of the plan it follows (-1: none yet)."""
+        self.follow: PlanFollow | None = None
+        """The plan it follows and when it asks next (None: no answer yet)."""
         self.replans = 0
         """Newer plans it took after its first that moved some of its chunks."""
 
