@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from test_mesh import mesh
+from helpers import open_mesh
 
 from tensorhub import Committed, ConfigError, PeerConfig, Rollout, Staged, VersionKey
 from tensorhub.transport.samehost.reader import ShmConnection, shm_available
@@ -62,7 +62,7 @@ def held(peer: Any, model: str) -> set[int]:
 
 
 async def test_fifty_adapters_stay_current_and_each_keeps_its_own_versions() -> None:
-    async with mesh(3, retain=RETAIN) as (trainer, roll, reader):
+    async with open_mesh(3, retain=RETAIN) as (trainer, roll, reader):
         rollouts = {name: Rollout(roll, name) for name in ADAPTERS}
         for version in range(1, VERSIONS + 1):
             for name in ADAPTERS:
@@ -124,7 +124,7 @@ async def test_flipping_one_adapter_never_waits_for_another_adapters_readers() -
     Meanwhile X flips again and again, and adapter Y is updated and read from the
     rollout over and over: every step of both finishes before X's reader lets go."""
     x, y = "lora/x", "lora/y"
-    async with mesh(3, transports=("shm", "tcp")) as (trainer, roll, reader):
+    async with open_mesh(3, transports=("shm", "tcp")) as (trainer, roll, reader):
         for name in (x, y):
             await trainer.publish(name, 1, adapter(name, 1))
         with trio.fail_after(10):

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-from test_mesh import mesh, weights
+from helpers import open_mesh
+from test_mesh import weights
 
 import tensorhub
 from tensorhub import BlockingPeer, LocalProtocolError, PeerClosed, PeerConfig
@@ -38,7 +39,7 @@ def test_blocking_peer_takes_every_argument_peer_takes() -> None:
 
 
 async def test_into_arrays_that_share_memory_are_refused_before_any_byte_moves() -> None:
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         w = weights(1, mib=1)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -162,7 +163,7 @@ async def _cancel_after_first_chunk(reader: tensorhub.Peer, into: dict[str, Any]
 @pytest.mark.parametrize("own_arrays", [False, True])
 async def test_a_cancelled_fetch_leaks_nothing_and_the_next_fetch_succeeds(
         own_arrays: bool) -> None:
-    async with mesh(2, planning=False, fetch_window=1) as (pub, reader):
+    async with open_mesh(2, planning=False, fetch_window=1) as (pub, reader):
         w = weights(1, mib=16)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -233,7 +234,7 @@ def _inode(arr: np.ndarray[Any, Any]) -> int:
 async def test_a_fetch_without_into_lands_in_the_memory_of_one_let_go() -> None:
     """Fetch, drop, fetch the next version: the second fetch lands in the first's memory
     file (mapped again, its pages already there), and its tensors are the new ones."""
-    async with mesh(2, planning=False) as (pub, reader):
+    async with open_mesh(2, planning=False) as (pub, reader):
         for v in (1, 2):
             await pub.publish("m", v, weights(v, mib=2))
         with trio.fail_after(10):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import trio
 from corrupting import corrupt_served
-from test_mesh import mesh, weights
+from helpers import open_mesh
+from test_mesh import weights
 
 import tensorhub
 from tensorhub import IntegrityError, PeerConfig, VersionKey
@@ -59,7 +60,7 @@ def test_bans_expire_and_notices_are_only_counted() -> None:
 async def test_a_holder_that_served_bad_bytes_is_not_contacted_again() -> None:
     # Full chunks only (no delta against v1 for v2): the bytes each source sent are
     # then all in the report's ``bytes_by_source``.
-    async with mesh(3, planning=False, delta="off") as (pub, liar, reader):
+    async with open_mesh(3, planning=False, delta="off") as (pub, liar, reader):
         w = weights(1, mib=2)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):

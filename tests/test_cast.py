@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 import trio
+from helpers import open_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from test_mesh import mesh
 from test_torch import Tiny, wait_version
 
 from tensorhub import LocalProtocolError
@@ -100,7 +100,7 @@ def test_a_cast_spec_names_its_tensors_and_checks_the_dtype() -> None:
 
 
 async def test_a_casting_fetch_verifies_then_casts_and_serves_only_published_bytes() -> None:
-    async with mesh(3) as (pub, caster, third):
+    async with open_mesh(3) as (pub, caster, third):
         g = torch.Generator().manual_seed(3)
         state = {"a.weight": torch.randn(300, 200, generator=g),
                  "a.bias": torch.randn(200, generator=g).to(torch.bfloat16),
@@ -136,7 +136,7 @@ async def test_a_casting_fetch_verifies_then_casts_and_serves_only_published_byt
 
 
 async def test_a_casting_fetch_into_a_module_casts_in_place_and_checks_first() -> None:
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         src = Tiny(dtype=torch.float32)
         with torch.no_grad():
             for p in src.parameters():

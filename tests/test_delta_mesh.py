@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import numpy as np
 import pytest
 import trio
-from test_mesh import mesh
+from helpers import open_mesh
 
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
@@ -56,7 +56,7 @@ def same_bytes(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
 
 
 async def test_a_reader_with_the_last_version_gets_the_next_as_deltas() -> None:
-    async with mesh(2, planning=False, delta="always") as (pub, reader):
+    async with open_mesh(2, planning=False, delta="always") as (pub, reader):
         w1 = weights()
         await pub.publish("m", 1, w1)
         await wait_complete(reader, VersionKey("m", 1), 1)
@@ -83,7 +83,7 @@ async def test_a_reader_with_the_last_version_gets_the_next_as_deltas() -> None:
 
 
 async def test_wrong_deltas_ban_their_holder_and_the_chunks_come_in_full() -> None:
-    async with mesh(3, planning=False, delta="always") as (pub, relay, reader):
+    async with open_mesh(3, planning=False, delta="always") as (pub, relay, reader):
         w1 = weights()
         await pub.publish("m", 1, w1)
         await wait_complete(reader, VersionKey("m", 1), 1)
@@ -163,7 +163,7 @@ async def test_a_planned_remote_seed_pulls_one_delta_across_and_its_dc_fans_it_o
 
 
 async def test_where_the_link_outruns_encoding_auto_sends_full_chunks() -> None:
-    async with mesh(2, planning=False, delta="auto") as (pub, reader):
+    async with open_mesh(2, planning=False, delta="auto") as (pub, reader):
         w1 = weights()
         await pub.publish("m", 1, w1)
         await wait_complete(reader, VersionKey("m", 1), 1)
@@ -183,7 +183,7 @@ async def test_where_the_link_outruns_encoding_auto_sends_full_chunks() -> None:
 
 
 async def test_a_holder_without_the_base_answers_each_chunk_not_held() -> None:
-    async with mesh(1) as (pub,):
+    async with open_mesh(1) as (pub,):
         await pub.publish("m", 2, weights())
         answers: list[tuple[int, int]] = []
 
@@ -229,7 +229,7 @@ async def _never(chunk: int, reply: DeltaReply, payload: bytes) -> bool:
 
 
 async def test_when_our_own_base_rotted_the_holder_is_not_blamed() -> None:
-    async with mesh(2, planning=False, delta="always") as (pub, reader):
+    async with open_mesh(2, planning=False, delta="always") as (pub, reader):
         w1 = weights()
         await pub.publish("m", 1, w1)
         await wait_complete(reader, VersionKey("m", 1), 1)

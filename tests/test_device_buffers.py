@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import trio
-from test_mesh import mesh
+from helpers import open_mesh
 from test_staging import HostAsDevice
 
 from tensorhub import LocalProtocolError
@@ -84,7 +84,7 @@ def test_layout_arrays_describe_device_tensors_in_one_element() -> None:
 
 @pytest.mark.skipif(cuda_available(), reason="checks the message shown without a GPU")
 async def test_without_a_gpu_device_tensors_get_a_clear_error() -> None:
-    async with mesh(2, transports=("tcp",)) as (pub, reader):
+    async with open_mesh(2, transports=("tcp",)) as (pub, reader):
         with pytest.raises(LocalProtocolError, match="cupy with a working CUDA driver"):
             await pub.publish("m", 1, {"x": HostAsDevice(np.zeros(1024, np.float32))})
         assert pub.store.versions == {}
@@ -101,7 +101,7 @@ async def test_without_a_gpu_device_tensors_get_a_clear_error() -> None:
 @pytest.mark.skipif(not cuda_available(), reason=NO_GPU)
 async def test_cupy_arrays_publish_and_land_in_cupy_arrays_over_tcp() -> None:
     import cupy
-    async with mesh(2, transports=("tcp",)) as (pub, reader):
+    async with open_mesh(2, transports=("tcp",)) as (pub, reader):
         src = {"w": cupy.arange(3 << 18, dtype=cupy.float32).reshape(768, 1024),
                "b": cupy.arange(77, dtype=cupy.int64)}
         await pub.publish("m", 1, src)
@@ -116,7 +116,7 @@ async def test_cupy_arrays_publish_and_land_in_cupy_arrays_over_tcp() -> None:
 @pytest.mark.skipif(not cuda_available() or not torch.cuda.is_available(), reason=NO_GPU +
                     " and torch with CUDA")
 async def test_torch_cuda_tensors_publish_and_land_in_torch_cuda_tensors() -> None:
-    async with mesh(2, transports=("tcp",)) as (pub, reader):
+    async with open_mesh(2, transports=("tcp",)) as (pub, reader):
         src = {"w": torch.randn(512, 1024, device="cuda").to(torch.bfloat16)}
         await pub.publish("m", 1, src)
         with trio.fail_after(10):
@@ -132,8 +132,8 @@ async def test_cupy_arrays_are_read_over_cuda_ipc_in_place() -> None:
     ring copies nothing for the reader); the reader copies them device to device into
     its GPU arrays and checks them there (device digests)."""
     import cupy
-    async with mesh(2, transports=("cuda-ipc", "tcp"), labels=(("host", "gpu"),),
-                    chunk_size=1 << 20, planning=False) as (pub, reader):
+    async with open_mesh(2, transports=("cuda-ipc", "tcp"), labels=(("host", "gpu"),),
+                         chunk_size=1 << 20, planning=False) as (pub, reader):
         src = {"w": cupy.arange(3 << 20, dtype=cupy.float32),
                "b": cupy.arange(1001, dtype=cupy.int16)}
         manifest = await pub.publish("m", 1, src)

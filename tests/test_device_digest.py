@@ -13,9 +13,9 @@ import msgpack
 import numpy as np
 import pytest
 import trio
+from helpers import open_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mesh import mesh
 from test_staging import HostAsDevice, host_rings
 
 import tensorhub
@@ -123,8 +123,8 @@ def test_any_device_digests_are_refused_or_one_per_chunk(value: object) -> None:
 async def test_a_version_changed_after_publish_fails_the_in_place_check() -> None:
     """The trainer writes its tensors after publishing: the reader lands the changed
     chunk in place, its device digest fails, and the fetch never counts it."""
-    async with mesh(2, transports=("cuda-ipc-standin", "tcp"), labels=HOST,
-                    chunk_size=1 << 16, planning=False, stall_timeout=1.0) as (pub, reader):
+    async with open_mesh(2, transports=("cuda-ipc-standin", "tcp"), labels=HOST,
+                         chunk_size=1 << 16, planning=False, stall_timeout=1.0) as (pub, reader):
         for p in (pub, reader):
             host_rings(p)
         w = np.random.default_rng(4).standard_normal(1 << 16).astype(np.float32)

@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 import trio
-from test_mesh import mesh, weights
+from helpers import open_mesh
+from test_mesh import weights
 from test_staging import HostAsDevice, host_rings
 
 import tensorhub
@@ -60,7 +61,7 @@ def test_the_real_backends_say_why_they_are_missing() -> None:
 
 
 async def test_a_fetch_over_the_rdma_stand_in_shows_its_transport() -> None:
-    async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
+    async with open_mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
         w = weights(1, mib=2)
         got = await publish_and_fetch(pub, reader, w, 1)
         assert got.report.transport_by_source == {"p0": "rdma-standin"}
@@ -106,8 +107,8 @@ async def test_every_refusal_shows_and_the_next_transport_is_used() -> None:
 
 
 async def test_same_host_peers_read_over_the_cuda_ipc_stand_in() -> None:
-    async with mesh(2, transports=("cuda-ipc-standin", "shm", "tcp"), labels=HOST,
-                    planning=False) as (pub, reader):
+    async with open_mesh(2, transports=("cuda-ipc-standin", "shm", "tcp"), labels=HOST,
+                         planning=False) as (pub, reader):
         got = await publish_and_fetch(pub, reader, weights(1, mib=1), 1)
         assert got.report.transport_by_source == {"p0": "cuda-ipc-standin"}
 
@@ -117,8 +118,8 @@ async def test_a_device_version_is_read_over_cuda_ipc_in_place_not_staged() -> N
     rings) is granted to a CUDA IPC reader as its tensors themselves, and lands in the
     reader's tensors themselves, checked there against the device digests: neither
     staging ring copies anything."""
-    async with mesh(2, transports=("cuda-ipc-standin", "tcp"), labels=HOST,
-                    chunk_size=1 << 18, planning=False) as (pub, reader):
+    async with open_mesh(2, transports=("cuda-ipc-standin", "tcp"), labels=HOST,
+                         chunk_size=1 << 18, planning=False) as (pub, reader):
         for p in (pub, reader):
             host_rings(p)
         src = {"w": np.random.default_rng(3).standard_normal((300, 1000), np.float32),
@@ -141,7 +142,7 @@ async def test_a_device_version_is_read_over_cuda_ipc_in_place_not_staged() -> N
 
 
 async def test_without_tcp_a_holder_no_transport_reaches_is_not_read() -> None:
-    async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, _):
+    async with open_mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, _):
         seed = pub.info.control.removeprefix("tcp://")
         cfg = PeerConfig.local("p9", join=(seed,), transports=("cuda-ipc-standin",),
                                stall_timeout=1.0, planning=False)
@@ -159,7 +160,7 @@ async def test_a_chunk_the_holder_cannot_serve_one_sided_is_read_over_the_next()
     """A version in memory a one-sided backend cannot keep registered (here: arrays
     over ``bytes``; over CUDA IPC: host memory) is refused chunk by chunk; the reader
     skips that transport for the holder from then on, and reads over TCP."""
-    async with mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
+    async with open_mesh(2, transports=("rdma-standin", "tcp"), planning=False) as (pub, reader):
         w = {k: np.frombuffer(v.tobytes(), v.dtype).reshape(v.shape)
              for k, v in weights(1, mib=1).items()}  # read-only, over bytes objects
         got = await publish_and_fetch(pub, reader, w, 1)

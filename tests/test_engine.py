@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import pytest
 import torch
 import trio
-from test_mesh import mesh
+from helpers import open_mesh
 
 from tensorhub import LocalProtocolError, Rollout
 from tensorhub.integrations.engine import EngineSync, VersionTag, weights
@@ -58,7 +58,7 @@ PROMPTS = torch.tensor([[1, 2, 3], [4, 5, 6]])
 async def test_after_each_update_the_rollout_equals_the_trainer_and_is_tagged(
         engine_dtype: torch.dtype) -> None:
     torch.manual_seed(1)
-    async with mesh(2) as (trainer_peer, rollout_peer):
+    async with open_mesh(2) as (trainer_peer, rollout_peer):
         trainer, engine = TinyPolicy(), TinyPolicy().to(engine_dtype)
         opt = torch.optim.Adam(trainer.parameters(), lr=0.05)
         cast = None if engine_dtype == torch.float32 else "bfloat16"
@@ -88,7 +88,7 @@ async def test_after_each_update_the_rollout_equals_the_trainer_and_is_tagged(
 
 
 async def test_weights_come_from_every_kind_of_version_as_torch_views() -> None:
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         state = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
                  "b": torch.ones(4, dtype=torch.bfloat16), "skip": torch.zeros(1)}
         await pub.publish("m", 1, state)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from helpers import open_mesh
 from test_group_shell import sealed
 from test_lease_revocation import connect_raw
-from test_mesh import mesh
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerClosed, PeerConfig, Rollout, VersionKey
@@ -72,7 +72,7 @@ async def pinned_readers(holder: tensorhub.Peer, transport: str
 @pytest.mark.parametrize("transport", [
     pytest.param("shm", marks=pytest.mark.skipif(not SHM, reason=WHY_NOT)), "tcp"])
 async def test_commit_returns_while_readers_of_the_old_version_read(transport: str) -> None:
-    async with mesh(3, **CONFIG) as (pub, roll, other):
+    async with open_mesh(3, **CONFIG) as (pub, roll, other):
         t1, t2, t3 = weights(1), weights(2), weights(3)
         await pub.publish("m", 1, t1)
         await sealed([roll], 1)
@@ -126,7 +126,7 @@ async def test_commit_returns_while_readers_of_the_old_version_read(transport: s
 
 
 async def test_closing_the_peer_ends_a_pending_release_with_peer_closed() -> None:
-    async with mesh(2, **CONFIG) as (pub, _other), AsyncExitStack() as outlive_roll:
+    async with open_mesh(2, **CONFIG) as (pub, _other), AsyncExitStack() as outlive_roll:
         await pub.publish("m", 1, weights(1))
         seed = pub.info.control.removeprefix("tcp://")
         waited: list[Any] = []
@@ -159,7 +159,7 @@ async def test_closing_the_peer_ends_a_pending_release_with_peer_closed() -> Non
 async def test_a_retained_previous_version_is_kept_in_host_memory_then_released() -> None:
     """Pinned at the rollout, which becomes its last holder: the release copies it to
     host memory first (retention), keeps serving that, and frees the live buffers."""
-    async with mesh(3, **CONFIG) as (pub, roll, other):
+    async with open_mesh(3, **CONFIG) as (pub, roll, other):
         t1 = weights(1)
         await pub.publish("m", 1, t1)
         await sealed([roll], 1)
@@ -182,7 +182,7 @@ async def test_a_retained_previous_version_is_kept_in_host_memory_then_released(
 
 
 async def test_staging_into_the_live_buffers_is_refused() -> None:
-    async with mesh(2, **CONFIG) as (pub, roll):
+    async with open_mesh(2, **CONFIG) as (pub, roll):
         await pub.publish("m", 1, weights(1))
         await pub.publish("m", 2, weights(2))
         await sealed([roll], 2)

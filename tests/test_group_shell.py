@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import trio
 from corrupting import corrupt_served
-from test_mesh import mesh
+from helpers import open_mesh
 
 import tensorhub
 from tensorhub import (
@@ -92,7 +92,7 @@ def check_slices(groups: Sequence[Group], t: Full, version: int) -> None:
 
 
 async def test_tp2_group_switches_to_slices_of_a_tp4_publish() -> None:
-    async with mesh(6, stall_timeout=1.0) as peers, tp2(peers[4:]) as groups:
+    async with open_mesh(6, stall_timeout=1.0) as peers, tp2(peers[4:]) as groups:
         t = await publish_tp4(peers[:4], 1)
         await sealed(peers[4:5], 1)  # the leader's view decides; rank 1's may lag
         got = await fetch_all(groups)
@@ -103,7 +103,7 @@ async def test_tp2_group_switches_to_slices_of_a_tp4_publish() -> None:
 
 
 async def test_three_versions_in_a_row_and_double_buffering() -> None:
-    async with mesh(6, stall_timeout=1.0) as peers:
+    async with open_mesh(6, stall_timeout=1.0) as peers:
         spare = {"w": np.zeros((32, 32), np.float32), "b": np.zeros(10, np.float32)}
         async with tp2(peers[4:], spare) as groups:
             layout_id = Sharding(0, 2, split=SPLIT).layout_id
@@ -126,7 +126,7 @@ async def test_three_versions_in_a_row_and_double_buffering() -> None:
 
 async def test_a_rank_that_cannot_stage_aborts_every_rank_with_one_error() -> None:
     # A short ban: the holder that sends bad bytes heals, and is read again after it.
-    async with mesh(6, stall_timeout=1.0, ban_seconds=0.5) as peers, \
+    async with open_mesh(6, stall_timeout=1.0, ban_seconds=0.5) as peers, \
             tp2(peers[4:]) as groups:
         t1 = await publish_tp4(peers[:4], 1)
         await sealed(peers[4:5], 1)
@@ -151,7 +151,7 @@ async def test_a_rank_that_cannot_stage_aborts_every_rank_with_one_error() -> No
 
 
 async def test_a_rank_whose_peer_is_not_in_the_mesh_aborts_the_round() -> None:
-    async with mesh(1) as (a,):
+    async with open_mesh(1) as (a,):
         await a.publish("m", 1, full(1))
         async with open_group(a, "g", ["p0", "ghost"], 0, model="m", config=CONFIG) as g:
             with pytest.raises(GroupSwitchError, match=r"ranks 1 \(ghost\)"):
@@ -163,7 +163,7 @@ async def test_the_first_round_waits_for_a_rank_still_joining_the_mesh() -> None
     """The leader asks to switch before rank 1's peer has joined: the round waits for it
     (join_grace) instead of aborting, and both ranks switch."""
     config = GroupConfig(timeout=8.0, retry=0.2, join_grace=20.0)
-    async with mesh(5, stall_timeout=1.0) as peers:
+    async with open_mesh(5, stall_timeout=1.0) as peers:
         t = await publish_tp4(peers[:4], 1)
         await sealed(peers[4:5], 1)
         leader = peers[4]
@@ -193,7 +193,7 @@ async def test_the_first_round_waits_for_a_rank_still_joining_the_mesh() -> None
 
 
 async def test_staged_flip_keeps_serving_v_until_commit_then_releases_it() -> None:
-    async with mesh(3, planning=False) as (pub, roll, other):
+    async with open_mesh(3, planning=False) as (pub, roll, other):
         t1, t2, t3 = full(1), full(2), full(3)
         await pub.publish("m", 1, t1)
         await sealed([roll], 1)
@@ -233,7 +233,7 @@ async def test_staged_flip_keeps_serving_v_until_commit_then_releases_it() -> No
 
 
 async def test_malformed_envelopes_are_counted_and_ignored() -> None:
-    async with mesh(2) as (a, b), AsyncExitStack() as stack:
+    async with open_mesh(2) as (a, b), AsyncExitStack() as stack:
         groups = [await stack.enter_async_context(open_group(
             p, "g", ["p0", "p1"], k, model="m", config=CONFIG)) for k, p in enumerate((a, b))]
         forged = Ready(0, Round(0, 0), 1)  # p1 speaking as rank 0
@@ -253,7 +253,7 @@ async def test_malformed_envelopes_are_counted_and_ignored() -> None:
 
 
 async def test_open_group_refuses_misuse() -> None:
-    async with mesh(1) as (a,):
+    async with open_mesh(1) as (a,):
         with pytest.raises(LocalProtocolError, match="is not peer"):
             async with open_group(a, "g", ["p0", "p1"], 1, model="m"):
                 pass

@@ -11,17 +11,18 @@ from __future__ import annotations
 import random
 import struct
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import msgpack
 import numpy as np
 import trio
 import zmq
+from helpers import converged, open_mesh, wait_until
 
 import tensorhub
-from tensorhub import PeerConfig
 from tensorhub.model import PeerInfo
 from tensorhub.peer.zmq_trio import ZmqRouter
 from tensorhub.processes import free_ports
@@ -34,41 +35,12 @@ from tensorhub.protocol.retention import KeepQuery
 SEED = random.randrange(1 << 32)
 
 
-@asynccontextmanager
-async def mesh(n: int, **cfg: Any) -> AsyncIterator[list[tensorhub.Peer]]:
-    print(f"random seed {SEED}")
-    async with tensorhub.open_peer(PeerConfig.local("p0", chunk_size=1 << 16, **cfg)) as first:
-        peers = [first]
-        seed = first.info.control.removeprefix("tcp://")
-        async with _more(n - 1, seed, cfg) as rest:
-            peers += rest
-            await converged(peers)
-            yield peers
-
-
-@asynccontextmanager
-async def _more(n: int, seed: str, cfg: dict[str, Any]) -> AsyncIterator[list[tensorhub.Peer]]:
-    if n == 0:
-        yield []
-        return
-    async with tensorhub.open_peer(PeerConfig.local(
-            f"p{n}", join=(seed,), chunk_size=1 << 16, **cfg)) as p, \
-            _more(n - 1, seed, cfg) as rest:
-        yield [p, *rest]
-
-
-async def converged(peers: list[tensorhub.Peer], timeout: float = 15) -> None:
-    names = {p.info.name for p in peers}
-    with trio.fail_after(timeout):
-        while any({i.name for i in p.control.membership.live_members()} != names
-                  or any(s != "alive" for s in p.statistics().members.values())
-                  for p in peers):
-            await trio.sleep(0.02)
+CHUNK = 1 << 16
 
 
 async def still_serves(peers: list[tensorhub.Peer], version: int) -> None:
     """Every peer is healthy: one mesh, a publish is seen and fetched, no internal error."""
-    await converged(peers)
+    await wait_until(lambda: converged(peers), 15, what="the mesh converged")
     w = {"w": np.arange(50_000, dtype=np.float32) + version}
     await peers[0].publish("m", version, w)
     for p in peers[1:]:
@@ -97,39 +69,51 @@ def dealer(peer: tensorhub.Peer, routing_id: str) -> Iterator[zmq.Socket[bytes]]
         ctx.term()
 
 
+def sent(sock: zmq.Socket[bytes], parts: list[bytes]) -> bool:
+    """Whether the socket took ``parts`` now (False: its queue is full)."""
+    try:
+        sock.send_multipart(parts, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 async def send_all(sock: zmq.Socket[bytes], frames: list[list[bytes]]) -> None:
     for i, parts in enumerate(frames):
-        while True:
-            try:
-                sock.send_multipart(parts, zmq.NOBLOCK)
-                break
-            except zmq.Again:
-                await trio.sleep(0.001)
+        await wait_until(partial(sent, sock, parts), 60, every=0.001,
+                         what="the socket taking a frame")
         if i % 64 == 0:
             await trio.sleep(0)
+
+
+def read_in_all(peer: tensorhub.Peer) -> int:
+    """Control frames ``peer`` has read, queued or dropped."""
+    stats = peer.statistics()
+    return stats.control_received + stats.control_dropped
 
 
 async def absorbed(peer: tensorhub.Peer, frames: int) -> None:
     """Wait until ``peer`` has read ``frames`` frames in all (queued or dropped) and
     dispatched every queued one."""
-    with trio.fail_after(60):
-        while (rs := peer._router.statistics()).received + rs.dropped_inbound < frames \
-                or rs.inbound_waiting:
-            await trio.sleep(0.02)
+    await wait_until(lambda: read_in_all(peer) >= frames and not peer.statistics().control_waiting,
+                     60, what=f"{frames} frames read and dispatched")
 
 
 async def receive_until(sock: zmq.Socket[bytes], want: type, timeout: float = 10) -> Any:
     """The next reply of type ``want`` the peer sends back over this connection."""
-    with trio.fail_after(timeout):
-        while True:
+    got: list[Any] = []
+
+    def arrived() -> bool:  # reads what came, up to the first ``want``
+        while not got or not isinstance(got[-1], want):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                await trio.sleep(0.005)
-                continue
-            msg = codec.decode(frames[-1])
-            if isinstance(msg, want):
-                return msg
+                return False
+            got.append(codec.decode(frames[-1]))
+        return True
+
+    await wait_until(arrived, timeout, every=0.005, what=f"a {want.__name__} in reply")
+    return got[-1]
 
 
 def random_frames(rng: random.Random, n: int) -> list[list[bytes]]:
@@ -158,20 +142,22 @@ def random_frames(rng: random.Random, n: int) -> list[list[bytes]]:
 
 
 async def test_raw_garbage_on_both_ports_changes_nothing() -> None:
+    print(f"random seed {SEED}")
     rng = random.Random(SEED)
-    async with mesh(2, control_rate=1e9) as peers:  # every frame gets to the handlers
+    # every frame gets to the handlers
+    async with open_mesh(2, chunk_size=CHUNK, ready=converged, control_rate=1e9) as peers:
         victim = peers[0]
         with dealer(victim, "tcp://127.0.0.1:1") as sock:
-            dropped = victim._router.statistics().dropped_inbound
+            dropped = victim.statistics().control_dropped
             extra_parts = 0
             for _ in range(30):  # in batches one sender may queue: all are dispatched
-                rs = victim._router.statistics()
+                before = read_in_all(victim)
                 garbage = random_frames(rng, 100)
                 extra_parts += sum(len(parts) > 1 for parts in garbage)
                 await send_all(sock, garbage)
-                await absorbed(victim, rs.received + rs.dropped_inbound + len(garbage))
+                await absorbed(victim, before + len(garbage))
             # only the messages of several parts were dropped unread, the rest dispatched
-            assert victim._router.statistics().dropped_inbound - dropped == extra_parts
+            assert victim.statistics().control_dropped - dropped == extra_parts
             await send_all(sock, [[codec.encode(Ping("tcp://127.0.0.1:1", "x", 7, "p0", ()))]])
             await receive_until(sock, Ack)  # the dispatcher got through all of it
         host, port = victim.info.data.rsplit(":", 1)
@@ -192,7 +178,7 @@ async def test_top_incarnation_relayed_by_gossip_kills_nobody() -> None:
     """The issue's attack: an Update at incarnation 2**64 - 1 (and at the highest one
     that decodes, 2**63 - 1), about a member and about an invented one, sent to one
     peer of a 4-peer mesh, which gossips what it accepts."""
-    async with mesh(4) as peers:
+    async with open_mesh(4, chunk_size=CHUNK, ready=converged) as peers:
         me = "tcp://127.0.0.1:2"
         fake = PeerInfo("ghost", "tcp://127.0.0.1:3", "127.0.0.1:4")
         updates = [Update(k, name, inc, "p3", info if k == 0 else None)
@@ -235,7 +221,8 @@ async def _watch(listener: trio.SocketListener, seen: list[str]) -> None:
 
 
 async def test_addresses_inside_messages_are_never_contacted() -> None:
-    async with mesh(2) as peers, trio.open_nursery() as nursery:
+    async with open_mesh(2, chunk_size=CHUNK, ready=converged) as peers, \
+            trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         watched = listeners[0].socket.getsockname()[1]
         seen: list[str] = []
@@ -289,7 +276,7 @@ async def test_a_flood_from_one_sender_does_not_cut_off_the_others() -> None:
     the good peer and the victim to probe each other a few times: those probes succeed
     and the victim keeps serving."""
     cfg = dict(probe_interval=0.5, probe_timeout=0.25, gossip_interval=0.1)
-    async with mesh(2, **cfg) as (victim, good):
+    async with open_mesh(2, chunk_size=CHUNK, ready=converged, **cfg) as (victim, good):
         stats = [p.control.membership.statistics() for p in (good, victim)]
         me = "tcp://127.0.0.1:7"
         flood = [[codec.encode(Ping(me, "x", i, "p0", ()))] if i % 2 else
@@ -304,14 +291,15 @@ async def test_a_flood_from_one_sender_does_not_cut_off_the_others() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(flooder)
             try:
+                await wait_until(lambda: min(
+                    p.control.membership.statistics().probes - s.probes
+                    for p, s in zip((good, victim), stats, strict=True)) >= 8, 120,
+                    what="8 probes each way during the flood")
                 with trio.fail_after(120):
-                    while min(p.control.membership.statistics().probes - s.probes
-                              for p, s in zip((good, victim), stats, strict=True)) < 8:
-                        await trio.sleep(0.05)
                     await still_serves([victim, good], 1)  # served during the flood
             finally:
                 stop.set()
-        assert victim._router.statistics().dropped_inbound > 0  # the flooder's own frames
+        assert victim.statistics().control_dropped > 0  # the flooder's own frames
         assert sent[0] > 10_000 and victim.statistics().control_received > 1000
         for p, s in zip((good, victim), stats, strict=True):
             now = p.control.membership.statistics()
@@ -336,9 +324,8 @@ async def test_a_reply_never_opens_a_connection() -> None:
             await nursery.start(router.run)
             router.send_nowait(reply_to, b"reply", reply=True)
             router.send_nowait(member, b"hello")
-            with trio.fail_after(10):
-                while not seen[1]:  # the member's address was connected to ...
-                    await trio.sleep(0.01)
+            # the member's address was connected to ...
+            await wait_until(lambda: seen[1], what="a connection to the member's address")
             assert seen[0] == []  # ... the reply's never, and the reply was dropped
             assert router.statistics().dropped_outbound >= 1
         finally:

@@ -11,10 +11,10 @@ import msgpack
 import numpy as np
 import pytest
 import trio
+from helpers import open_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from test_mesh import mesh
 
 import tensorhub
 from tensorhub import LocalProtocolError, Manifest, PeerConfig, RemoteProtocolError, VersionKey
@@ -53,7 +53,7 @@ async def test_the_bounds_publish_accepts_a_reader_fetches() -> None:
     w = {f"{i:04d}" + "n" * (MAX_TENSOR_NAME - 4): np.full(2, i, f"S{i + 1}")
          for i in range(MAX_DTYPES - 1)}
     w["deep"] = np.arange(2, dtype=np.float32).reshape((2,) + (1,) * (MAX_NDIM - 1))
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
             await reader.wait_for_version("m", None)

@@ -14,9 +14,9 @@ import msgpack
 import numpy as np
 import pytest
 import trio
+from helpers import open_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mesh import mesh
 
 from tensorhub import LocalProtocolError, Manifest, RemoteProtocolError, VersionKey
 from tensorhub.manifest import manifest as manifest_module
@@ -58,7 +58,7 @@ def same_bytes(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
 @pytest.mark.parametrize("algo", ["xxh3-128", "blake3", "sha256"])
 async def test_ten_thousand_tensors_fetched_into_arrays_served_onward_and_refetched(
         algo: str) -> None:
-    async with mesh(3, planning=False, digest_algo=algo) as (pub, a, b):
+    async with open_mesh(3, planning=False, digest_algo=algo) as (pub, a, b):
         w1 = small_model(1)
         await pub.publish("m", 1, w1)
         with trio.fail_after(10):
@@ -94,7 +94,7 @@ async def test_serving_many_tensors_over_tcp_keeps_no_view_per_tensor() -> None:
     3,000 tensors leaves no byte view per tensor behind (each is an object the garbage
     collector walks in every full collection while the version is held), and the
     reader gets every byte."""
-    async with mesh(2, planning=False, transports=("tcp",)) as (pub, a):
+    async with open_mesh(2, planning=False, transports=("tcp",)) as (pub, a):
         w = {f"t{i}": np.full(1000 + i % 7, i, np.float32) for i in range(3000)}
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -119,7 +119,7 @@ async def test_without_a_descriptor_to_spare_a_holder_sends_the_arrays_from_its_
     arrays of every dtype go out as their bytes."""
     from tensorhub.transport import server as server_module
     monkeypatch.setattr(server_module._ServerConn, "plain", lambda self: None)
-    async with mesh(2, planning=False, transports=("tcp",), chunk_size=1 << 16) as (pub, a):
+    async with open_mesh(2, planning=False, transports=("tcp",), chunk_size=1 << 16) as (pub, a):
         w = small_model(6, 600)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -134,7 +134,7 @@ async def test_without_a_descriptor_to_spare_a_holder_sends_the_arrays_from_its_
 async def test_a_lease_of_pieces_is_the_chunk_and_its_size(chunk_size: int) -> None:
     """What the TCP server sends of each chunk: the pieces' bytes are the chunk's
     bytes, and the size it is given with them is theirs (cut tensors included)."""
-    async with mesh(1, chunk_size=chunk_size) as (pub,):
+    async with open_mesh(1, chunk_size=chunk_size) as (pub,):
         w = small_model(5, 700)
         await pub.publish("m", 1, w)
         key = VersionKey("m", 1)
@@ -175,7 +175,7 @@ def _bad_into(w: dict[str, np.ndarray[Any, Any]], name: str, how: str
                                  "unknown", "renamed"])
 async def test_a_bad_into_array_among_ten_thousand_is_named_before_any_byte_moves(
         how: str) -> None:
-    async with mesh(2) as (pub, r):
+    async with open_mesh(2) as (pub, r):
         w = small_model(1)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):

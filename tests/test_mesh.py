@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
 from corrupting import corrupt_served
+from helpers import complete_holders, open_mesh, wait_until
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerConfig, VersionUnavailable
@@ -27,26 +27,10 @@ def weights(version: int, mib: int = 8) -> dict[str, np.ndarray]:
     }
 
 
-@asynccontextmanager
-async def mesh(n: int, **cfg: object) -> AsyncIterator[list[tensorhub.Peer]]:
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(
-            tensorhub.open_peer(PeerConfig.local("p0", **{"chunk_size": 1 << 20, **cfg})))
-        seed = first.info.control.removeprefix("tcp://")
-        peers = [first]
-        for i in range(1, n):
-            peers.append(await stack.enter_async_context(tensorhub.open_peer(
-                PeerConfig.local(f"p{i}", join=(seed,), **{"chunk_size": 1 << 20, **cfg}))))
-        with trio.fail_after(10):
-            while any(len(p.control.membership.live_members()) < n for p in peers):
-                await trio.sleep(0.02)
-        yield peers
-
-
 async def test_publish_fetch_latest_and_sources() -> None:
     # Planning off: this is about the fetcher's own choice (a holder that is not the
     # publisher first); plans have their own test below.
-    async with mesh(3, planning=False) as (pub, a, b):
+    async with open_mesh(3, planning=False) as (pub, a, b):
         w = weights(1)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -57,10 +41,9 @@ async def test_publish_fetch_latest_and_sources() -> None:
         for k in w:
             np.testing.assert_array_equal(got.tensors[k], w[k])
         assert got.report.bytes_by_source == {"p0": sum(x.nbytes for x in w.values())}
-        with trio.fail_after(10):  # b waits until a is known as a complete holder
-            while len([h for _, h in b.control.holders(pub.control.refs.local.holdings[0].key)
-                       if h.complete]) < 2:
-                await trio.sleep(0.02)
+        key = pub.control.refs.local.holdings[0].key
+        await wait_until(lambda: len(complete_holders(b, key)) >= 2,
+                         what="b knowing a as a complete holder")
         into = {k: np.zeros_like(v) for k, v in w.items()}
         got_b = await b.fetch("m", 1, into=into)
         assert got_b.tensors["embed"] is into["embed"]
@@ -69,14 +52,14 @@ async def test_publish_fetch_latest_and_sources() -> None:
         # b preferred the holder that is not the publisher
         assert set(got_b.report.bytes_by_source) == {"p1"}
         assert b.statistics().bytes_fetched_by_source == {"p1": got_b.report.bytes}
-        with trio.fail_after(5):  # a counts a chunk once its send call returns
-            while a.statistics().bytes_served < got_b.report.bytes:
-                await trio.sleep(0.01)
+        # a counts a chunk once its send call returns
+        await wait_until(lambda: a.statistics().bytes_served >= got_b.report.bytes, 5,
+                         what="a counting what it served")
         assert a.statistics().bytes_served == got_b.report.bytes
 
 
 async def test_wait_for_version_sees_each_newer_version() -> None:
-    async with mesh(2) as (pub, r):
+    async with open_mesh(2) as (pub, r):
         seen: list[int] = []
 
         async def waiter() -> None:
@@ -88,15 +71,13 @@ async def test_wait_for_version_sees_each_newer_version() -> None:
         async with trio.open_nursery() as n:
             n.start_soon(waiter)
             await pub.publish("m", 3, weights(3, 1))
-            with trio.fail_after(10):
-                while not seen:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: seen, what="the waiter seeing version 3")
             await pub.publish("m", 4, weights(4, 1))
         assert seen == [3, 4]
 
 
 async def test_bad_input_gets_clear_errors_before_any_byte_moves() -> None:
-    async with mesh(2) as (pub, r):
+    async with open_mesh(2) as (pub, r):
         with pytest.raises(VersionUnavailable, match="'nope'"):
             await r.fetch("nope", "latest")
         w = weights(1, 1)
@@ -126,16 +107,15 @@ async def test_bad_input_gets_clear_errors_before_any_byte_moves() -> None:
 async def test_malformed_control_messages_are_dropped_and_counted() -> None:
     import zmq
 
-    async with mesh(2) as (pub, r):
+    async with open_mesh(2) as (pub, r):
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(pub.info.control)
         for junk in (b"", b"\xc1", b"\x93\x01\x02", b"\x91\xcd\xff\xff", b"x" * 100):
             s.send(junk)
-        with trio.fail_after(5):
-            while pub.statistics().malformed_dropped < 5:
-                await trio.sleep(0.02)
+        await wait_until(lambda: pub.statistics().malformed_dropped >= 5, 5,
+                         what="5 malformed messages counted")
         s.close()
         ctx.term()
         # the peer keeps serving
@@ -146,16 +126,15 @@ async def test_malformed_control_messages_are_dropped_and_counted() -> None:
 
 
 async def test_unpublish_while_a_reader_is_mid_fetch() -> None:
-    async with mesh(3, fetch_window=2) as (pub, holder, reader):
+    async with open_mesh(3, fetch_window=2) as (pub, holder, reader):
         w = weights(7, 32)
         await pub.publish("m", 7, w)
         with trio.fail_after(10):
             await holder.wait_for_version("m", None)
         await holder.fetch("m", 7)
         key = tensorhub.VersionKey("m", 7)
-        with trio.fail_after(10):
-            while len([h for _, h in reader.control.holders(key) if h.complete]) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(complete_holders(reader, key)) >= 2,
+                         what="the reader seeing both complete holders")
         result: list[tensorhub.Fetched] = []
         drained_at_return: list[int] = []
 
@@ -166,9 +145,8 @@ async def test_unpublish_while_a_reader_is_mid_fetch() -> None:
             n.start_soon(read)
             local = holder.store.get(key)
             assert local is not None
-            with trio.fail_after(10):
-                while local.inflight == 0:  # a read from the holder is under way
-                    await trio.sleep(0)
+            await wait_until(lambda: local.inflight, every=0,
+                             what="a read from the holder under way")
             await holder.unpublish("m", 7)
             drained_at_return.append(local.inflight)
             served_after = holder.statistics().bytes_served
@@ -184,7 +162,7 @@ async def test_unpublish_while_a_reader_is_mid_fetch() -> None:
 
 
 async def test_fetch_with_no_holder_left_names_what_is_missing() -> None:
-    async with mesh(2, stall_timeout=0.5, retain_latest=0) as (pub, r):
+    async with open_mesh(2, stall_timeout=0.5, retain_latest=0) as (pub, r):
         await pub.publish("m", 1, weights(1, 1))
         with trio.fail_after(10):
             await r.wait_for_version("m", None)
@@ -196,7 +174,7 @@ async def test_fetch_with_no_holder_left_names_what_is_missing() -> None:
 
 
 async def test_coordinator_is_agreed_and_requests_route_to_it() -> None:
-    async with mesh(4) as peers:
+    async with open_mesh(4) as peers:
         key_model, version = "m", 11
         names = {p.coordinator(key_model, version) for p in peers}
         assert len(names) == 1  # one view, one coordinator
@@ -220,7 +198,7 @@ async def test_coordinator_is_agreed_and_requests_route_to_it() -> None:
 
 
 async def test_fetchers_follow_the_coordinators_plan() -> None:
-    async with mesh(4) as (pub, *rollouts):
+    async with open_mesh(4) as (pub, *rollouts):
         w = weights(2, 16)
         await pub.publish("m", 2, w)
         with trio.fail_after(10):
@@ -255,7 +233,7 @@ async def test_fetchers_follow_the_coordinators_plan() -> None:
 async def test_a_fetcher_asking_again_learns_the_newer_plan_over_the_wire() -> None:
     """What a running fetch's re-ask (fetching.follow_plan) gets: the coordinator's
     current plan for it, stamped with the plan's epoch, newer after another joined."""
-    async with mesh(3) as (pub, r1, r2):
+    async with open_mesh(3) as (pub, r1, r2):
         await pub.publish("m", 1, weights(1, 1))
         with trio.fail_after(10):
             for r in (r1, r2):
@@ -271,7 +249,7 @@ async def test_a_fetcher_asking_again_learns_the_newer_plan_over_the_wire() -> N
 
 
 async def test_planning_off_lets_fetchers_choose() -> None:
-    async with mesh(2, planning=False) as (pub, r):
+    async with open_mesh(2, planning=False) as (pub, r):
         await pub.publish("m", 1, weights(1, 1))
         with trio.fail_after(10):
             await r.wait_for_version("m", None)
@@ -285,7 +263,7 @@ async def test_same_host_peers_use_shared_memory_and_say_so() -> None:
     ok, why = shm_available()
     if not ok:
         pytest.skip(f"same-host transport unavailable here: {why}")
-    async with mesh(2, labels=(("host", "box1"),)) as (pub, r):
+    async with open_mesh(2, labels=(("host", "box1"),)) as (pub, r):
         w = weights(3, 4)
         await pub.publish("m", 3, w)
         with trio.fail_after(10):
@@ -306,7 +284,7 @@ async def test_a_same_host_holder_that_serves_bad_bytes_fails_the_fast_digest() 
     ok, why = shm_available()
     if not ok:
         pytest.skip(f"same-host transport unavailable here: {why}")
-    async with mesh(2, labels=(("host", "box1"),), planning=False) as (pub, r):
+    async with open_mesh(2, labels=(("host", "box1"),), planning=False) as (pub, r):
         w = weights(3, mib=1)
         await pub.publish("m", 3, w)
         with trio.fail_after(10):
@@ -340,7 +318,7 @@ async def test_same_host_reads_of_shared_arrays_take_several_chunks_at_a_time() 
     ok, why = shm_available()
     if not ok:
         pytest.skip(f"same-host transport unavailable here: {why}")
-    async with mesh(2, labels=(("host", "box1"),)) as (pub, r):
+    async with open_mesh(2, labels=(("host", "box1"),)) as (pub, r):
         w = weights(4, 32)
         await publish_shared(pub, r, w)
         got = await r.fetch("m", 4)
@@ -363,7 +341,7 @@ async def test_a_shared_array_written_after_publish_fails_the_check_its_copy_ran
     ok, why = shm_available()
     if not ok:
         pytest.skip(f"same-host transport unavailable here: {why}")
-    async with mesh(2, labels=(("host", "box1"),), planning=False) as (pub, r):
+    async with open_mesh(2, labels=(("host", "box1"),), planning=False) as (pub, r):
         shared = await publish_shared(pub, r, weights(4, 32))
         name = sorted(shared)[1]
         flat = shared[name].reshape(-1).view(np.uint8)
@@ -389,7 +367,7 @@ async def test_different_hosts_use_tcp() -> None:
 
 async def test_last_holder_of_the_latest_version_offloads_it_before_unpublishing(
         caplog: pytest.LogCaptureFixture) -> None:
-    async with mesh(2) as (pub, r):
+    async with open_mesh(2) as (pub, r):
         w = weights(5, 2)
         expected = {k: v.copy() for k, v in w.items()}
         await pub.publish("m", 5, w)
@@ -410,15 +388,14 @@ async def test_last_holder_of_the_latest_version_offloads_it_before_unpublishing
         assert pub.statistics().holdings == {"m@5": "complete"}
         # a newer version makes 5 unretained: the host copy goes away everywhere
         await pub.publish("m", 6, weights(6, 1))
-        with trio.fail_after(10):
-            while "m@5" in pub.statistics().holdings:
-                await trio.sleep(0.01)
+        await wait_until(lambda: "m@5" not in pub.statistics().holdings,
+                         what="the host copy of m@5 gone")
         with trio.fail_after(10):
             assert await r.wait_for_version("m", 5) == 6
 
 
 async def test_retention_without_offload_refuses_and_keeps_serving() -> None:
-    async with mesh(2, retention_offload=False) as (pub, r):
+    async with open_mesh(2, retention_offload=False) as (pub, r):
         w = weights(1, 1)
         await pub.publish("m", 1, w)
         with pytest.raises(tensorhub.RetentionError, match="last complete copy"):
@@ -427,25 +404,21 @@ async def test_retention_without_offload_refuses_and_keeps_serving() -> None:
             await r.wait_for_version("m", None)
         got = await r.fetch("m", 1)  # nothing was lost
         np.testing.assert_array_equal(got.tensors["embed"], w["embed"])
-        with trio.fail_after(10):
-            while [p.name for p, h in pub.control.holders(tensorhub.VersionKey("m", 1))
-                   if h.complete and p.name != "p0"] != ["p1"]:
-                await trio.sleep(0.01)
+        await wait_until(lambda: complete_holders(pub, tensorhub.VersionKey("m", 1)) - {"p0"}
+                         == {"p1"}, what="the publisher seeing p1 hold m@1")
         await pub.unpublish("m", 1)  # now r holds it too: no retention needed
         assert pub.statistics().holdings == {}
 
 
 async def _both_hold(a: tensorhub.Peer, b: tensorhub.Peer, key: tensorhub.VersionKey) -> None:
-    with trio.fail_after(10):
-        while not all({p.name for p, h in x.control.holders(key) if h.complete} >= {"p0", "p1"}
-                      for x in (a, b)):
-            await trio.sleep(0.01)
+    await wait_until(lambda: all(complete_holders(x, key) >= {"p0", "p1"} for x in (a, b)),
+                     what=f"p0 and p1 each seeing both hold {key}")
 
 
 async def test_two_last_holders_unpublishing_at_once_keep_a_copy() -> None:
     """Each still sees the other in its reference table; asked directly, each says it is
     leaving, so both offload rather than both drop."""
-    async with mesh(3) as (pub, r, late):
+    async with open_mesh(3) as (pub, r, late):
         w = weights(1, 1)
         expected = {k: v.copy() for k, v in w.items()}
         await pub.publish("m", 1, w)
@@ -466,7 +439,7 @@ async def test_two_last_holders_unpublishing_at_once_keep_a_copy() -> None:
 
 
 async def test_a_holder_that_confirmed_keeping_offloads_when_it_leaves_later() -> None:
-    async with mesh(2) as (pub, r):
+    async with open_mesh(2) as (pub, r):
         await pub.publish("m", 1, weights(1, 1))
         with trio.fail_after(10):
             await r.wait_for_version("m", None)
@@ -480,7 +453,7 @@ async def test_a_holder_that_confirmed_keeping_offloads_when_it_leaves_later() -
 
 
 async def test_pinned_version_stays_readable_and_latest_never_goes_back() -> None:
-    async with mesh(2, retain_latest=0) as (pub, r):
+    async with open_mesh(2, retain_latest=0) as (pub, r):
         await pub.publish("m", 1, weights(1, 1))
         pub.pin("m", 1)
         await pub.unpublish("m", 1)
@@ -488,9 +461,8 @@ async def test_pinned_version_stays_readable_and_latest_never_goes_back() -> Non
         with trio.fail_after(10):
             assert await r.wait_for_version("m", None) == 1
         pub.unpin("m", 1)
-        with trio.fail_after(10):
-            while r.control.readable("m"):  # the host copy is gone everywhere
-                await trio.sleep(0.01)
+        await wait_until(lambda: not r.control.readable("m"),
+                         what="the host copy gone everywhere")
         assert await r.latest("m") == 1  # monotonic, though nobody holds it now
         with pytest.raises(VersionUnavailable):
             await r.fetch("m", "latest")
@@ -500,7 +472,7 @@ async def test_a_fetch_that_fails_part_way_raises_one_plain_error() -> None:
     """Every chunk from the only holder is corrupt: the fetch ends with a plain
     VersionUnavailable naming what is missing (not an exception group), whole or
     resharded."""
-    async with mesh(2, planning=False, stall_timeout=0.5) as (pub, reader):
+    async with open_mesh(2, planning=False, stall_timeout=0.5) as (pub, reader):
         w = weights(3, mib=1)
         await pub.publish("m", 3, w)
         with trio.fail_after(10):

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from helpers import open_mesh
 from safetensors.numpy import save_file
-from test_mesh import mesh as mesh_of
 
 import tensorhub
 from tensorhub.ops import commands as cli_ops
@@ -89,7 +89,7 @@ def test_metrics_scraped_over_http_move_after_a_fetch(
 async def test_a_scrape_shows_the_plan_and_switch_stages_of_a_rollout() -> None:
     """A rollout's fetches time the plan; its commits time the swap, counted after the
     fetch's report was taken; a scrape over HTTP shows both stages."""
-    async with mesh_of(2) as (pub, roll), serve_metrics(roll, 0) as port:
+    async with open_mesh(2) as (pub, roll), serve_metrics(roll, 0) as port:
         rollout = tensorhub.Rollout(roll, "m")
         done = []
         for version in (1, 2):
@@ -124,7 +124,7 @@ async def test_a_scrape_times_cast_only_for_fetches_that_cast_and_counts_bad_chu
     # Full chunks only: the corrupting hook spoils served chunks, not deltas, and a
     # delta against the version before would otherwise be chosen where the measured
     # link is slower than encoding (a loaded host).
-    async with mesh_of(2, planning=False, stall_timeout=0.5, delta="off") as (pub, reader), \
+    async with open_mesh(2, planning=False, stall_timeout=0.5, delta="off") as (pub, reader), \
             serve_metrics(reader, 0) as port:
         for version in (1, 2, 3):
             await pub.publish("m", version, {"w": np.full(1000, version, np.float32)})

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import trio
-from test_mesh import mesh
+from helpers import open_mesh
 
 from tensorhub import PeerConfig
 from tensorhub.model import PeerInfo, VersionKey
@@ -77,7 +77,7 @@ def test_an_entry_of_many_holdings_is_pushed_to_fewer_members() -> None:
 async def test_in_a_mesh_every_reader_sees_a_publish_before_a_gossip_round() -> None:
     """Six peers with gossip every 60 s: only the publish's own push can tell the
     readers, and every one of them hears of the version."""
-    async with mesh(6, gossip_interval=60.0) as peers:
+    async with open_mesh(6, gossip_interval=60.0) as peers:
         pub, readers = peers[0], peers[1:]
         await pub.publish("m", 1, {"w": np.arange(8, dtype="f4")})
         with trio.fail_after(20):

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import open_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mesh import mesh
 
 from tensorhub.manifest.digests import digest_of
 from tensorhub.manifest.manifest import build_manifest
@@ -72,7 +72,7 @@ def test_shared_specs_are_always_those_of_the_rows_given(
 
 
 async def test_publishing_version_after_version_keeps_one_spec_per_tensor() -> None:
-    async with mesh(1) as (pub,):
+    async with open_mesh(1) as (pub,):
         def specs_alive() -> int:
             gc.collect()
             return sum(type(o) is TensorSpec for o in gc.get_objects())

@@ -12,8 +12,8 @@ import pytest
 import torch
 import trio
 from corrupting import corrupt_served
+from helpers import open_mesh
 from slow_serving import slow_served
-from test_mesh import mesh
 
 import tensorhub
 from tensorhub import IntegrityError, LocalProtocolError, StagingRing, ThroughRing
@@ -209,7 +209,7 @@ def test_landing_budget_follows_free_slots_and_spills_only_when_none_is_free() -
 # -- fetches through the ring, real peers over TCP --------------------------------------
 
 async def test_a_torch_state_dict_lands_through_the_ring_over_tcp() -> None:
-    async with mesh(2, transports=("tcp",)) as (pub, reader):
+    async with open_mesh(2, transports=("tcp",)) as (pub, reader):
         src = state(1, mib=3)
         await published(pub, reader, "m", 1, src)
         dst = {k: torch.zeros_like(v) for k, v in src.items()}
@@ -226,7 +226,7 @@ async def test_a_torch_state_dict_lands_through_the_ring_over_tcp() -> None:
 
 
 async def test_bad_bytes_in_a_slot_are_refused_and_fetched_from_another_holder() -> None:
-    async with mesh(3, planning=False, transports=("tcp",)) as (pub, liar, reader):
+    async with open_mesh(3, planning=False, transports=("tcp",)) as (pub, liar, reader):
         src = state(2, mib=2)
         await published(pub, liar, "m", 1, src)
         await liar.fetch("m", 1)
@@ -244,7 +244,7 @@ async def test_bad_bytes_in_a_slot_are_refused_and_fetched_from_another_holder()
 
 
 async def test_bad_bytes_from_the_only_holder_end_in_a_clear_error() -> None:
-    async with mesh(2, transports=("tcp",), stall_timeout=1.0) as (pub, reader):
+    async with open_mesh(2, transports=("tcp",), stall_timeout=1.0) as (pub, reader):
         src = state(3)
         await published(pub, reader, "m", 1, src)
         corrupt_served(pub, 1 << 30)
@@ -256,7 +256,7 @@ async def test_bad_bytes_from_the_only_holder_end_in_a_clear_error() -> None:
 
 
 async def test_a_cancelled_fetch_gives_every_slot_back() -> None:
-    async with mesh(2, transports=("tcp",)) as (pub, reader):
+    async with open_mesh(2, transports=("tcp",)) as (pub, reader):
         src = state(4, mib=4)
         await published(pub, reader, "m", 1, src)
         slow = slow_served(pub, 0.05)
@@ -276,7 +276,7 @@ async def test_a_cancelled_fetch_gives_every_slot_back() -> None:
 
 
 async def test_a_mismatched_staged_into_is_refused_before_any_byte_moves() -> None:
-    async with mesh(2, transports=("tcp",)) as (pub, reader):
+    async with open_mesh(2, transports=("tcp",)) as (pub, reader):
         src = state(5)
         await published(pub, reader, "m", 1, src)
         ring = StagingRing(slots=4, slot_bytes=1 << 20)
@@ -299,7 +299,7 @@ def host_rings(peer: tensorhub.Peer) -> None:
 
 
 async def test_device_tensors_publish_and_fetch_through_rings_and_are_served_on() -> None:
-    async with mesh(3, planning=False, transports=("tcp",)) as (pub, mid, end):
+    async with open_mesh(3, planning=False, transports=("tcp",)) as (pub, mid, end):
         for p in (pub, mid, end):
             host_rings(p)
         src = {"w": np.random.default_rng(6).standard_normal((700, 1000), np.float32),

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from test_mesh import mesh
+from helpers import open_mesh
 
 from tensorhub import PeerConfig
 from tensorhub.errors import ConfigError
@@ -25,7 +25,7 @@ def python_default() -> Iterator[None]:
 
 
 async def test_peers_shorten_the_default_interval_while_they_run() -> None:
-    async with mesh(2) as peers:
+    async with open_mesh(2) as peers:
         assert sys.getswitchinterval() == pytest.approx(0.0005)
         for p in peers:
             note = p.statistics().switch_interval

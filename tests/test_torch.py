@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import trio
-from test_mesh import mesh
+from helpers import open_mesh
 
 import tensorhub
 from tensorhub import LocalProtocolError
@@ -49,7 +49,7 @@ async def wait_version(peer: tensorhub.Peer, model: str, version: int) -> None:
 
 
 async def test_a_state_dict_of_every_dtype_is_served_in_place_and_lands_bit_exact() -> None:
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         state = mixed_state(1)
         manifest = await pub.publish("m", 1, state)
         assert {t.name: t.dtype for t in manifest.tensors} == {
@@ -73,7 +73,7 @@ async def test_a_state_dict_of_every_dtype_is_served_in_place_and_lands_bit_exac
 
 
 async def test_fetch_into_a_module_or_a_state_dict_fills_it_in_place() -> None:
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         src = Tiny()
         with torch.no_grad():
             for p in src.parameters():
@@ -98,7 +98,7 @@ async def test_fetch_into_a_module_or_a_state_dict_fills_it_in_place() -> None:
 
 
 async def test_a_mismatched_into_is_refused_before_any_byte_moves() -> None:
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         await pub.publish("m", 1, Tiny().state_dict())
         await wait_version(reader, "m", 1)
         wrong_dtype = Tiny(dtype=torch.float16)  # bits that fit, under another meaning
@@ -177,7 +177,7 @@ def test_the_torch_bench_lands_equal_bytes_and_reports_its_figure(
 
 async def test_a_bf16_tensor_reshards_into_a_ranks_slice() -> None:
     from tensorhub import Sharding
-    async with mesh(2) as (pub, reader):
+    async with open_mesh(2) as (pub, reader):
         w = torch.randn(64, 48).to(torch.bfloat16)
         await pub.publish("m", 1, {"w": w, "b": torch.ones(3, dtype=torch.float8_e4m3fn)})
         await wait_version(reader, "m", 1)

@@ -679,7 +679,7 @@ class Peer:
             switch_interval=describe(self.config.switch_interval),
             chunking=chunking_text(self.config, self.chunking),
             fetches_joined=reads.fetches_joined, fetches_in_flight=reads.in_flight,
-            control_waiting=rs.inbound_waiting)
+            control_waiting=rs.inbound_waiting, control_dropped=rs.dropped_inbound)
 
 
 @asynccontextmanager

@@ -97,6 +97,9 @@ class PeerStats:
     """Versions moving into this peer now (one transfer each, however many callers)."""
     control_waiting: int = 0
     """Control frames received and not handled yet (the fair inbound queue)."""
+    control_dropped: int = 0
+    """Of ``gossip_dropped``, the control frames read and dropped unhandled: of several
+    parts, or beyond their sender's share or rate (:mod:`tensorhub.peer.inbox`)."""
     chunking: str = ""
     """How this peer cuts what it publishes into chunks (automatic, or
     ``PeerConfig.chunk_size``), and what its last publish chose and why.  Each fetch
