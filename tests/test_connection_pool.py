@@ -10,8 +10,9 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 import trio
+from helpers import Keys, open_mesh, wait_until
 from test_data_auth import IDS, SHM, WHY_NOT, holder, keyring, read_chunk
-from test_trust_mesh import Keys, secure_mesh, wait_until, weights
+from test_trust_mesh import weights
 
 from tensorhub.errors import TransportError
 from tensorhub.model import PeerInfo
@@ -40,10 +41,10 @@ def opener(auth: DataAuth) -> Callable[[PeerInfo], Awaitable[Connection]]:
 
 async def test_a_keyed_reader_proves_itself_once_for_many_fetches() -> None:
     keys = Keys(["p0", "p1"], {"m": ["p0"]})
-    async with secure_mesh(keys, ["p0", "p1"], fetch_window=1) as (p0, p1):
+    async with open_mesh(2, keys=keys, fetch_window=1) as (p0, p1):
         for version in (1, 2, 3):
             await p0.publish("m", version, weights(version))
-            await wait_until(lambda v=version: p1.control.latest("m") == v)
+            await wait_until(lambda v=version: p1.control.latest("m") == v, 20)
             got = await p1.fetch("m", version, sources=["p0"])
             assert got.report.verified
             np.testing.assert_array_equal(got.tensors["w"], weights(version)["w"])
@@ -54,11 +55,11 @@ async def test_a_keyed_reader_proves_itself_once_for_many_fetches() -> None:
 
 async def test_a_keyring_change_or_a_new_identity_means_new_connections() -> None:
     keys = Keys(["p0", "p1"], {"m": ["p0"]})
-    async with secure_mesh(keys, ["p0", "p1"], fetch_window=1) as (p0, p1):
+    async with open_mesh(2, keys=keys, fetch_window=1) as (p0, p1):
         await p0.publish("m", 1, weights(1))
         await p0.publish("m", 2, weights(2))
         await p0.publish("m", 3, weights(3))
-        await wait_until(lambda: p1.control.latest("m") == 3)
+        await wait_until(lambda: p1.control.latest("m") == 3, 20)
         await p1.fetch("m", 1, sources=["p0"])
         assert _accepted(p0) == 1
         ring = {n: [i.public] for n, i in keys.ids.items()}
@@ -79,13 +80,13 @@ async def test_a_connection_the_holder_closed_is_not_reused() -> None:
     """The holder ends idle connections after its ``data_idle_timeout``: the next fetch
     opens a new one and does not count the holder as failed."""
     keys = Keys(["p0", "p1"], {"m": ["p0"]})
-    async with secure_mesh(keys, ["p0", "p1"], fetch_window=1,
-                           data_idle_timeout=0.2) as (p0, p1):
+    async with open_mesh(2, keys=keys, fetch_window=1,
+                         data_idle_timeout=0.2) as (p0, p1):
         await p0.publish("m", 1, weights(1))
         await p0.publish("m", 2, weights(2))
-        await wait_until(lambda: p1.control.latest("m") == 2)
+        await wait_until(lambda: p1.control.latest("m") == 2, 20)
         await p1.fetch("m", 1, sources=["p0"])
-        await wait_until(lambda: p0.statistics().data_server.connections_open == 0)
+        await wait_until(lambda: p0.statistics().data_server.connections_open == 0, 20)
         got = await p1.fetch("m", 2, sources=["p0"])
         assert got.report.verified and got.report.dropped_sources == {}
         assert _accepted(p0) == 2
@@ -156,9 +157,9 @@ async def test_a_fetch_with_many_workers_keeps_at_most_per_holder() -> None:
         for c in conns:
             await pool.release(c)
         assert sum(c.reusable() for c in conns) == 2  # type: ignore[attr-defined]
-        await wait_until(lambda: server.statistics().connections_open == 2)
+        await wait_until(lambda: server.statistics().connections_open == 2, 20)
         pool.close()
-        await wait_until(lambda: server.statistics().connections_open == 0)
+        await wait_until(lambda: server.statistics().connections_open == 0, 20)
 
 
 async def test_a_same_host_connection_is_never_kept() -> None:
@@ -177,7 +178,7 @@ async def test_a_same_host_connection_is_never_kept() -> None:
         first = await pool.connect(info)
         await read_chunk(first, pub)  # type: ignore[arg-type]
         await pool.release(first)
-        await wait_until(lambda: server.statistics().connections_open == 0)
+        await wait_until(lambda: server.statistics().connections_open == 0, 20)
         second = await pool.connect(info)
         assert second is not first and (pool.opened, pool.reused) == (2, 0)
         await pool.release(second)

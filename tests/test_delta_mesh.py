@@ -4,13 +4,10 @@ chunks come in full from another; a plan's remote seed pulls the deltas across."
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-
 import numpy as np
 import pytest
 import trio
-from helpers import open_mesh
+from helpers import complete_holders, open_mesh, wait_until
 
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
@@ -43,10 +40,9 @@ def weights(mib: int = 4) -> dict[str, np.ndarray]:
             "frozen": rng.standard_normal(1 << 18).astype(np.float32)}
 
 
-async def wait_complete(peer, key: VersionKey, n: int) -> None:  # type: ignore[no-untyped-def]
-    with trio.fail_after(10):
-        while len([h for _, h in peer.control.holders(key) if h.complete]) < n:
-            await trio.sleep(0.01)
+async def wait_complete(peer: tensorhub.Peer, key: VersionKey, n: int) -> None:
+    await wait_until(lambda: len(complete_holders(peer, key)) >= n,
+                     what=f"{peer.info.name} seeing {n} complete holders of {key}")
 
 
 def same_bytes(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
@@ -112,24 +108,10 @@ async def test_wrong_deltas_ban_their_holder_and_the_chunks_come_in_full() -> No
         assert served.data_server is not None and served.data_server.bad_frames == 0
 
 
-@asynccontextmanager
-async def labelled_mesh(dcs: str, **cfg: object) -> AsyncIterator[list[tensorhub.Peer]]:
-    """Peers ``p0``, ``p1``, ... in the DCs ``dcs`` names, one letter each."""
-    async with AsyncExitStack() as stack:
-        peers: list[tensorhub.Peer] = []
-        for i, dc in enumerate(dcs):
-            join = (peers[0].info.control.removeprefix("tcp://"),) if peers else ()
-            peers.append(await stack.enter_async_context(tensorhub.open_peer(
-                PeerConfig.local(f"p{i}", join=join, labels=(("dc", dc),),
-                                 chunk_size=1 << 20, **cfg))))
-        with trio.fail_after(10):
-            while any(len(p.control.membership.live_members()) < len(dcs) for p in peers):
-                await trio.sleep(0.02)
-        yield peers
-
-
 async def test_a_planned_remote_seed_pulls_one_delta_across_and_its_dc_fans_it_out() -> None:
-    async with labelled_mesh("abb", delta="always") as (pub, s1, s2):
+    # peers p0, p1, p2 in DCs a, b, b
+    async with open_mesh(3, peer_labels=[{"dc": dc} for dc in "abb"],
+                         delta="always") as (pub, s1, s2):
         w1 = weights()
         await pub.publish("m", 1, w1)
         for p in (s1, s2):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 import trio
 import zmq
 import zmq.utils.z85
+from helpers import Keys, open_mesh, wait_until
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerConfig
@@ -25,51 +24,14 @@ from tensorhub.protocol.control import RefsDelta
 from tensorhub.protocol.membership import ALIVE, Gossip, PushPull, Update
 from tensorhub.protocol.messages import register_all
 from tensorhub.protocol.refs import OriginEntry, Stamp
-from tensorhub.security import ClusterKey, Identity, Keyring, Security
+from tensorhub.security import Identity, Keyring, Security
 
 register_all()
-
-
-class Keys:
-    """An in-memory ``tensorhub keygen``: one cluster key, one identity per name."""
-
-    def __init__(self, names: list[str], publishers: dict[str, list[str]]) -> None:
-        self.cluster = ClusterKey.generate()
-        self.ids = {n: Identity.generate() for n in names}
-        self.publishers = publishers
-
-    def security(self, name: str, **options: int) -> Security:
-        # every peer its own Keyring object, as every process reads its own file
-        ring = Keyring({n: [i.public] for n, i in self.ids.items()}, self.publishers)
-        return Security(self.ids[name], self.cluster, ring, **options)
-
-
-@asynccontextmanager
-async def secure_mesh(keys: Keys, names: list[str], **cfg: object
-                      ) -> AsyncIterator[list[tensorhub.Peer]]:
-    async with AsyncExitStack() as stack:
-        peers: list[tensorhub.Peer] = []
-        seed: tuple[str, ...] = ()
-        for name in names:
-            options: dict[str, object] = {"chunk_size": 1 << 20, **cfg}
-            peers.append(await stack.enter_async_context(tensorhub.open_peer(PeerConfig.local(
-                name, join=seed, security=keys.security(name), **options))))
-            seed = (peers[0].info.control.removeprefix("tcp://"),)
-        with trio.fail_after(15):
-            while any(len(p.control.membership.live_members()) < len(names) for p in peers):
-                await trio.sleep(0.02)
-        yield peers
 
 
 def weights(version: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(version)
     return {"w": rng.standard_normal((512, 512)).astype(np.float32)}
-
-
-async def wait_until(cond: object, timeout: float = 20, every: float = 0.02) -> None:
-    with trio.fail_after(timeout):
-        while not cond():  # type: ignore[operator]
-            await trio.sleep(every)
 
 
 def test_insecure_needs_loopback_or_an_explicit_opt_out() -> None:
@@ -94,7 +56,7 @@ async def test_insecure_mode_is_said_in_statistics_and_the_log(
 
 async def test_members_gossip_publish_and_fetch_with_keys() -> None:
     keys = Keys(["p0", "p1", "p2"], {"m": ["p0"]})
-    async with secure_mesh(keys, ["p0", "p1", "p2"]) as (pub, a, b):
+    async with open_mesh(3, keys=keys) as (pub, a, b):
         w = weights(1)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -105,7 +67,7 @@ async def test_members_gossip_publish_and_fetch_with_keys() -> None:
         key = VersionKey("m", 1)
         # the copy carries the publisher's signature, so b counts a as a holder too
         await wait_until(lambda: {p.name for p, h in b.control.holders(key) if h.complete}
-                         == {"p0", "p1"})
+                         == {"p0", "p1"}, 20)
         st = b.statistics()
         assert st.security.startswith("keys:") and st.refused.get("membership claim", 0) == 0
         with pytest.raises(LocalProtocolError, match="not a publisher"):
@@ -136,7 +98,7 @@ def _ask_members(ctx: zmq.Context[zmq.Socket[bytes]], control: str,
 
 async def test_non_members_get_nothing_through_and_are_counted() -> None:
     keys = Keys(["p0", "p1"], {"m": ["p0"]})
-    async with secure_mesh(keys, ["p0", "p1"]) as (p0, _p1):
+    async with open_mesh(2, keys=keys) as (p0, _p1):
         server_public = keys.cluster.z85()[0]
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
@@ -156,15 +118,15 @@ async def test_non_members_get_nothing_through_and_are_counted() -> None:
             ctx.destroy(0)
         await wait_until(lambda: p0.statistics().refused.get("not a member", 0) >= 1
                          and p0.statistics().refused.get("handshake", 0) >= 2
-                         and p0.statistics().refused.get("sender name", 0) >= 1)
+                         and p0.statistics().refused.get("sender name", 0) >= 1, 20)
         assert "intruder" not in p0.members()
 
 
 async def test_a_member_cannot_forge_another_origins_words() -> None:
     keys = Keys(["p0", "p1", "p2"], {"m": ["p0"]})
-    async with secure_mesh(keys, ["p0", "p1", "p2"]) as (p0, p1, p2):
+    async with open_mesh(3, keys=keys) as (p0, p1, p2):
         await p0.publish("m", 1, weights(1))
-        await wait_until(lambda: p2.control.latest("m") == 1)
+        await wait_until(lambda: p2.control.latest("m") == 1, 20)
         # p1 (a member, signing with its own key) speaks for p0: leaves for it, writes
         # its reference entry, and announces m@999 as if p0 had published it
         me = p1.control
@@ -181,16 +143,16 @@ async def test_a_member_cannot_forge_another_origins_words() -> None:
         own = replace(own, sig=me.trust.sign(own.signed_bytes()))
         for msg in (PushPull(p1.info.control, "p1", b"", (forged_left,), False),
                     RefsDelta(p1.info.control, "p1", (forged_entry, own))):
-            p1._router.send_nowait(p2.info.control, codec.encode(msg))
+            assert p1.send_to("p2", msg)
         await wait_until(lambda: p2.statistics().refused.get("reference entry", 0) >= 1
-                         and p2.statistics().refused.get("membership claim", 0) >= 1)
+                         and p2.statistics().refused.get("membership claim", 0) >= 1, 20)
         assert p2.members()["p0"][1] == ALIVE
         assert p2.control.refs.local.stamp.origin == "p2"
         held_by_p0 = [h for e in p2.control.refs.origins() if e.origin == "p0"
                       for h in e.holdings]
         assert [h.version for h in held_by_p0] == [1]
         await wait_until(lambda: any(h.version == 999 for e in p2.control.refs.origins()
-                                     if e.origin == "p1" for h in e.holdings))
+                                     if e.origin == "p1" for h in e.holdings), 20)
         assert p2.control.latest("m") == 1  # m@999 from p1 is not a version
         assert not p2.control.holders(VersionKey("m", 999))
         assert not p2.unsealed("m")
@@ -199,40 +161,36 @@ async def test_a_member_cannot_forge_another_origins_words() -> None:
 async def test_a_peer_that_refutes_its_death_is_a_holder_again() -> None:
     # No keys, no attacker: p0 is declared dead for a moment (a pause, a GC stall) by
     # p1 and p2, which forget its references; it refutes, and must be listed again.
-    async with AsyncExitStack() as stack:
-        peers: list[tensorhub.Peer] = []
-        for i in range(3):
-            join = (peers[0].info.control.removeprefix("tcp://"),) if peers else ()
-            peers.append(await stack.enter_async_context(tensorhub.open_peer(
-                PeerConfig.local(f"p{i}", join=join, chunk_size=1 << 20))))
+    async with open_mesh(3) as peers:
         p0, p1, p2 = peers
         await wait_until(lambda: all(len(p.control.membership.live_members()) == 3
-                                     for p in peers))
+                                     for p in peers), 20)
         await p0.publish("m", 1, weights(1))
         key = VersionKey("m", 1)
         await wait_until(lambda: all([q.name for q, _ in p.control.holders(key)] == ["p0"]
-                                     for p in (p1, p2)))
+                                     for p in (p1, p2)), 20)
         inc = p0.control.membership.incarnation
         for p in (p1, p2):
             death = Update(2, "p0", inc, p.info.name, None)
+            # as if p had heard of the death: its protocol takes it in at once, and the
+            # shell sends what it answers (no public call hands a peer its own input)
             p._send(p.control.receive(trio.current_time(), Gossip(
                 p.info.control, p.info.name, (death,))))
             assert p.members()["p0"][1] == "dead" and not p.control.holders(key)
-        await wait_until(lambda: p0.control.membership.incarnation > inc)  # refuted
+        await wait_until(lambda: p0.control.membership.incarnation > inc, 20)  # refuted
         await wait_until(lambda: all([q.name for q, _ in p.control.holders(key)] == ["p0"]
-                                     for p in (p1, p2)))
+                                     for p in (p1, p2)), 20)
         assert p1.control.latest("m") == 1
 
 
 async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
     keys = Keys(["p0", "p1", "p2"], {"m": ["p0"]})
-    async with secure_mesh(keys, ["p0", "p1", "p2"], fetch_window=1,
-                           chunk_size=128 << 10) as peers:
+    async with open_mesh(3, keys=keys, fetch_window=1, chunk_size=128 << 10) as peers:
         p0, p1, p2 = peers
         rng = np.random.default_rng(3)
         w = {"w": rng.integers(0, 255, 64 << 20, dtype=np.uint8)}
         await p0.publish("m", 1, w)
-        await wait_until(lambda: p1.control.latest("m") == 1)
+        await wait_until(lambda: p1.control.latest("m") == 1, 20)
         key = VersionKey("m", 1)
         got: dict[str, np.ndarray] = {}
 
@@ -245,7 +203,7 @@ async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fetch)
-            await wait_until(partial, every=0.001)
+            await wait_until(partial, 20, every=0.001)
             old, new = keys.ids["p0"], Identity.generate()
             ring = {n: [i.public] for n, i in keys.ids.items()}
             for p in peers:  # 1. add the new key everywhere
@@ -256,17 +214,17 @@ async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
             await wait_until(lambda: all(
                 p.members()["p0"][1] == ALIVE and p.control.membership.members()["p0"]
                 .incarnation > inc and any(e.stamp == stamp for e in p.control.refs.origins())
-                for p in (p1, p2)))
+                for p in (p1, p2)), 20)
             for p in peers:  # 3. remove the old key
                 p.update_keyring({**ring, "p0": [new.public]})
             in_flight_at_removal = partial()
         np.testing.assert_array_equal(got["w"], w["w"])  # the fetch completed, verified
         assert in_flight_at_removal  # (by a wide margin: ~30 of 512 chunks here)
         # p1's copy adopted p0's new signature, so it still counts towards the seal
-        await wait_until(lambda: {c.origin for c in p2.control.claims("m")} == {"p0", "p1"})
+        await wait_until(lambda: {c.origin for c in p2.control.claims("m")} == {"p0", "p1"}, 20)
         # gossip goes on under the new key: a new version spreads
         await p0.publish("m", 2, weights(2))
-        await wait_until(lambda: p2.control.latest("m") == 2 and p1.control.latest("m") == 2)
+        await wait_until(lambda: p2.control.latest("m") == 2 and p1.control.latest("m") == 2, 20)
         # and the data plane proves p0's new key: a new connection reads from it
         again = await p2.fetch("m", 2, sources=["p0"])
         np.testing.assert_array_equal(again.tensors["w"], weights(2)["w"])
@@ -275,9 +233,8 @@ async def test_key_rotation_while_a_fetch_is_in_flight() -> None:
         st = p0.control.refs.local.stamp
         stale = OriginEntry(Stamp("p0", st.generation, st.seq + 100), ())
         stale = replace(stale, sig=old.sign(stale.signed_bytes()))
-        p1._router.send_nowait(p2.info.control, codec.encode(
-            RefsDelta(p1.info.control, "p1", (stale,))))
-        await wait_until(lambda: p2.statistics().refused.get("reference entry", 0) > refused)
+        assert p1.send_to("p2", RefsDelta(p1.info.control, "p1", (stale,)))
+        await wait_until(lambda: p2.statistics().refused.get("reference entry", 0) > refused, 20)
         assert p2.control.holders(VersionKey("m", 2))
 
 
@@ -308,12 +265,12 @@ async def test_an_outsider_peer_cannot_join() -> None:
     outsider = Identity.generate()
     # the outsider knows the cluster key and lists itself, but the members do not
     ring = Keyring({**{n: [i.public] for n, i in keys.ids.items()}, "x": [outsider.public]})
-    async with secure_mesh(keys, ["p0", "p1"]) as (p0, p1):
+    async with open_mesh(2, keys=keys) as (p0, p1):
         await p0.publish("m", 1, weights(1))
         seed = (p0.info.control.removeprefix("tcp://"),)
         cfg = PeerConfig.local("x", join=seed, security=Security(outsider, keys.cluster, ring))
         async with tensorhub.open_peer(cfg) as x:
-            await wait_until(lambda: p0.statistics().refused.get("not a member", 0) >= 1)
+            await wait_until(lambda: p0.statistics().refused.get("not a member", 0) >= 1, 20)
             await trio.sleep(1.0)  # a few probe and gossip rounds: nothing gets through
             assert set(x.members()) == {"x"} and x.control.latest("m") is None
             assert "x" not in p0.members() and "x" not in p1.members()
