@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import tensorhub.testing.conformance as transport_conformance
+from tensorhub import shared_empty
 from tensorhub.processes import LineProcess
 from tensorhub.testing import netns
 from tensorhub.testing.netns import ClusterUnavailable, open_cluster
@@ -35,6 +37,13 @@ def procs() -> Iterator[list[LineProcess]]:
             os.kill(p.p.pid, signal.SIGCONT)
             p.p.kill()
         p.p.wait(5)
+
+
+@pytest.fixture
+def shared_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conformance suite's holders publish arrays in memory files
+    (``tensorhub.shared_empty``), which a same-host reader maps: version leases."""
+    monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
 
 
 @pytest.fixture

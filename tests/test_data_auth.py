@@ -26,7 +26,7 @@ from tensorhub.protocol.dataplane import (
 )
 from tensorhub.read.store import Store
 from tensorhub.security import Identity, Keyring
-from tensorhub.testing.conformance import Published, publish
+from tensorhub.testing.conformance import Published, publish, running
 from tensorhub.transport.frames import recv_frame, send_frame
 from tensorhub.transport.handshake import DataAuth, transcript
 from tensorhub.transport.samehost.reader import ShmConnection, shm_available
@@ -49,10 +49,8 @@ async def holder(ring: Keyring, name: str = "holder"
     server = TcpServer(store, lambda _peer, n: sent.append(n), lambda what: None,
                        auth=DataAuth(name, IDS[name], ring))
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
+    async with running(server):
         yield server, address, pub, sent
-        nursery.cancel_scope.cancel()
 
 
 async def read_chunk(conn: TcpConnection, pub: Published) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from helpers import wait_until
 
 from tensorhub.config import PeerConfig
 from tensorhub.errors import ConfigError
@@ -37,7 +38,7 @@ from tensorhub.protocol.dataplane import (
     ShmVersionRequest,
 )
 from tensorhub.read.store import Store
-from tensorhub.testing.conformance import Published, publish
+from tensorhub.testing.conformance import Published, publish, running
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.frames import encode_frame, recv_exact, recv_frame
 from tensorhub.transport.samehost.reader import ShmConnection
@@ -101,10 +102,14 @@ class ServerProcess:
     async def until(self, what: str, pred: Any) -> dict[str, Any]:
         """Ask for statistics until ``pred(stats)`` (the server is another process: there
         is nothing to wait on but its answers)."""
-        with trio.fail_after(30):
-            while not pred(stats := self.stats()):
-                await trio.sleep(0.05)
-        return stats
+        last: list[dict[str, Any]] = []
+
+        def holds() -> bool:
+            last[:] = [self.stats()]
+            return bool(pred(last[0]))
+
+        await wait_until(holds, 30, every=0.05, what=what)
+        return last[0]
 
 
 @pytest.fixture
@@ -213,10 +218,8 @@ async def served(**limits: Any) -> AsyncIterator[tuple[TcpServer, str, Published
     pub = publish(store, random.Random(SEED), [100_000], 4096)
     server = TcpServer(store, lambda peer, n: None, lambda what: None, ServerLimits(**limits))
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
+    async with running(server):
         yield server, address, pub
-        nursery.cancel_scope.cancel()
 
 
 async def hung_up(sock: trio.socket.SocketType) -> None:

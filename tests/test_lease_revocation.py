@@ -20,13 +20,11 @@ import pytest
 import trio
 import trio.testing
 
-import tensorhub.testing.conformance as transport_conformance
-from tensorhub import shared_empty
 from tensorhub.errors import TransportError
 from tensorhub.model import VersionKey
 from tensorhub.protocol.dataplane import ChunkRequest, ShmChunkRequest, ShmGrant, ShmRevoke
 from tensorhub.read.store import Store
-from tensorhub.testing.conformance import Published, publish
+from tensorhub.testing.conformance import Published, publish, running
 from tensorhub.transport import server as server_module
 from tensorhub.transport.admission import ServerLimits
 from tensorhub.transport.base import NotServing
@@ -48,8 +46,8 @@ class Holder:
     store: Store
     server: TcpServer
     address: str
-    stop: Callable[[], None]
-    stopped: trio.Event
+    kill: Callable[[], Awaitable[None]]
+    """Stops the server at once, as a holder that dies; returns once it stopped."""
 
     async def unpublish(self, key: VersionKey) -> None:
         self.store.hide(key)
@@ -63,22 +61,8 @@ async def holder() -> AsyncIterator[Holder]:
     server = TcpServer(store, lambda peer, n: None, lambda what: None,
                        ServerLimits(lease_timeout=LEASE))
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
-    scope, stopped = trio.CancelScope(), trio.Event()
-
-    async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with scope:
-            await server.serve(task_status=task_status)
-        stopped.set()
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(serve)
-        yield Holder(store, server, address, scope.cancel, stopped)
-        nursery.cancel_scope.cancel()
-
-
-@pytest.fixture
-def shared_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
+    async with running(server) as kill:
+        yield Holder(store, server, address, kill)
 
 
 async def read(conn: Any, pub: Published, c: int) -> None:
@@ -239,7 +223,6 @@ async def test_a_send_cut_short_by_shutdown_ends_before_its_lease(
         with await connect_raw(h.address, rcvbuf=4096) as sock:
             await send_frame(sock, ChunkRequest(1, key.model, key.version, 0))
             await sock.recv(1)  # the send has started; the reader takes no more
-            h.stop()
             with trio.fail_after(10):  # cut short: well before lease_timeout's socket limit
-                await h.stopped.wait()
+                await h.kill()
     assert events == ["send ended", "lease ended"]

@@ -9,17 +9,17 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
 from corrupting import corrupt_served
+from helpers import open_mesh
 
-import tensorhub
-from tensorhub import PeerConfig, VersionUnavailable
+from tensorhub import VersionUnavailable
 from tensorhub.transport.samehost.loopback import (
     holds_socket,
     peer_socket_inode,
@@ -38,25 +38,13 @@ def weights(seed: int) -> dict[str, np.ndarray]:
             "b": rng.standard_normal(999).astype(np.float16)}
 
 
-@asynccontextmanager
-async def pair(labels: tuple[str, str], **cfg: object) -> AsyncIterator[list[tensorhub.Peer]]:
-    """A holder and a reader over TCP only, with these ``host`` labels."""
-    async with AsyncExitStack() as stack:
-        common = {"chunk_size": 1 << 20, "transports": ("tcp",), **cfg}
-        first = await stack.enter_async_context(tensorhub.open_peer(PeerConfig.local(
-            "p0", labels=(("host", labels[0]),), **common)))  # type: ignore[arg-type]
-        seed = first.info.control.removeprefix("tcp://")
-        second = await stack.enter_async_context(tensorhub.open_peer(PeerConfig.local(
-            "p1", join=(seed,), labels=(("host", labels[1]),), **common)))  # type: ignore[arg-type]
-        with trio.fail_after(10):
-            while len(second.control.membership.live_members()) < 2:
-                await trio.sleep(0.02)
-        yield [first, second]
+TCP = ("tcp",)  # a holder and a reader over TCP only, with these host labels
+SAME_HOST = [{"host": "box"}, {"host": "box"}]
 
 
 @needs_proof
 async def test_a_same_host_holder_over_tcp_is_checked_with_the_fast_digests() -> None:
-    async with pair(("box", "box")) as (pub, r):
+    async with open_mesh(2, peer_labels=SAME_HOST, transports=TCP) as (pub, r):
         w = weights(1)
         await pub.publish("m", 1, w)
         with trio.fail_after(10):
@@ -71,7 +59,8 @@ async def test_a_same_host_holder_over_tcp_is_checked_with_the_fast_digests() ->
 
 @needs_proof
 async def test_bad_bytes_from_a_same_host_holder_over_tcp_fail_the_fast_digest() -> None:
-    async with pair(("box", "box"), planning=False) as (pub, r):
+    async with open_mesh(2, peer_labels=SAME_HOST, transports=TCP,
+                         planning=False) as (pub, r):
         await pub.publish("m", 1, weights(2))
         with trio.fail_after(10):
             await r.wait_for_version("m", None)
@@ -83,7 +72,8 @@ async def test_bad_bytes_from_a_same_host_holder_over_tcp_fail_the_fast_digest()
 
 
 async def test_a_holder_labelled_on_another_host_is_not_asked_for_the_proof() -> None:
-    async with pair(("box", "other")) as (pub, r):
+    async with open_mesh(2, peer_labels=[{"host": "box"}, {"host": "other"}],
+                         transports=TCP) as (pub, r):
         await pub.publish("m", 1, weights(3))
         with trio.fail_after(10):
             await r.wait_for_version("m", None)
@@ -126,7 +116,7 @@ def relay_to(address: str) -> Iterator[str]:
 async def test_a_connection_whose_other_end_another_process_holds_is_not_trusted() -> None:
     """A relay in between: the holder answers the same-host handshake, but the TCP
     socket at the other end of the reader's connection is the relay's."""
-    async with pair(("box", "box")) as (pub, _r):
+    async with open_mesh(2, peer_labels=SAME_HOST, transports=TCP) as (pub, _r):
         with relay_to(pub.info.data) as relayed:
             conn = await TcpConnection.connect(relayed, "p0", 5)
             try:

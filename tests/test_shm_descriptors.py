@@ -20,18 +20,17 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from helpers import open_mesh, wait_until
 
-import tensorhub
-import tensorhub.testing.conformance as transport_conformance
-from tensorhub import PeerConfig, shared_empty
 from tensorhub.read.store import Store
-from tensorhub.testing.conformance import publish
+from tensorhub.testing.conformance import publish, running
 from tensorhub.transport.samehost import memory_files
 from tensorhub.transport.samehost.reader import ShmConnection, shm_available
 from tensorhub.transport.server import TcpServer
 
 SHM, WHY_NOT = shm_available()
-pytestmark = pytest.mark.skipif(not (SHM and hasattr(os, "memfd_create")), reason=WHY_NOT)
+pytestmark = [pytest.mark.skipif(not (SHM and hasattr(os, "memfd_create")), reason=WHY_NOT),
+              pytest.mark.usefixtures("shared_arrays")]
 SEED = random.randrange(2**32)
 print(f"tests/test_shm_descriptors.py: seed {SEED}")
 FILES = 600
@@ -47,20 +46,13 @@ def descriptors() -> tuple[int, int]:
     return len(names), sum(name.startswith("/memfd:") for name in names)
 
 
-@pytest.fixture(autouse=True)
-def shared_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
-
-
 @asynccontextmanager
 async def serving() -> AsyncIterator[tuple[Store, str]]:
     store = Store()
     server = TcpServer(store, lambda peer, n: None, lambda what: None)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
+    async with running(server):
         yield store, address
-        nursery.cancel_scope.cancel()
 
 
 @pytest.fixture
@@ -139,24 +131,12 @@ async def test_cancelled_reads_keep_no_descriptor_after_close() -> None:
         assert done and cancelled > 0
 
 
-@asynccontextmanager
-async def two_peers() -> AsyncIterator[tuple[tensorhub.Peer, tensorhub.Peer]]:
-    async with tensorhub.open_peer(PeerConfig.local("p0", chunk_size=64 << 10)) as first:
-        seed = first.info.control.removeprefix("tcp://")
-        async with tensorhub.open_peer(
-                PeerConfig.local("p1", join=(seed,), chunk_size=64 << 10)) as second:
-            with trio.fail_after(10):
-                while len(second.control.membership.live_members()) < 2:
-                    await trio.sleep(0.02)
-            yield first, second
-
-
 async def test_a_cancelled_fetch_leaves_neither_its_version_nor_its_memory(
         no_cycle_collection: None) -> None:
     """Cancelled at every point of a fetch, planning included: the version is dropped, its
     fetch-allocated memory file closed once the connection's reader thread is out (by
     reference counting alone), and the next fetch starts afresh."""
-    async with two_peers() as (publisher, reader):
+    async with open_mesh(2, chunk_size=64 << 10) as (publisher, reader):
         rng = np.random.default_rng(SEED)
         weights = {f"t{i}": rng.standard_normal(20_000).astype(np.float32) for i in range(4)}
         await publisher.publish("m", 1, weights)
@@ -177,10 +157,10 @@ async def test_a_cancelled_fetch_leaves_neither_its_version_nor_its_memory(
                 break
             cancelled += 1
             assert not reader.store.versions, f"cancelled after {steps} checkpoints"
-            with trio.fail_after(10):  # once the connection's reader thread is out;
-                # the dropped buffer's file may stay as the spare, for the next fetch
-                while descriptors()[1] - bool(memory_files.spare_bytes()) != before[1]:
-                    await trio.sleep(0.001)
+            # once the connection's reader thread is out; the dropped buffer's file may
+            # stay as the spare, for the next fetch
+            await wait_until(lambda: descriptors()[1] - bool(memory_files.spare_bytes())
+                             == before[1], every=0.001, what="the fetch's memory file closed")
         assert got is not None and cancelled > 0
         for name, array in weights.items():
             np.testing.assert_array_equal(got.tensors[name], array)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import random
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import trio
+from helpers import wait_until
 
 import tensorhub
 from tensorhub import PeerConfig
@@ -36,6 +37,7 @@ from tensorhub.read.destination import allocate_flat
 from tensorhub.read.report import FetchReport
 from tensorhub.read.store import LocalVersion, Store
 from tensorhub.read.transfer import Transfer
+from tensorhub.testing.conformance import running
 from tensorhub.transport.base import Connection
 from tensorhub.transport.server import TcpServer
 from tensorhub.transport.tcp import TcpConnection
@@ -53,32 +55,23 @@ class Holder:
     info: PeerInfo
     store: Store
     served: list[int]
-    stop: trio.CancelScope
+    kill: Callable[[], Awaitable[None]]
 
 
 @asynccontextmanager
 async def holders(count: int) -> AsyncIterator[list[Holder]]:
     """``count`` data servers, each with its own store, in this process."""
-    async with trio.open_nursery() as nursery:
+    async with AsyncExitStack() as stack:
         out = []
         for i in range(count):
             store, served = Store(), list[int]()
             server = TcpServer(store, lambda _p, n, s=served: s.append(n),  # type: ignore[misc]
                                lambda _w: None)
             port = server.bind("127.0.0.1", 0)
-            scope = trio.CancelScope()
-
-            async def serve(server: TcpServer = server, scope: trio.CancelScope = scope,
-                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                            ) -> None:
-                with scope:
-                    await server.serve(task_status=task_status)
-
-            await nursery.start(serve)
+            kill = await stack.enter_async_context(running(server))
             out.append(Holder(PeerInfo(f"h{i}", "tcp://127.0.0.1:1", f"127.0.0.1:{port}"),
-                              store, served, scope))
+                              store, served, kill))
         yield out
-        nursery.cancel_scope.cancel()
 
 
 def version(seed: int, size: int, chunk: int) -> tuple[LocalVersion, np.ndarray[Any, Any]]:
@@ -184,10 +177,9 @@ async def test_a_holder_that_dies_mid_stream_is_replaced_and_no_chunk_is_lost() 
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run)
-            with trio.fail_after(30):
-                while reader.num_verified < 8:
-                    await trio.sleep(0)
-            h1.stop.cancel()  # its connections end mid-run
+            await wait_until(lambda: reader.num_verified >= 8, 30, every=0,
+                             what="8 chunks verified")
+            await h1.kill()  # its connections end mid-run
     report = result[0]
     assert report.verified and same(reader, data)
     assert report.chunks == 64 and report.chunks_received == 64
@@ -205,8 +197,12 @@ async def test_hostile_runs_get_an_answer_per_chunk_or_a_closed_connection() -> 
     store.add(local)
     server = TcpServer(store, lambda _p, _n: None, bad.append)
     address = f"127.0.0.1:{server.bind('127.0.0.1', 0)}"
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
+
+    async def counted(before: int) -> None:
+        await wait_until(lambda: len(bad) > before, 5, every=0.001,
+                         what="the request out of bounds counted")
+
+    async with running(server):
         for i in range(60):
             first = rng.choice([0, 3, 9, 10, 2**31, 2**32 - 1, 2**32, -1, rng.randrange(20)])
             count = rng.choice([0, 1, 2, 7, MAX_RUN_CHUNKS, MAX_RUN_CHUNKS + 1, -3, 2**40])
@@ -229,16 +225,13 @@ async def test_hostile_runs_get_an_answer_per_chunk_or_a_closed_connection() -> 
                     else:
                         assert r.status in (NOT_HELD, BAD_REQUEST) and payload == b"", r
             else:
-                with trio.fail_after(5):
-                    while len(bad) == before:
-                        await trio.sleep(0.001)
+                await counted(before)
                 assert not got
         reader = reader_of(local)
         conn = await TcpConnection.connect(address, "h0", 5)
         await conn.read_chunk(KEY, 3, reader.segments(3))
         assert bytes(reader.segments(3)[0]) == data[3 * 4096:4 * 4096].tobytes()
         await conn.aclose()
-        nursery.cancel_scope.cancel()
 
 
 async def replies(stream: trio.SocketStream, count: int) -> list[tuple[ChunkReply, bytes]]:

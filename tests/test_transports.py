@@ -25,6 +25,7 @@ import trio
 import trio.testing
 import xxhash
 from corrupting import CorruptingProvider
+from helpers import wait_until
 
 import tensorhub.testing.conformance as transport_conformance
 from tensorhub import shared_empty
@@ -471,11 +472,6 @@ async def test_a_memfd_copy_computes_the_fast_digest_itself(good: bool,
 # -- shared memory: version leases (complete holders of memory-file arrays) -------------
 
 
-@pytest.fixture
-def shared_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_conformance, "EMPTY", shared_empty)
-
-
 @needs_shm
 @pytest.mark.usefixtures("shared_arrays")
 async def test_a_complete_memfd_holder_leases_the_whole_version_once() -> None:
@@ -498,8 +494,8 @@ async def test_a_complete_memfd_holder_leases_the_whole_version_once() -> None:
         await conn.aclose()
         with trio.fail_after(5):
             await pub.local.drained.wait()
-            while sum(holder.sent) < sum(len(pub.chunk(c)) for c in order):
-                await trio.sleep(0.001)
+        await wait_until(lambda: sum(holder.sent) >= sum(len(pub.chunk(c)) for c in order), 5,
+                         every=0.001, what="the holder counting every chunk sent")
         assert sorted(holder.sent) == sorted(len(pub.chunk(c)) for c in order)
 
 
@@ -579,10 +575,10 @@ async def test_a_leased_batch_is_copied_and_checked_in_one_worker_thread_call(
         assert list(map(len, landings)) == [1, count - 1]
         assert isinstance(conn, ShmConnection) and conn.version_leases == 1
         await conn.aclose()
-        with trio.fail_after(5):  # the holder counts every chunk copied under its lease
+        with trio.fail_after(5):
             await pub.local.drained.wait()
-            while len(holder.sent) < count:
-                await trio.sleep(0.001)
+        await wait_until(lambda: len(holder.sent) >= count, 5, every=0.001,
+                         what="the holder counting every chunk copied under its lease")
         assert sorted(holder.sent) == sorted(len(pub.chunk(c)) for c in range(count))
 
 
@@ -682,9 +678,9 @@ async def test_connections_share_one_mapping_until_the_holder_lets_go_of_its_fil
         del pub, pieces
         gc.collect()
         assert not os.path.exists(f"/proc/self/fd/{fd}") or os.fstat(fd).st_ino != inode
-        with trio.fail_after(10):  # the sweeper thread notices within about a second
-            while reader_mappings(inode):
-                await trio.sleep(0.05)
+        # the sweeper thread notices within about a second
+        await wait_until(lambda: not reader_mappings(inode), every=0.05,
+                         what="the sweeper unmapping the gone file")
 
         # A new file, very likely under the same descriptor number: a new mapping.
         pub = publish(holder.store, rng, [300_000], chunk_size=100_000, version=2)
@@ -1201,10 +1197,12 @@ async def test_tcp_idle_connection_outlives_the_reader_timeout(
     async with tcp_holder(TcpConnection) as holder:
         pub = publish(holder.store, rng, [10_000], chunk_size=4096)
         conn = await holder.connect()
+
+        async def two_timeouts_pass() -> None:
+            want = len(idle) + 2
+            await wait_until(lambda: len(idle) >= want, what="two idle timeouts")
+
         for _ in range(2):
             await read_whole(conn, pub, 1)
-            waited = len(idle)
-            with trio.fail_after(10):
-                while len(idle) < waited + 2:  # two timeouts pass with nothing asked
-                    await trio.sleep(0.01)
+            await two_timeouts_pass()  # with nothing asked
         await conn.aclose()
