@@ -10,6 +10,7 @@ a loop of its own.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -26,19 +27,25 @@ POLL = 0.01
 
 
 def _failed(what: str, timeout: float) -> AssertionError:
-    return AssertionError(f"{what or 'the condition'} did not hold within {timeout:g} s")
+    return AssertionError(f"waited {timeout:g} s for {what or 'the condition'}, in vain")
 
 
 async def wait_until(cond: Callable[[], object], timeout: float = 10.0, *, what: str = "",
                      every: float = POLL) -> None:
     """Return once ``cond()`` holds, looking every ``every`` seconds of trio's clock
     (``every=0``: at every turn of the scheduler, to catch a passing state); an
-    AssertionError naming ``what`` if it does not hold within ``timeout`` seconds."""
+    AssertionError naming ``what`` if it does not hold within ``timeout`` seconds.
+    ``cond`` may be async (a look that asks a peer over the wire)."""
     with trio.move_on_after(timeout):
-        while not cond():
+        while not await _holds(cond):
             await trio.sleep(every)
         return
     raise _failed(what, timeout)
+
+
+async def _holds(cond: Callable[[], object]) -> object:
+    got = cond()
+    return await got if inspect.isawaitable(got) else got
 
 
 def wait_until_sync(cond: Callable[[], object], timeout: float = 10.0, *, what: str = "",
@@ -107,5 +114,6 @@ async def open_mesh(n: int, *, peer_labels: Sequence[Mapping[str, str]] = (),
                 own["security"] = keys.security(name)
             peers.append(await stack.enter_async_context(
                 tensorhub.open_peer(PeerConfig.local(name, **{**own, **cfg}))))
-        await wait_until(lambda: ready(peers), 15, what=f"the mesh of {n} ({ready.__name__})")
+        await wait_until(lambda: ready(peers), 15,
+                         what=f"{n} peers {ready.__name__.replace('_', ' ')}")
         yield peers

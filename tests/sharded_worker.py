@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import trio
+from helpers import wait_until
 
 import tensorhub
 from tensorhub import PeerConfig, Sharding
@@ -50,9 +51,8 @@ async def main(args: argparse.Namespace) -> None:
                               data_listen=args.data_listen, chunk_size=4096,
                               stall_timeout=5.0)
     async with tensorhub.open_peer(config) as peer:
-        with trio.fail_after(60):
-            while len(peer.control.membership.live_members()) < args.expect:
-                await trio.sleep(0.05)
+        await wait_until(lambda: len(peer.control.membership.live_members()) >= args.expect,
+                         60, every=0.05, what=f"{args.expect} live members")
         if args.role == "publisher":
             await serve(peer, args, None)
         else:

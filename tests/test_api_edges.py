@@ -8,13 +8,13 @@ import gc
 import inspect
 import os
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
-from helpers import open_mesh
+from helpers import open_mesh, wait_until, wait_until_sync
 from test_mesh import weights
 
 import tensorhub
@@ -109,11 +109,8 @@ def test_closing_a_blocking_peer_mid_fetch_raises_peer_closed_in_the_caller() ->
             caller = threading.Thread(target=fetch)
             caller.start()
 
-            async def in_flight() -> bool:
-                return len(reader.peer.operations) > 0
-
-            while not reader._call(in_flight):  # poll until the fetch is under way
-                time.sleep(0.01)
+            wait_until_sync(lambda: len(reader.peer.operations) > 0, 30,
+                            what="the fetch under way")
         finally:
             reader.close()
         caller.join(30)
@@ -135,12 +132,21 @@ async def test_a_closing_peer_ends_a_waiting_call_with_peer_closed() -> None:
                     got.append(exc)
 
             nursery.start_soon(wait)
-            with trio.fail_after(5):
-                while not len(peer.operations):
-                    await trio.sleep(0)
+            await wait_until(lambda: len(peer.operations), 5, every=0,
+                             what="the wait under way")
     assert len(got) == 1
     with pytest.raises(PeerClosed):
         await peer.fetch("m", 1)
+
+
+def collecting(cond: Callable[[], object]) -> Callable[[], bool]:
+    """``cond``, with a garbage collection after each look at it that finds it false."""
+    def check() -> bool:
+        if cond():
+            return True
+        gc.collect()
+        return False
+    return check
 
 
 async def _cancel_after_first_chunk(reader: tensorhub.Peer, into: dict[str, Any] | None
@@ -148,12 +154,13 @@ async def _cancel_after_first_chunk(reader: tensorhub.Peer, into: dict[str, Any]
     key = tensorhub.VersionKey("m", 1)
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
+            def a_chunk_verified() -> bool:
+                local = reader.store.get(key)
+                return local is not None and local.num_verified > 0
+
             async def watch() -> None:
-                while True:
-                    local = reader.store.get(key)
-                    if local is not None and local.num_verified:
-                        scope.cancel()
-                    await trio.sleep(0)
+                await wait_until(a_chunk_verified, 30, every=0, what="a chunk verified")
+                scope.cancel()
 
             nursery.start_soon(watch)
             await reader.fetch("m", 1, into=into)
@@ -178,15 +185,19 @@ async def test_a_cancelled_fetch_leaks_nothing_and_the_next_fetch_succeeds(
         # The cancelled fetch lets go of its partial version, memory file, connections
         # and their threads (a thread mid-recv ends once its socket is shut).  A memory
         # file the fetch made is kept as the spare for the next fetch buffer: closed here.
-        spare = False
-        with trio.fail_after(10):
-            while reader.store.versions or memory_files.registered() != regions \
-                    or not open_fds() <= fds:
-                gc.collect()
-                spare |= memory_files.drop_spare()
-                await trio.sleep(0.01)
-        spare |= memory_files.drop_spare()  # (its descriptor number may be an old one's)
-        assert spare == (into is None)
+        spares: list[bool] = []
+
+        def let_go() -> bool:
+            if not (reader.store.versions or memory_files.registered() != regions
+                    or not open_fds() <= fds):
+                return True
+            gc.collect()
+            spares.append(memory_files.drop_spare())
+            return False
+
+        await wait_until(let_go, what="the cancelled fetch letting go of everything")
+        spares.append(memory_files.drop_spare())  # (its descriptor number may be an old one's)
+        assert any(spares) == (into is None)
         got = await reader.fetch("m", 1, into=into)
         assert got.report.verified
         for k, v in w.items():
@@ -245,17 +256,13 @@ async def test_a_fetch_without_into_lands_in_the_memory_of_one_let_go() -> None:
         size = first.report.bytes
         await reader.unpublish("m", 1)
         del first
-        with trio.fail_after(10):  # once the store lets go of it too
-            while memory_files.spare_bytes() != size:
-                gc.collect()
-                await trio.sleep(0.01)
+        await wait_until(collecting(lambda: memory_files.spare_bytes() == size),
+                         what="the store letting go of it too")
         second = await reader.fetch("m", 2)
         assert _inode(second.tensors["embed"]) == inode
         for k, v in weights(2, mib=2).items():
             np.testing.assert_array_equal(second.tensors[k], v)
         await reader.unpublish("m", 2)
         del second
-        with trio.fail_after(10):  # once nothing holds it, it is the spare
-            while not memory_files.drop_spare():
-                gc.collect()
-                await trio.sleep(0.01)
+        await wait_until(collecting(memory_files.drop_spare),
+                         what="nothing holding it: it is the spare")

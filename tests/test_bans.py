@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import trio
 from corrupting import corrupt_served
-from helpers import open_mesh
+from helpers import complete_holders, open_mesh, wait_until
 from test_mesh import weights
 
 import tensorhub
@@ -67,9 +67,8 @@ async def test_a_holder_that_served_bad_bytes_is_not_contacted_again() -> None:
             await liar.wait_for_version("m", None)
         await liar.fetch("m", 1)
         key = VersionKey("m", 1)
-        with trio.fail_after(10):  # the reader sees the liar as a complete holder
-            while len([h for _, h in reader.control.holders(key) if h.complete]) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(complete_holders(reader, key)) >= 2,
+                         what="the reader seeing the liar as a complete holder")
         corrupt_served(liar, 1 << 30)
         # The reader prefers a holder that is not the publisher: the liar first.
         got = await reader.fetch("m", 1)
@@ -80,9 +79,8 @@ async def test_a_holder_that_served_bad_bytes_is_not_contacted_again() -> None:
         stats = reader.statistics()
         assert "failed its digest" in stats.bans["p1"]
         # The others hear of it as a hint, and ban nobody on the reader's word.
-        with trio.fail_after(10):
-            while pub.statistics().ban_notices != {"p2": 1}:
-                await trio.sleep(0.01)
+        await wait_until(lambda: pub.statistics().ban_notices == {"p2": 1},
+                         what="the publisher hearing the reader's ban notice")
         assert pub.statistics().bans == {} and liar.statistics().ban_notices == {}
 
         # A later version: the liar holds it too, but the reader does not ask it.
@@ -91,9 +89,8 @@ async def test_a_holder_that_served_bad_bytes_is_not_contacted_again() -> None:
             await liar.wait_for_version("m", 1)
         await liar.fetch("m", 2)
         key2 = VersionKey("m", 2)
-        with trio.fail_after(10):
-            while len([h for _, h in reader.control.holders(key2) if h.complete]) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(complete_holders(reader, key2)) >= 2,
+                         what="the reader seeing two complete holders of m@2")
         served = liar.statistics().chunks_served
         got2 = await reader.fetch("m", 2)
         assert got2.report.verified and set(got2.report.bytes_by_source) == {"p0"}

@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-import trio
-from helpers import open_mesh
+from helpers import complete_holders, open_mesh, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -127,9 +126,8 @@ async def test_a_casting_fetch_verifies_then_casts_and_serves_only_published_byt
                 if _.name == "p1"] == [manifest.manifest_id()]
         assert held.arrays[0].dtype == np.float32
         # and a third peer reading from the caster only gets them, verified
-        with trio.fail_after(10):
-            while len([h for _, h in third.control.holders(manifest.key) if h.complete]) < 2:
-                await trio.sleep(0.02)
+        await wait_until(lambda: len(complete_holders(third, manifest.key)) >= 2,
+                         what="the third peer seeing the caster hold m@1")
         again = await third.fetch("m", 1, sources=["p1"])
         assert again.report.bytes_by_source == {"p1": manifest.total_bytes}
         assert torch.equal(as_torch(again)["a.weight"], state["a.weight"])

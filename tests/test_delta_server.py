@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import wait_until
 
 from tensorhub.protocol.dataplane import DeltaRunRequest
 from tensorhub.read.store import Store
@@ -30,14 +31,14 @@ CHUNKS = 48
 
 async def settled(read: Callable[[], int]) -> int:
     """Poll ``read()`` until it holds still for a few polls; its value then."""
-    last, still = read(), 0
-    with trio.fail_after(30):
-        while still < 4:
-            await trio.sleep(0.05)
-            now = read()
-            still = still + 1 if now == last else 0
-            last = now
-    return last
+    seen: list[int] = []
+
+    def still() -> bool:  # the same five reads in a row, 0.05 s apart
+        seen[:] = [*seen[-4:], read()]
+        return len(seen) == 5 and len(set(seen)) == 1
+
+    await wait_until(still, 30, every=0.05, what="the count holding still")
+    return seen[-1]
 
 
 async def test_a_reader_that_resets_a_stalled_delta_run_is_not_bad_input() -> None:
@@ -63,9 +64,8 @@ async def test_a_reader_that_resets_a_stalled_delta_run_is_not_bad_input() -> No
             assert encoded < CHUNKS * (attempt + 1), "the run never stalled"
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.close()  # a reset: the holder's stalled send fails at once
-            with trio.fail_after(30):
-                while server.statistics().connections_open:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: not server.statistics().connections_open, 30,
+                             what="the reset connection closed")
         stats = server.statistics()
         assert stats.connections_accepted == 3 and stats.connections_open == 0
         assert stats.bad_frames == 0 and bad == [], bad
@@ -112,6 +112,11 @@ async def test_a_send_that_fails_as_the_encoder_finishes_is_a_reader_gone(
     monkeypatch.setattr(deltas, "_encode", encode_when_the_send_fails)
     monkeypatch.setattr(server_module, "send_segments", failing_send)
     rounds = 24
+
+    async def round_ended(n: int) -> None:
+        await wait_until(lambda: not server.statistics().connections_open
+                         and len(failed) > n, 30, what=f"round {n} ended")
+
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         for n in range(rounds):
@@ -121,9 +126,7 @@ async def test_a_send_that_fails_as_the_encoder_finishes_is_a_reader_gone(
             with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM) as sock:
                 await sock.connect(("127.0.0.1", port))
                 await send_frame(sock, DeltaRunRequest(1, "m", 2, 1, 0, 4))
-                with trio.fail_after(30):
-                    while server.statistics().connections_open or len(failed) <= n:
-                        await trio.sleep(0.01)
+                await round_ended(n)
         nursery.cancel_scope.cancel()
     assert len(failed) == rounds
     assert server.statistics().bad_frames == 0 and bad == [], bad

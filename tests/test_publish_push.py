@@ -7,8 +7,7 @@ import random
 
 import numpy as np
 import pytest
-import trio
-from helpers import open_mesh
+from helpers import open_mesh, wait_until
 
 from tensorhub import PeerConfig
 from tensorhub.model import PeerInfo, VersionKey
@@ -80,8 +79,7 @@ async def test_in_a_mesh_every_reader_sees_a_publish_before_a_gossip_round() -> 
     async with open_mesh(6, gossip_interval=60.0) as peers:
         pub, readers = peers[0], peers[1:]
         await pub.publish("m", 1, {"w": np.arange(8, dtype="f4")})
-        with trio.fail_after(20):
-            while [await r.latest("m") for r in readers] != [1] * len(readers):
-                await trio.sleep(0.01)
+        await wait_until(lambda: all(r.control.latest("m") == 1 for r in readers), 20,
+                         what="every reader hearing of m@1")
         got = await readers[-1].fetch("m", 1)
         assert got.tensors["w"].tolist() == list(range(8))

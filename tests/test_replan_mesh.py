@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import trio
+from helpers import all_live, wait_until
 from slow_serving import slow_served
 
 import tensorhub
@@ -53,35 +54,39 @@ async def test_a_running_fetch_takes_the_plan_made_after_its_parent_left() -> No
                     nursery.start_soon(reader, name)
                 for event in joined.values():
                     await event.wait()
-                while any(len(p.control.membership.live_members()) < 3
-                          for p in (pub, *peers.values())):
-                    await trio.sleep(0.02)
+                await wait_until(lambda: all_live([pub, *peers.values()]), 60,
+                                 what="the three peers seeing each other")
                 await pub.publish("m", 1, w)
                 # Find the planned relay: the reader the other one's plan names.
                 size = CHUNK * CHUNKS
-                parent = child = None
-                while parent is None:
-                    await trio.sleep(0.02)
+                relay: list[str] = []  # parent, child
+
+                async def planned() -> bool:
                     for a, b in (("r1", "r2"), ("r2", "r1")):
                         reply = await peers[b].ask_coordinator("m", 1, size=size,
                                                                chunks=CHUNKS)
                         if a in {s.peer for s in reply.sources}:
-                            parent, child = a, b
-                            break
+                            relay[:] = [a, b]
+                            return True
                     assert slow.served < CHUNKS // 2, "the readers got no relay plan"
+                    return False
+
+                await wait_until(planned, 60, every=0.02, what="a relay planned")
+                parent, child = relay
                 key = tensorhub.VersionKey("m", 1)
-                while (local := peers[child].store.get(key)) is None:
-                    await trio.sleep(0.01)  # the child's fetch has not begun yet
-                while sum(local.verified) < 4:  # the child is under way through its parent
-                    await trio.sleep(0.01)
+                await wait_until(lambda: peers[child].store.get(key) is not None, 60,
+                                 what="the child's fetch begun")
+                local = peers[child].store.get(key)
+                assert local is not None
+                await wait_until(lambda: sum(local.verified) >= 4, 60,
+                                 what="the child under way through its parent")
                 assert not local.complete
                 # The rest comes from the publisher alone, at a pace that leaves the
                 # child's fetch running through two of its re-asks at the longest backoff:
                 # the new plan reaches it before it ends, with margin on a loaded host.
                 slow.delay = 2 * REASK_MAX / (CHUNKS - sum(local.verified))
                 scopes[parent].cancel()  # the parent leaves the mesh mid-fetch
-                while child not in fetched:
-                    await trio.sleep(0.02)
+                await wait_until(lambda: child in fetched, 60, what="the child's fetch done")
                 nursery.cancel_scope.cancel()
 
     report = fetched[child].report

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
+from helpers import complete_holders, wait_until
 
 import tensorhub
 from tensorhub import PeerConfig, VersionKey
@@ -54,10 +55,8 @@ async def two_holders_and_reader(procs: list[LineProcess], corrupt: int = 0,
         published = await trio.to_thread.run_sync(procs[0].expect, "published", 60)
         procs[1].send("fetch 1")
         await trio.to_thread.run_sync(procs[1].expect, "fetched", 60)
-        key = VersionKey("demo-llm", 1)
-        with trio.fail_after(10):
-            while sum(h.complete for _, h in reader.control.holders(key)) < 2:
-                await trio.sleep(0.02)
+        await wait_until(lambda: len(complete_holders(reader, VersionKey("demo-llm", 1))) >= 2,
+                         what="the reader seeing both hold version 1")
         yield reader, {p.name: p for p in procs}, published["checksum"]
 
 
@@ -75,11 +74,15 @@ async def fetch_and_act_midway(reader: tensorhub.Peer, act: Callable[[str], obje
     async with trio.open_nursery() as n:
         n.start_soon(run)
         sources: list[str] = []
-        with trio.fail_after(30):  # (between two streams, a replan's, there are none)
-            while (local := reader.store.get(key)) is None or local.num_verified < 8 \
-                    or len(sources := [s for job in reader.reader.progress()
-                                       for s in job.streaming_from]) != 1:
-                await trio.sleep(0)
+
+        def midway() -> bool:  # (between two streams, a replan's, there are none)
+            local = reader.store.get(key)
+            if local is None or local.num_verified < 8:
+                return False
+            sources[:] = [s for job in reader.reader.progress() for s in job.streaming_from]
+            return len(sources) == 1
+
+        await wait_until(midway, 30, every=0, what="8 chunks in, from one stream")
         act(sources[0])  # the one stream's source (fetch_window=1), mid-read
     return result[0], sources[0]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import trio
 import zmq
+from helpers import wait_until
 
 from tensorhub.errors import ConfigError
 from tensorhub.peer.zmq_trio import ZmqRouter
@@ -24,12 +25,17 @@ def _endpoint() -> str:
 
 async def _rebind(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> ZmqRouter:
     """A router on ``endpoint`` once ZeroMQ has let go of the previous one's port."""
-    with trio.fail_after(10):
-        while True:
-            try:
-                return ZmqRouter(ctx, endpoint, 1 << 16, 64)
-            except ConfigError:  # the closed socket's listener is still being torn down
-                await trio.sleep(0.01)
+    routers: list[ZmqRouter] = []
+
+    def bound() -> bool:
+        try:
+            routers.append(ZmqRouter(ctx, endpoint, 1 << 16, 64))
+        except ConfigError:  # the closed socket's listener is still being torn down
+            return False
+        return True
+
+    await wait_until(bound, what=f"a router bound to {endpoint}")
+    return routers[0]
 
 
 async def _next(router: ZmqRouter) -> tuple[str, bytes]:

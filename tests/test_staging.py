@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 from corrupting import corrupt_served
-from helpers import open_mesh
+from helpers import complete_holders, open_mesh, wait_until
 from slow_serving import slow_served
 
 import tensorhub
@@ -231,9 +231,8 @@ async def test_bad_bytes_in_a_slot_are_refused_and_fetched_from_another_holder()
         await published(pub, liar, "m", 1, src)
         await liar.fetch("m", 1)
         key = VersionKey("m", 1)
-        with trio.fail_after(10):
-            while len([h for _, h in reader.control.holders(key) if h.complete]) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(complete_holders(reader, key)) >= 2,
+                         what="the reader seeing the liar as a complete holder")
         corrupt_served(liar, 1 << 30)
         dst = {k: torch.zeros_like(v) for k, v in src.items()}
         ring = StagingRing(slots=4, slot_bytes=1 << 20)
@@ -265,9 +264,7 @@ async def test_a_cancelled_fetch_gives_every_slot_back() -> None:
         with trio.move_on_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(reader.fetch, "m", 1, ThroughRing(dst, ring))
-                with trio.fail_after(10):
-                    while slow.served < 2:
-                        await trio.sleep(0.01)
+                await wait_until(lambda: slow.served >= 2, what="two chunks served")
                 assert ring.statistics().in_use > 0
                 nursery.cancel_scope.cancel()
         s = ring.statistics()
@@ -319,9 +316,8 @@ async def test_device_tensors_publish_and_fetch_through_rings_and_are_served_on(
         assert served.claims >= manifest.num_chunks and served.most_in_use <= served.slots
         # the fetched device copy serves others, through mid's own ring
         key = VersionKey("m", 1)
-        with trio.fail_after(10):
-            while len([h for _, h in end.control.holders(key) if h.complete]) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(complete_holders(end, key)) >= 2,
+                         what="the end seeing the middle as a complete holder")
         again = await end.fetch("m", 1, sources=["p1"])
         assert again.report.bytes_by_source == {"p1": manifest.total_bytes}
         assert all(np.array_equal(again.tensors[k], v) for k, v in src.items())
@@ -357,9 +353,7 @@ async def test_serving_cache_stages_ahead_evicts_the_oldest_and_frees_on_close()
     with pytest.raises(NotServing), a.lease(0):  # not staged yet
         pass
     await a.stage(0)  # chunk 0, and chunk 1 ahead into the other slot
-    with trio.fail_after(5):
-        while len(cache.staged) < 2:
-            await trio.sleep(0.01)
+    await wait_until(lambda: len(cache.staged) >= 2, 5, what="chunk 1 staged ahead")
     with a.lease(0) as views:
         assert bytes(views[0]) == arr_a[:4096].tobytes()
         await b.stage(2)  # both slots staged: the oldest unleased one (a's chunk 1) goes
