@@ -60,7 +60,9 @@ class CorruptingProvider:
 def corrupt_served(peer: Peer, chunks: int) -> CorruptingProvider:
     """Make ``peer``'s data server hand out its next ``chunks`` chunks corrupt (0: none
     from now on); returns the wrapper it serves through."""
-    server = peer._server  # the data server: a test reaching in, once, here
+    # Fault injection reaches into the peer, once, here: no public call swaps what its
+    # data server serves from (nor should one).
+    server = peer._server
     if not isinstance(server.provider, CorruptingProvider):
         server.provider = CorruptingProvider(server.provider)
     server.provider.remaining = chunks

@@ -66,7 +66,9 @@ class SlowProvider:
 
 def slow_served(peer: Peer, delay: float) -> SlowProvider:
     """Make ``peer``'s data server hand out one chunk per ``delay`` seconds."""
-    server = peer._server  # the data server: a test reaching in, once, here
+    # Fault injection reaches into the peer, once, here: no public call swaps what its
+    # data server serves from (nor should one).
+    server = peer._server
     slow = SlowProvider(server.provider, delay)
     server.provider = slow
     return slow

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import numpy as np
 import pytest
+from helpers import wait_until_sync
 
 from tensorhub import BlockingPeer, ConfigError, PeerClosed, PeerConfig, VersionUnavailable
 from tensorhub.protocol.sharding import WHOLE
@@ -19,14 +17,10 @@ def complete_holders(peer: BlockingPeer, model: str, version: int) -> list[str]:
     def names() -> list[str]:
         return sorted(p.name for p, h in peer.peer.control.holders(key) if h.complete)
 
+    # reaching in: BlockingPeer has no public call that runs code on its loop, nor one
+    # that shows another peer's holdings
     result: list[str] = peer._call(peer._sync, names)
     return result
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def test_blocking_publish_fetch_unpublish() -> None:
@@ -42,10 +36,12 @@ def test_blocking_publish_fetch_unpublish() -> None:
             assert rollout.statistics().bytes_fetched_by_source == {"trainer": w["w"].nbytes}
             # Until the trainer hears that the rollout holds m@5 too, it holds the last copy
             # of a retained version, and unpublish rightly keeps a host copy of it.
-            wait_until(lambda: complete_holders(trainer, "m", 5) == ["rollout", "trainer"])
+            wait_until_sync(lambda: complete_holders(trainer, "m", 5) == ["rollout", "trainer"],
+                            what="the trainer seeing the rollout hold m@5")
             assert complete_holders(trainer, "m", 5) == ["rollout", "trainer"]
             trainer.unpublish("m", 5)
-            wait_until(lambda: not trainer.statistics().holdings)
+            wait_until_sync(lambda: not trainer.statistics().holdings,
+                            what="the trainer holding nothing")
             assert trainer.statistics().holdings == {}
             with pytest.raises(VersionUnavailable):
                 trainer.fetch("m", 6)

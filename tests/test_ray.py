@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import blake3
+import helpers
 import numpy as np
 import pytest
+from helpers import wait_until_sync
 
 from tensorhub import security
 from tensorhub.config import is_loopback
@@ -82,13 +83,17 @@ class Worker(TensorHubActor):
         return self.hub.peer.info.name
 
     def member_state_once_not(self, name: str, state: str | None) -> str | None:
-        """``name``'s state in this peer's view once it is not ``state`` (20 s at most:
-        a BlockingPeer has no event for membership changes, so this polls)."""
-        deadline = time.monotonic() + 20
-        while (now := self.hub.statistics().members.get(name)) == state \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return now
+        """``name``'s state in this peer's view once it is not ``state`` (an
+        AssertionError after 20 s: a BlockingPeer has no event for membership changes,
+        so this polls)."""
+        seen: list[str | None] = []
+
+        def changed() -> bool:
+            seen[:] = [self.hub.statistics().members.get(name)]
+            return seen[0] != state
+
+        wait_until_sync(changed, 20, every=0.02, what=f"{name} no longer {state}")
+        return seen[0]
 
 
 def test_placement_rule() -> None:
@@ -135,8 +140,10 @@ PLACEMENTS = {  # actor -> (rack resource it asks for, GPUs)
 @pytest.fixture(scope="module")
 def actors() -> Iterator[dict[str, Any]]:
     ray = pytest.importorskip("ray")
-    # This module is not importable in Ray's workers: ship its classes by value.
+    # This module is not importable in Ray's workers: ship its classes by value (and
+    # the tests' helpers they call).
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(helpers)
     ray.init(num_cpus=len(PLACEMENTS), num_gpus=2, resources={"rack:r1": 2, "rack:r2": 2},
              labels={"dc": "eu"}, include_dashboard=False, log_to_driver=False)
     try:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import trio
+from helpers import wait_until
 from hypothesis import example, given, seed, settings
 from hypothesis import strategies as st
 from test_stateful_mesh import MeshThread
@@ -104,17 +104,11 @@ def net() -> Iterator[Net]:
             seed_addr = (first.info.control.removeprefix("tcp://"),)
             peers = [first] + [await mesh.start_peer(n, seed_addr)
                                for n in [*RANKS[1:], "r0", "r1"]]
-            await until(lambda: all(len(p.control.live_names()) == 6 for p in peers))
+            await wait_until(lambda: all(len(p.control.live_names()) == 6 for p in peers), WAIT)
             return peers
         yield Net(mesh, mesh.call(start))
     finally:
         mesh.close()
-
-
-async def until(pred: Any, timeout: float = WAIT) -> None:
-    with trio.fail_after(timeout):
-        while not pred():
-            await trio.sleep(0.02)
 
 
 async def one_example(net: Net, kind: str, rank: int, k: int) -> None:
@@ -129,20 +123,20 @@ async def one_example(net: Net, kind: str, rank: int, k: int) -> None:
             local, spec, tensor = deviation(kind, r, k, full)
         await p.publish("m", v, local, layout=spec)
     if kind == "none":
-        await until(lambda: all(p.control.latest("m") == v for p in peers))
+        await wait_until(lambda: all(p.control.latest("m") == v for p in peers), WAIT)
         got = await r0.fetch("m", v, layout=BASE.at(rank))
         assert_equal(got.tensors, cut(full, BASE.at(rank)))
         assert_equal((await r1.fetch("m", v)).tensors, full)
         return
-    await until(lambda: all({c.origin for c in p.control.claims("m") if c.version == v}
-                            == set(RANKS) for p in peers))
+    await wait_until(lambda: all({c.origin for c in p.control.claims("m") if c.version == v}
+                                 == set(RANKS) for p in peers), WAIT)
     must = [f"rank {rank} (peer t{rank})", f"tensor {tensor!r}"]
 
     def explained(p: tensorhub.Peer) -> bool:
         why = [w for w in p.unsealed("m") if w.startswith(f"version {v}: ")]
         return len(why) == 1 and all(m in why[0] for m in must)
 
-    await until(lambda: all(explained(p) for p in peers))
+    await wait_until(lambda: all(explained(p) for p in peers), WAIT)
     for p, was in zip(peers, before, strict=True):
         assert await p.latest("m") == was, f"{p.info.name} sealed a disagreeing version"
         assert v not in p.control.readable("m")
@@ -202,9 +196,11 @@ def test_a_manifest_with_other_specs_than_announced_is_refused(net: Net) -> None
         assert held is not None
         honest = peers[0].store.get(VersionKey("m", v, 0, BASE.layout_id))
         assert honest is not None
+        # the liar's protocol announces a holding with another schema, and its shell
+        # sends that out (fault injection: no public call announces a forged holding)
         liar._send(liar.control.put_holding(
             replace(held.holding(), schema=honest.manifest.schema_id())))
-        await until(lambda: all(p.control.latest("m") == v for p in peers))
+        await wait_until(lambda: all(p.control.latest("m") == v for p in peers), WAIT)
         fetched = r0.statistics().bytes_fetched, r1.statistics().bytes_fetched
         for reader, layout in ((r0, BASE.at(2)), (r1, None)):
             with pytest.raises(ConsistencyError, match=rf"m@{v}\[shard 2 .*other tensor "

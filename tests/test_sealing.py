@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import trio
 from corrupting import corrupt_served
+from helpers import complete_holders, wait_until
 
 import tensorhub
 from tensorhub import (
@@ -70,7 +71,8 @@ class Mesh:
     async def settle(self) -> None:
         """Wait until every open peer sees every open peer live."""
         names = {p.info.name for p in self.open}
-        await until(lambda: all(names <= set(p.control.live_names()) for p in self.open))
+        await wait_until(lambda: all(names <= set(p.control.live_names()) for p in self.open),
+                         WAIT, what="every open peer seeing every open peer live")
 
     async def close(self, peer: tensorhub.Peer) -> None:
         """Exit ``peer``'s ``open_peer`` block (it leaves the mesh); wait until the
@@ -79,7 +81,8 @@ class Mesh:
         self._stop[name].set()
         with trio.fail_after(WAIT):
             await self._done[name].wait()
-        await until(lambda: all(name not in p.control.live_names() for p in self.open))
+        await wait_until(lambda: all(name not in p.control.live_names() for p in self.open),
+                         WAIT, what=f"no open peer counting {name} live")
 
 
 @asynccontextmanager
@@ -94,12 +97,6 @@ async def mesh(n: int, **cfg: Any) -> AsyncIterator[Mesh]:
         finally:
             for p in reversed(m.peers):
                 m._stop[p.info.name].set()
-
-
-async def until(pred: Callable[[], bool], timeout: float = WAIT) -> None:
-    with trio.fail_after(timeout):
-        while not pred():
-            await trio.sleep(0.02)
 
 
 def tensors(seed: int) -> dict[str, np.ndarray[Any, Any]]:
@@ -154,10 +151,6 @@ def claimants(peer: tensorhub.Peer, version: int) -> set[str]:
     return {c.origin for c in peer.control.claims("m") if c.version == version}
 
 
-def complete_holders(peer: tensorhub.Peer, key: VersionKey) -> set[str]:
-    return {p.name for p, h in peer.control.holders(key) if h.complete}
-
-
 async def never_returns(aw: Callable[[], Any], seconds: float = 0.5) -> None:
     with trio.move_on_after(seconds) as scope:
         await aw()
@@ -191,7 +184,7 @@ async def test_version_is_invisible_until_every_rank_has_published() -> None:
         for r in range(3):
             await pubs[r].publish("m", 1, slices(full, TP4.at(r)), layout=TP4.at(r))
         missing = ["version 1: shards [3] of 4 have no complete holder"]
-        await until(lambda: all(p.unsealed("m") == missing for p in m.peers))
+        await wait_until(lambda: all(p.unsealed("m") == missing for p in m.peers))
         for p in m.peers:
             assert await p.latest("m") is None
             assert p.control.readable("m") == []
@@ -246,7 +239,7 @@ async def test_rank_leaving_before_the_last_rank_publishes_leaves_version_unseal
         # an exact copy of shard 1 of version 1 keeps that version readable
         copy = await mirror.fetch("m", 1, layout=tp3.at(1))
         assert_same(copy.tensors, slices(v1, tp3.at(1)))
-        await until(lambda: complete_holders(reader, key_of(1, tp3.at(1))) == {"p1", "p3"})
+        await wait_until(lambda: complete_holders(reader, key_of(1, tp3.at(1))) == {"p1", "p3"})
 
         await pubs[0].publish("m", 2, slices(v2, tp3.at(0)), layout=tp3.at(0))
         await pubs[1].publish("m", 2, slices(v2, tp3.at(1)), layout=tp3.at(1))
@@ -255,7 +248,7 @@ async def test_rank_leaving_before_the_last_rank_publishes_leaves_version_unseal
 
         reason = ["version 2: shards [1] of 3 have no complete holder"]
         live = [pubs[0], pubs[2], mirror, reader]
-        await until(lambda: all(p.unsealed("m") == reason for p in live))
+        await wait_until(lambda: all(p.unsealed("m") == reason for p in live))
         for p in live:
             assert await p.latest("m") == 1
             assert p.control.readable("m") == [1]
@@ -279,7 +272,7 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
         other = {k: v.copy() for k, v in full.items()}
         other["qkv"][3, 5] += 1  # in rank 0's slice
         await a.publish("m", 1, slices(full, tp2.at(0)), layout=tp2.at(0))
-        await until(lambda: complete_holders(b, key_of(1, tp2.at(0))) == {"p0"})
+        await wait_until(lambda: complete_holders(b, key_of(1, tp2.at(0))) == {"p0"})
         # a rank that already sees the other announcement refuses to publish
         with pytest.raises(ConsistencyError, match="already published by p0 with different"):
             await b.publish("m", 1, slices(other, tp2.at(0)), layout=tp2.at(0))
@@ -289,7 +282,7 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
             await b.publish("m", 1, slices(other, tp2.at(0)), layout=tp2.at(0))
         # (the last rank publishes once every peer has both claims: a peer that sees
         # the version sealed before the conflicting claim arrives keeps it as latest)
-        await until(lambda: all(claimants(p, 1) == {"p0", "p1"} for p in m.peers))
+        await wait_until(lambda: all(claimants(p, 1) == {"p0", "p1"} for p in m.peers))
         await c.publish("m", 1, slices(full, tp2.at(1)), layout=tp2.at(1))
 
         def disagree(p: tensorhub.Peer) -> bool:
@@ -297,7 +290,7 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
             return len(why) == 1 and "disagree on the manifest of shard 0" in why[0] \
                 and "from p0" in why[0] and "from p1" in why[0]
 
-        await until(lambda: all(disagree(p) for p in m.peers))
+        await wait_until(lambda: all(disagree(p) for p in m.peers))
         for p in m.peers:
             assert await p.latest("m") is None
             with pytest.raises(ConsistencyError, match=r"disagree on the manifest of shard 0"):
@@ -314,16 +307,16 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
         tp3 = Sharding(0, 3, split={"qkv": 0}, parts={"qkv": [43, 43, 42]})
         await a.publish("m", 3, slices(full, tp3), layout=tp3)
         await c.publish("m", 3, slices(full, tp2.at(1)), layout=tp2.at(1))
-        await until(lambda: claimants(reader, 2) == claimants(reader, 3) == {"p0", "p2"})
+        await wait_until(lambda: claimants(reader, 2) == claimants(reader, 3) == {"p0", "p2"})
         why = reader.unsealed("m")
         assert len(why) == 3
         assert why[1].startswith("version 2: holders disagree on the layout id: ")
         assert why[2].startswith("version 3: holders disagree on the world: 3 from p0; "
                                  "2 from p2; holders disagree on the layout id")
         # ... and on which tensors, once the reader has compared the ranks' manifests
-        await until(lambda: "; tensor 'qkv': the ranks' slices do not tile its [128, 96] "
-                            "(overlapping): rank 0 (peer p0) [0:64, 0:96], rank 1 (peer p2) "
-                            "[0:128, 48:96]" in reader.unsealed("m")[1])
+        await wait_until(lambda: "; tensor 'qkv': the ranks' slices do not tile its [128, 96] "
+                                 "(overlapping): rank 0 (peer p0) [0:64, 0:96], rank 1 (peer p2) "
+                                 "[0:128, 48:96]" in reader.unsealed("m")[1])
 
         # a rank that publishes a tensor with another dtype: never sealed, rank and
         # tensor named
@@ -331,7 +324,7 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
         odd["o"] = odd["o"].astype(np.float32)
         await a.publish("m", 4, slices(full, tp2.at(0)), layout=tp2.at(0))
         await c.publish("m", 4, odd, layout=tp2.at(1))
-        await until(lambda: claimants(reader, 4) == {"p0", "p2"})
+        await wait_until(lambda: claimants(reader, 4) == {"p0", "p2"})
         with pytest.raises(ConsistencyError, match=(
                 r"version 4: holders disagree on the tensor specs: \w+ \(rank 0\) from p0; "
                 r"\w+ \(rank 1\) from p2; tensor 'o': rank 0 \(peer p0\) has float16 "
@@ -352,7 +345,7 @@ async def test_ranks_disagreeing_on_a_shard_never_seal() -> None:
             assert await c.wait_for_version("m") == 1
         with unaware_of_other_holders(b):
             await b.publish("m", 1, slices(other, tp2.at(0)), layout=tp2.at(0))
-        await until(lambda: claimants(c, 1) == {"p0", "p1", "p2"})
+        await wait_until(lambda: claimants(c, 1) == {"p0", "p1", "p2"})
         assert await c.latest("m") == 1
         with pytest.raises(ConsistencyError, match=r"version 1: holders disagree on the "
                                                    r"manifest of shard 0: .* from p0; .* from p1"):
@@ -390,14 +383,14 @@ async def test_resharding_fetch_and_readers_of_the_same_layout() -> None:
         assert_same(again.tensors, want)
         # a second consumer of the same layout and rank reads the whole slices from c0
         key = key_of(1, tp2)
-        await until(lambda: complete_holders(c1, key) == {"p4"}
-                    and claimants(c1, 1) == {p.info.name for p in pubs})
+        await wait_until(lambda: complete_holders(c1, key) == {"p4"}
+                         and claimants(c1, 1) == {p.info.name for p in pubs})
         # (c0's derived holding serves readers of its layout but claims no publish shard)
         got1 = await c1.fetch("m", 1, layout=tp2)
         assert_same(got1.tensors, want)
         assert got1.report.bytes_by_source == {"p4": sum(v.nbytes for v in want.values())}
         # the same through ``sources``
-        await until(lambda: complete_holders(c2, key) == {"p4", "p5"})
+        await wait_until(lambda: complete_holders(c2, key) == {"p4", "p5"})
         got2 = await c2.fetch("m", 1, layout=tp2, sources=["p4"])
         assert_same(got2.tensors, want)
         assert set(got2.report.bytes_by_source) == {"p4"}
@@ -457,7 +450,7 @@ async def test_corrupt_chunk_during_resharding_fetch_is_caught_and_refetched() -
                 await p.wait_for_version("m")
         copy = await mirror.fetch("m", 1, layout=tp2.at(0))  # an exact copy of shard 0
         assert copy.report.bytes_by_source == {"p0": copy.report.bytes}
-        await until(lambda: complete_holders(reader, key_of(1, tp2.at(0))) == {"p0", "p2"})
+        await wait_until(lambda: complete_holders(reader, key_of(1, tp2.at(0))) == {"p0", "p2"})
         assert mirror.statistics().chunks_served == 0
         served = corrupt_served(mirror, 1)
         got = await reader.fetch("m", 1)  # reshards: shard 0 from p0 or p2, shard 1 from p1
@@ -496,9 +489,9 @@ async def test_last_holders_of_shards_keep_host_copies_on_unpublish() -> None:
         assert set(got.report.bytes_by_source) == {"p0", "p1"}
         # a newer version seals: the host copies of version 1 are released
         await publish_group([p0, p1], 2, tensors(6), tp2)
-        await until(lambda: p0.store.get(key_of(1, tp2.at(0))) is None
-                    and p1.store.get(key_of(1, tp2.at(1))) is None)
-        await until(lambda: reader.control.readable("m") == [2])
+        await wait_until(lambda: p0.store.get(key_of(1, tp2.at(0))) is None
+                         and p1.store.get(key_of(1, tp2.at(1))) is None)
+        await wait_until(lambda: reader.control.readable("m") == [2])
         assert await reader.latest("m") == 2
 
 
@@ -529,10 +522,10 @@ async def test_unpublish_of_last_shard_copy_without_offload_is_refused() -> None
         with trio.fail_after(WAIT):
             await mirror.wait_for_version("m")
         await mirror.fetch("m", 1, layout=tp2.at(0))
-        await until(lambda: complete_holders(p0, k0) == {"p0", "p2"})
+        await wait_until(lambda: complete_holders(p0, k0) == {"p0", "p2"})
         await p0.unpublish("m", 1, layout=tp2.at(0))
         assert p0.store.get(k0) is None
-        await until(lambda: complete_holders(reader, k0) == {"p2"})
+        await wait_until(lambda: complete_holders(reader, k0) == {"p2"})
         assert reader.control.readable("m") == [1]
 
 
@@ -542,7 +535,7 @@ async def test_unpublish_right_after_the_last_rank_publishes_keeps_the_shard() -
         tp2 = Sharding(0, 2, split={"qkv": 0, "o": 1})
         full = tensors(10)
         await p0.publish("m", 1, slices(full, tp2.at(0)), layout=tp2.at(0))
-        await until(lambda: claimants(reader, 1) == {"p0"})
+        await wait_until(lambda: claimants(reader, 1) == {"p0"})
         await p1.publish("m", 1, slices(full, tp2.at(1)), layout=tp2.at(1))
         # no checkpoint since p1 announced: p0 cannot have merged p1's claim yet
         await p0.unpublish("m", 1, layout=tp2.at(0))
@@ -571,7 +564,7 @@ async def test_latest_never_goes_backwards_when_the_newest_version_loses_holders
                 while (seen := await p.latest("m")) != 2:
                     await p.wait_for_version("m", seen)
         await m.close(p2)
-        await until(lambda: reader.control.readable("m") == [1])
+        await wait_until(lambda: reader.control.readable("m") == [1])
         for p in (p0, p1, reader):
             assert await p.latest("m") == 2
             assert p.unsealed("m") == []  # version 2 is not newer than latest
@@ -589,7 +582,7 @@ async def test_latest_never_goes_backwards_when_the_newest_version_loses_holders
         # a peer that joins now never saw version 2 sealed: its history starts at 1
         late = await m.add()
         await m.settle()
-        await until(lambda: late.control.readable("m") == [1])
+        await wait_until(lambda: late.control.readable("m") == [1])
         assert await late.latest("m") == 1
         assert late.unsealed("m") == ["version 2: shards [1] of 2 have no complete holder"]
         # version 3 seals: latest moves on everywhere
