@@ -208,7 +208,7 @@ class Reader:
         joined: FetchReport | None = None
         while True:
             held = self.store.get(key)
-            flight = self._flights.get(key)
+            flight = None  # MUTANT
             if flight is None and held is not None:
                 if held.complete and not held.hidden:
                     return await self._from_held(held, dest, joined)
@@ -452,7 +452,8 @@ class Reader:
             self.ports.announce(local.holding())  # downstream can find us
             if staged is not None:
                 await staged.landing.ring.ready()
-            plan, plan_note, plan_seconds, stamp = await self._plan(key, manifest, early)
+            plan, plan_note, plan_seconds, stamp = await self._plan(key, manifest, allowed,
+                                                                    early)
             delta, delta_seconds = await self.deltas.run(local, plan, allowed, progress)
             n, cap = streams(self.config, manifest.chunk_size), \
                 stream_cap(self.config, manifest.chunk_size)
@@ -491,7 +492,7 @@ class Reader:
                        report)
 
     async def _plan(self, key: VersionKey, manifest: Manifest,
-                    early: tuple[PlanAnswer, float] | None
+                    allowed: frozenset[str] | None, early: tuple[PlanAnswer, float] | None
                     ) -> tuple[Plan, str, float | None, Any]:
         """The plan to follow, a note on it, how long asking took, and its stamp."""
         if early is not None:
@@ -499,6 +500,8 @@ class Reader:
             return plan, note + " (asked while the manifest was read)", seconds, stamp
         if not key.whole:
             return [], "no plan: shards are fetched from their holders directly", None, None
+        if allowed is not None:
+            return [], "no plan: the caller named the sources", None, None
         if not self.config.planning:
             return [], "planning off", None, None
         asked = trio.current_time()
