@@ -38,10 +38,10 @@ def claim(by: str, kind: int, name: str, inc: int, who: PeerInfo | None = None) 
     return replace(u, sig=IDS[by].sign(u.signed_bytes()))
 
 
-def member(name: str) -> Membership:
+def member(name: str, trust: Trust | None = None) -> Membership:
     sec = security(name)
     cfg = PeerConfig.local(name, security=sec)
-    return Membership(info(name), cfg, random.Random(1), 0.0, Trust(sec), 100)
+    return Membership(info(name), cfg, random.Random(1), 0.0, trust or Trust(sec), 100)
 
 
 def hear(m: Membership, *updates: Update) -> None:
@@ -54,12 +54,13 @@ def state(m: Membership, name: str) -> tuple[str, int] | None:
 
 
 def test_alive_claims_count_only_signed_by_the_member_itself() -> None:
-    a = member("a")
+    trust = Trust(security("a"))
+    a = member("a", trust)
     hear(a, claim("c", A, "b", 5, info("b")))  # c vouches for b: not b's word
     assert state(a, "b") is None
     hear(a, claim("b", A, "b", 5, info("b")))
     assert state(a, "b") == (ALIVE, 5)
-    assert a._trust is not None and a._trust.refused["membership claim"] == 1
+    assert trust.refused["membership claim"] == 1
 
 
 def test_nobody_leaves_refutes_or_moves_for_another() -> None:
