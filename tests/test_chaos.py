@@ -12,7 +12,7 @@ import pytest
 
 from tensorhub.testing.chaos.check import Episode, check, family, insider_traces, rogue_traces
 from tensorhub.testing.chaos.episode import draw_faults, episode_rng
-from tensorhub.testing.rogue import MARK, marks
+from tensorhub.testing.chaos.rogue import MARK, marks
 
 FIGURES = {"peer_crashes", "unauth_reads", "unauth_messages_accepted",
            "forged_versions_accepted", "forged_chunks_accepted", "partial_activations",

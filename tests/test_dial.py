@@ -80,10 +80,10 @@ async def test_a_fetch_over_the_rdma_stand_in_shows_its_transport() -> None:
         served = pub.statistics().registrations["rdma-standin"]
         assert served["registered"] == len(w) and served["revoked"] == len(w)
         assert served["granted"] == 2 * len(w)
-        print("links opened", pub.reader.dialer.host.links_opened, "pool", reader.reader.pool.opened,
-              reader.reader.pool.reused)
-        assert pub.reader.dialer.host.links_opened == reader.reader.pool.opened  # kept between fetches
-        assert reader.reader.pool.reused > 0
+        links, pool = pub.reader.dialer.host.links_opened, reader.reader.pool
+        print("links opened", links, "pool", pool.opened, pool.reused)
+        assert links == pool.opened  # kept between fetches
+        assert pool.reused > 0
 
 
 async def test_every_refusal_shows_and_the_next_transport_is_used() -> None:

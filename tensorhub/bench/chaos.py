@@ -3,7 +3,7 @@ peer against a real mesh of processes, with the invariants checked after every s
 
 The mesh is a trainer and ``--rollouts`` rollout peers, each its own OS process on
 loopback (:mod:`tensorhub.testing.chaos.worker`), plus the rogue
-(:mod:`tensorhub.testing.rogue`), which has no key and speaks the wire format raw.  Each
+(:mod:`tensorhub.testing.chaos.rogue`), which has no key and speaks the wire format raw.  Each
 **seed** is one short episode on the running mesh, on a model of its own
 (``chaos<seed>``): the trainer publishes ``--versions`` versions ``--interval`` seconds
 apart, every rollout follows ``latest`` and checks every byte it activates against the
@@ -11,11 +11,11 @@ trainer's content, and meanwhile, at moments drawn from the seed,
 
 * up to two faults: ``kill -9`` or ``SIGSTOP`` (then ``SIGCONT``) of a holder, of the
   version's coordinator or of the trainer;
-* one attack of the rogue, in turn from :data:`~tensorhub.testing.rogue.LIGHT`; the heavy
+* one attack of the rogue, in turn from :data:`~tensorhub.testing.chaos.rogue.LIGHT`; the heavy
   ones (a 4-million-tensor manifest, 1,000 half-sent data frames) every 50th seed.
 
 The **insider** family (``--insider-seeds``, with keys only) runs more seeds on the same
-mesh, each with one attack of :data:`~tensorhub.testing.insider.INSIDER_ATTACKS` by a
+mesh, each with one attack of :data:`~tensorhub.testing.chaos.insider.INSIDER_ATTACKS` by a
 second rogue process that holds the valid member key ``insider`` (no publisher rights):
 its words pass CURVE and the signature checks, so only the rules can refuse them.
 
@@ -50,10 +50,10 @@ from ..ops.demo import parse_size
 from ..testing import netns
 from ..testing.chaos.check import ACCEPTED
 from ..testing.chaos.episode import Runner
+from ..testing.chaos.insider import INSIDER
 from ..testing.chaos.mesh import TRAINER, Host, Mesh, MeshError
+from ..testing.chaos.rogue import LIGHT
 from ..testing.chaos.worker import security_supported
-from ..testing.insider import INSIDER
-from ..testing.rogue import LIGHT
 from .figures import figure, print_figures
 
 

@@ -17,7 +17,7 @@ and the peers' views of the mesh), so they can be tested on crafted records:
 * the rogue's words must not be found in any peer's view (``unauth_messages_accepted``:
   episodes in which some peer believed it) and it must not have read mesh state or
   bytes (``unauth_reads``);
-* the insider (a member key, no publisher rights: :mod:`tensorhub.testing.insider`) may
+* the insider (a member key, no publisher rights: :mod:`tensorhub.testing.chaos.insider`) may
   read and its own signed words may be kept, but no peer may believe what only the
   rules refuse (:func:`insider_traces`: a marked incarnation or stamp, a ``latest`` the
   trainer did not publish, a copy of a version the insider "published", a member at
@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..insider import INSIDER, INSIDER_ATTACKS
-from ..rogue import FORGED_VERSION, MARK, marks, rogue_name
+from .insider import INSIDER, INSIDER_ATTACKS
+from .rogue import FORGED_VERSION, MARK, marks, rogue_name
 
 COUNTS = ("peer_crashes", "unauth_reads", "unauth_messages_accepted",
           "forged_versions_accepted", "forged_chunks_accepted", "partial_activations",

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from ...model import VersionKey
 from ...protocol.ring import coordinator
-from ..insider import INSIDER, INSIDER_ATTACKS
-from ..rogue import HEAVY, LIGHT
 from .check import ACCEPTED, COUNTS, Episode, Verdict, check, family
+from .insider import INSIDER, INSIDER_ATTACKS
 from .mesh import TRAINER, Mesh, MeshError
+from .rogue import HEAVY, LIGHT
 
 SETTLE_GRACE = 3.0
 """Seconds past the episode's end the check waits for the last version's fetches: a

@@ -109,7 +109,7 @@ class Mesh:
                  insider: bool = False) -> None:
         """``hosts``: where each peer (and ``rogue``) runs, by name; default: all on
         this host's loopback.  ``insider``: also start the rogue that holds member key
-        ``insider`` of ``keys`` (:mod:`tensorhub.testing.insider`)."""
+        ``insider`` of ``keys`` (:mod:`tensorhub.testing.chaos.insider`)."""
         self.names = [TRAINER, *(f"r{i}" for i in range(rollouts))]
         self.hosts = hosts or {}
         self.size, self.chunk, self.keys = size, chunk, keys
@@ -193,14 +193,14 @@ class Mesh:
         if self.rogue is None or self.rogue.p.poll() is not None:
             host = self._host("rogue")
             self.rogue = Proc("rogue", [*host.prefix, sys.executable, "-m",
-                                        "tensorhub.testing.rogue", "--size", str(self.size),
+                                        "tensorhub.testing.chaos.rogue", "--size", str(self.size),
                                         "--chunk", str(self.chunk), "--ip", host.ip,
                                         "--huge-tensors", str(self.huge_tensors)],
                               self.logdir, self.events)
             if self.reply("rogue", "ready", timeout) is None:
                 raise MeshError(f"the rogue did not start: {self.rogue.stderr_tail()}")
         if self.with_insider and (self.insider is None or self.insider.p.poll() is not None):
-            self.insider = Proc("insider", [sys.executable, "-m", "tensorhub.testing.rogue",
+            self.insider = Proc("insider", [sys.executable, "-m", "tensorhub.testing.chaos.rogue",
                                             "--size", str(self.size), "--chunk",
                                             str(self.chunk), "--huge-tensors", "1",
                                             "--insider-keys", self.keys], self.logdir,

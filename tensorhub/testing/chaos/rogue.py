@@ -1,4 +1,4 @@
-"""The rogue peer of the chaos bench (``python -m tensorhub.testing.rogue``).
+"""The rogue peer of the chaos bench (``python -m tensorhub.testing.chaos.rogue``).
 
 A process that was never given a key and that speaks the mesh's own wire format (the
 codec and messages of :mod:`tensorhub.protocol`) over raw ZeroMQ and TCP sockets, with
@@ -20,7 +20,7 @@ peer believed it) the driver measures from the peers' own views and fetches.
 
 With ``--insider-keys DIR`` the same program is the *insider* (:mod:`.insider`): it
 speaks as member ``insider`` of that keyring (CURVE, data-plane handshake, signatures)
-and runs :data:`~tensorhub.testing.insider.INSIDER_ATTACKS`.
+and runs :data:`~tensorhub.testing.chaos.insider.INSIDER_ATTACKS`.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from typing import Any
 
 import zmq
 
-from ..manifest.manifest import manifest_id_of
-from ..model import PeerInfo
-from ..processes import free_ports
-from ..protocol import codec
-from ..protocol.control import RefsDelta, RefsDigest
-from ..protocol.dataplane import (
+from ...manifest.manifest import manifest_id_of
+from ...model import PeerInfo
+from ...processes import free_ports
+from ...protocol import codec
+from ...protocol.control import RefsDelta, RefsDigest
+from ...protocol.dataplane import (
     MAX_FRAME,
     OK,
     ChunkRequest,
@@ -51,11 +51,11 @@ from ..protocol.dataplane import (
     Reply,
     ShmVersionRequest,
 )
-from ..protocol.membership import Ack, Gossip, Ping, PushPull, Update
-from ..protocol.messages import register_all
-from ..protocol.refs import Holding, OriginEntry, Stamp
-from ..protocol.swim_wire import KIND_ALIVE, KIND_LEFT, KIND_SUSPECT
-from ..transport.frames import FRAME_LENGTH, encode_frame, recv_exact_blocking
+from ...protocol.membership import Ack, Gossip, Ping, PushPull, Update
+from ...protocol.messages import register_all
+from ...protocol.refs import Holding, OriginEntry, Stamp
+from ...protocol.swim_wire import KIND_ALIVE, KIND_LEFT, KIND_SUSPECT
+from ...transport.frames import FRAME_LENGTH, encode_frame, recv_exact_blocking
 from . import insider as insider_mod
 from .insider import INSIDER_ATTACKS, Insider
 from .rogue_wares import DataServer, forged_offer, huge_manifest, read_message
@@ -435,7 +435,7 @@ class Rogue:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tensorhub.testing.rogue")
+    p = argparse.ArgumentParser(prog="python -m tensorhub.testing.chaos.rogue")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--chunk", type=int, required=True)
     p.add_argument("--huge-tensors", type=int, default=4_000_000)

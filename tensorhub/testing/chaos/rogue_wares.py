@@ -1,4 +1,4 @@
-"""What the chaos bench's rogue (:mod:`tensorhub.testing.rogue`) serves: a data port that
+"""What the chaos bench's rogue (:mod:`tensorhub.testing.chaos.rogue`) serves: a data port that
 answers with whatever an attack offers, framed as the real data plane frames it, and the
 manifests it forges."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..manifest.manifest import build_manifest
-from ..model import VersionKey
-from ..protocol.dataplane import (
+from ...manifest.manifest import build_manifest
+from ...model import VersionKey
+from ...protocol.dataplane import (
     BAD_REQUEST,
     NOT_HELD,
     OK,
@@ -24,8 +24,8 @@ from ..protocol.dataplane import (
     ManifestRequest,
     Reply,
 )
-from ..transport.frames import encode_frame, recv_frame_blocking
-from .chaos.worker import model_specs
+from ...transport.frames import encode_frame, recv_frame_blocking
+from .worker import model_specs
 
 # -- the data port it serves from ----------------------------------------------------------
 

@@ -30,18 +30,18 @@ from typing import Any, Protocol
 
 import zmq
 
-from ..model import PeerInfo
-from ..protocol.control import RefsDelta
-from ..protocol.coordination import CoordRequest
-from ..protocol.dataplane import NONCE_BYTES, AuthHello, AuthProof
-from ..protocol.membership import Gossip, PushPull, Update
-from ..protocol.refs import Holding, OriginEntry, Stamp, announcement_bytes
-from ..protocol.swim_wire import KIND_ALIVE, KIND_DEAD, KIND_LEFT
-from ..security import load
-from ..transport.frames import encode_frame
-from ..transport.handshake import transcript
-from .chaos.worker import model_bytes
+from ...model import PeerInfo
+from ...protocol.control import RefsDelta
+from ...protocol.coordination import CoordRequest
+from ...protocol.dataplane import NONCE_BYTES, AuthHello, AuthProof
+from ...protocol.membership import Gossip, PushPull, Update
+from ...protocol.refs import Holding, OriginEntry, Stamp, announcement_bytes
+from ...protocol.swim_wire import KIND_ALIVE, KIND_DEAD, KIND_LEFT
+from ...security import load
+from ...transport.frames import encode_frame
+from ...transport.handshake import transcript
 from .rogue_wares import DataServer, forged_offer, read_message
+from .worker import model_bytes
 
 INSIDER = "insider"
 INSIDER_ATTACKS = ("insider_false_left", "insider_take_address", "insider_announce",
@@ -51,7 +51,7 @@ FORGED_VERSION = 999
 
 class RogueProgram(Protocol):
     """What the insider's attacks need of the rogue program that runs them
-    (:class:`~tensorhub.testing.rogue.Rogue`): its control socket, its data server and
+    (:class:`~tensorhub.testing.chaos.rogue.Rogue`): its control socket, its data server and
     the model's sizes, and its claim on the trainer's versions."""
 
     control: str
