@@ -2,7 +2,8 @@
 
     python -m simulations.chaos --seeds 200 --json
 
-is ``tensorhub bench chaos``; see :mod:`tensorhub.bench.chaos` and docs/benchmarks.md.
+is ``tensorhub bench chaos``; see :mod:`tensorhub.bench.chaos`, docs/benchmarks.md (the current
+figures) and docs/benchmarks-history.md (what each attack and figure means).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import trio
 
 from .config import PeerConfig, parse_labels
 from .errors import ConfigError, TensorHubError
-from .ops import commands as cli_ops
+from .ops import commands
 from .ops.commands import Role
 from .security import load, read_keyring, write_keys
 
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True)
     _add_peer_options(p, "127.0.0.1:7700")
     p.add_argument("--data-listen", default=None, help="data-plane HOST:PORT")
-    cli_ops.add_role_options(p)
+    commands.add_role_options(p)
 
     pub = sub.add_parser("publish", help="serve a safetensors file (mmap, no copy) as a "
                          "version until SIGINT/SIGTERM")
@@ -134,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--name", default=None, help="member name (default publish-PID)")
     _add_peer_options(pub, "127.0.0.1:0")
     pub.add_argument("--data-listen", default=None, help="data-plane HOST:PORT")
-    cli_ops.add_metrics_option(pub)
+    commands.add_metrics_option(pub)
 
     f = sub.add_parser("fetch", help="fetch a version into a safetensors file")
-    cli_ops.add_fetch_options(f)
+    commands.add_fetch_options(f)
     f.add_argument("--name", default=None, help="member name (default fetch-PID)")
     _add_peer_options(f, "127.0.0.1:0")
 
@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command in ("peer", "publish"):
-            roles = cli_ops.roles_of(args)
+            roles = commands.roles_of(args)
             name = args.name or f"publish-{os.getpid()}"
             trio.run(_run_peer, _config(args, name), args.keys, roles)
             return 0
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.join:
                 raise ConfigError("fetch needs --join HOST:PORT")
             config = _config(args, args.name or f"fetch-{os.getpid()}")
-            print(json.dumps(trio.run(cli_ops.run_fetch, config, args)), flush=True)
+            print(json.dumps(trio.run(commands.run_fetch, config, args)), flush=True)
             return 0
         if args.command == "keygen":
             _keygen(args)
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.join:
                 raise ConfigError("status needs --join HOST:PORT")
             if args.watch:
-                trio.run(cli_ops.run_watch,
+                trio.run(commands.run_watch,
                          _config(args, args.name or f"status-{os.getpid()}"), args)
                 return 0
             report = trio.run(_status, _config(args, args.name or f"status-{os.getpid()}"),

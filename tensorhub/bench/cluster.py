@@ -78,8 +78,8 @@ KEYED_PORT = 7710
 _STALL_TIMEOUT_S = 60.0
 """Workers' stall limit per chunk read: a star fetch shares the trainer's NIC (or the WAN)
 ``window x rollouts`` ways, so one 8 MiB chunk can take ~10 s without anything stalling."""
-_SETUP_TIMEOUT_S = 120.0
-_FETCH_TIMEOUT_S = 900.0
+SETUP_TIMEOUT_S = 120.0
+FETCH_TIMEOUT_S = 900.0
 _ROOT = str(Path(__file__).resolve().parents[2])
 BASELINE_EXTRAS = {"gloo": "torch", "ray": "ray"}
 FANOUT_BOUND = {False: 1.15, True: 1.25}
@@ -120,7 +120,7 @@ class _Worker(WorkerClient):
                 host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 text=True, env={**os.environ, "PYTHONPATH": path},
             )  # fmt: skip
-        super().__init__(name, process, _SETUP_TIMEOUT_S)
+        super().__init__(name, process, SETUP_TIMEOUT_S)
 
     def prepare(self, size: int) -> None:
         """Pre-faulted ``into`` buffers of ``size`` bytes (a rollout's fixed weights)."""
@@ -197,7 +197,7 @@ class Mesh:
                                                   self.extra)
             started.append(worker)
         for worker in started:
-            worker.expect("ready", _SETUP_TIMEOUT_S)
+            worker.expect("ready", SETUP_TIMEOUT_S)
 
     def fanout(self, version: int, size: int, *, sources: Sequence[str] | None = None,
                keep: bool = False, checksum: bool = False) -> Fanout:
@@ -208,13 +208,13 @@ class Mesh:
         for worker in self.rollouts:
             worker.prepare(size)
             worker.call("holders", cmd="wait_holders", model=MODEL, version=version, count=1,
-                        timeout=_SETUP_TIMEOUT_S)
+                        timeout=SETUP_TIMEOUT_S)
         wan_before = self.cluster.wan_bytes() if self.cluster.dcs > 1 else None
         for worker in self.rollouts:
             worker.send(cmd="fetch", model=MODEL, version=version, into=True,
                         sources=None if sources is None else list(sources),
                         checksum=checksum)
-        fetches = {w.name: w.expect("fetched", _FETCH_TIMEOUT_S) for w in self.rollouts}
+        fetches = {w.name: w.expect("fetched", FETCH_TIMEOUT_S) for w in self.rollouts}
         wan = None if wan_before is None else self.cluster.wan_bytes() - wan_before
         if not keep:
             for worker in [*self.rollouts, self.trainer]:
@@ -233,9 +233,9 @@ class Mesh:
         joiner = self.workers[JOINER]
         joiner.prepare(size)
         joiner.call("holders", cmd="wait_holders", model=MODEL, version=version,
-                    count=holders, timeout=_SETUP_TIMEOUT_S)
+                    count=holders, timeout=SETUP_TIMEOUT_S)
         wan_before = self.cluster.wan_bytes() if self.cluster.dcs > 1 else None
-        fetched = joiner.call("fetched", _FETCH_TIMEOUT_S, cmd="fetch", model=MODEL,
+        fetched = joiner.call("fetched", FETCH_TIMEOUT_S, cmd="fetch", model=MODEL,
                               version=version, into=True, sources=None)
         return fetched, None if wan_before is None else self.cluster.wan_bytes() - wan_before
 

@@ -36,7 +36,7 @@ from typing import Any
 from ..testing.clusterspec import ClusterSpec, uniform
 from ..testing.netns import Cluster, open_topology
 from .baselines import chunk_text, parse_chunk, parse_size
-from .cluster import _FETCH_TIMEOUT_S, _SETUP_TIMEOUT_S, MODEL, ClusterBenchError, open_mesh
+from .cluster import FETCH_TIMEOUT_S, MODEL, SETUP_TIMEOUT_S, ClusterBenchError, open_mesh
 from .figures import figure, print_figures
 
 _SEED = 1000
@@ -46,16 +46,16 @@ def _round(mesh: Any, version: int, base: int | None, fraction: float, size: int
            cluster: Cluster) -> dict[str, Any]:
     """The trainer publishes ``version`` (a step of ``base``), every rollout fetches it
     into fresh buffers; the fetches, the trainer's checksum and the bytes between DCs."""
-    published = mesh.trainer.call("published", _FETCH_TIMEOUT_S, cmd="publish_step",
+    published = mesh.trainer.call("published", FETCH_TIMEOUT_S, cmd="publish_step",
                                   model=MODEL, version=version, size=size, base=base,
                                   fraction=fraction, seed=_SEED + version)
     for w in mesh.rollouts:
         w.call("holders", cmd="wait_holders", model=MODEL, version=version, count=1,
-               timeout=_SETUP_TIMEOUT_S)
+               timeout=SETUP_TIMEOUT_S)
     wan0 = cluster.wan_bytes() if cluster.dcs > 1 else 0
     for w in mesh.rollouts:
         w.send(cmd="fetch", model=MODEL, version=version, into=False, checksum=True)
-    fetches = {w.name: w.expect("fetched", _FETCH_TIMEOUT_S) for w in mesh.rollouts}
+    fetches = {w.name: w.expect("fetched", FETCH_TIMEOUT_S) for w in mesh.rollouts}
     wan = cluster.wan_bytes() - wan0 if cluster.dcs > 1 else 0
     start = min(f["start"] for f in fetches.values())
     return {"fetches": fetches, "wan_bytes": wan, "start": start,

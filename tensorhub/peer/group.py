@@ -333,7 +333,7 @@ class Group:
         st, live = self._staging, self.live
         if st is not None and st.round == o.round and st.staged is not None:
             self._staging = None
-            release = self.rollout._switch(st.staged)
+            release = self.rollout.switch_nowait(st.staged)
             if release is not None:
                 self._add_job("release", release)
         elif live is None or live.version != o.version:

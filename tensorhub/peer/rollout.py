@@ -114,7 +114,7 @@ class Staged:
         released in the background (see :class:`Committed`).  Cancelled, it has not
         switched; once it switched it returns without waiting for anything."""
         await trio.lowlevel.checkpoint()  # cancelled here, nothing has changed
-        release = self.rollout._switch(self)  # from here on, no await: never lost
+        release = self.rollout.switch_nowait(self)  # from here on, no await: never lost
         return Committed(self.version, self.fetched.tensors,
                          None if release is None else release.version,
                          self.switch_seconds, release)
@@ -185,11 +185,12 @@ class Rollout:
                         f"into= overlaps the buffers of version {release.version}, whose "
                         f"release failed ({release.error}): they may still be read")
 
-    def _switch(self, staged: Staged) -> Release | None:
+    def switch_nowait(self, staged: Staged) -> Release | None:
         """Make ``staged`` live and start releasing the version that was live, if any
-        (see :mod:`.release`); never blocks.  The time it takes is the switch: counted
-        in the peer's statistics and the staged fetch's report, unless the version
-        was live already."""
+        (see :mod:`.release`); never blocks.  :meth:`Staged.commit` is the API; a
+        group's shell, which switches inside its dispatcher, calls this.  The time it
+        takes is the switch: counted in the peer's statistics and the staged fetch's
+        report, unless the version was live already."""
         started = trio.current_time()
         if staged.rollout is not self:
             raise LocalProtocolError("that version was staged by another rollout")
