@@ -208,7 +208,7 @@ class Reader:
         joined: FetchReport | None = None
         while True:
             held = self.store.get(key)
-            flight = None  # MUTANT
+            flight = self._flights.get(key)
             if flight is None and held is not None:
                 if held.complete and not held.hidden:
                     return await self._from_held(held, dest, joined)
