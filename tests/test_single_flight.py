@@ -289,6 +289,11 @@ async def gone_everywhere(*peers: tensorhub.Peer) -> None:
 
 
 async def scenario(program: list[Caller]) -> None:
+    with trio.fail_after(60):  # a hang is a failure too
+        await run_scenario(program)
+
+
+async def run_scenario(program: list[Caller]) -> None:
     async with publisher_and_witness(0.02) as (pub, witness), trio.open_nursery() as n:
         close = trio.Event()
         reader = await n.start(run_reader, pub, close)

@@ -313,7 +313,8 @@ class Reader:
                 flight.abandoned = True
                 raise
             finally:
-                del self._flights[key]
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
                 flight.done.set()
 
         try:
