@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from helpers import wait_until, wait_until_sync
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from slow_serving import slow_served
 
@@ -83,10 +84,12 @@ async def publisher_and_witness(delay: float
             tensorhub.open_peer(config("witness", join=(seed(pub),))) as witness:
         slow_served(pub, delay)
         await pub.publish(MODEL, 1, weights())
-        with trio.fail_after(10):
-            while await witness.latest(MODEL) != 1 or await pub.latest(MODEL) != 1:
-                await witness.wait_changed()
+        await wait_until(lambda: sees_latest(pub, witness), what="v1 latest everywhere")
         yield pub, witness
+
+
+async def sees_latest(*peers: tensorhub.Peer) -> bool:
+    return all([await p.latest(MODEL) == 1 for p in peers])
 
 
 def seed(peer: tensorhub.Peer) -> str:
@@ -97,9 +100,7 @@ async def run_reader(pub: tensorhub.Peer, close: trio.Event, *,
                      task_status: trio.TaskStatus[tensorhub.Peer]) -> None:
     """The reader, open until ``close`` is set (closing ends the calls in flight)."""
     async with tensorhub.open_peer(config("reader", join=(seed(pub),))) as reader:
-        with trio.fail_after(10):
-            while await reader.latest(MODEL) != 1:
-                await reader.wait_changed()
+        await wait_until(lambda: sees_latest(reader), what="v1 latest at the reader")
         task_status.started(reader)
         await close.wait()
 
@@ -121,7 +122,7 @@ def callers(draw: st.DrawFn) -> Caller:
     what = draw(st.sampled_from(["fetch"] * 10 + ["unpublish"] * 3 + ["close"]))
     thread = what == "fetch" and draw(st.booleans())
     return Caller(
-        what, draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.12, 0.25])),
+        what, draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.12, 0.25, 0.6])),
         into=draw(st.booleans()), layout=draw(st.sampled_from([None, None, HALF])),
         thread=thread,  # a thread's call cannot be cancelled (nor can BlockingPeer's)
         cancel_after=None if what != "fetch" or thread else draw(
@@ -226,13 +227,6 @@ def check_returns(outcomes: list[Outcome], closed: bool) -> None:
                  f"{', thread' if c.thread else ''}{', half' if c.layout else ''}"] += 1
 
 
-async def settled(cond: Any, what: str) -> None:
-    with trio.fail_after(5):
-        while not cond():
-            await trio.sleep(0.02)
-    assert cond(), what
-
-
 def listed(p: tensorhub.Peer, key: VersionKey) -> bool:
     return any(i.name == "reader" and h.complete for i, h in p.control.holders(key))
 
@@ -263,11 +257,11 @@ async def check_state(pub: tensorhub.Peer, reader: tensorhub.Peer, witness: tens
         if calm:
             assert len(moved) <= 1, f"{key} moved {len(moved)} times by {len(mine)} calls"
         if closed:  # the reader left: nobody lists it any more
-            await settled(lambda k=key: not listed(pub, k) and not listed(witness, k),
-                          f"{key}: a closed reader still listed")
+            await wait_until(lambda k=key: not listed(pub, k) and not listed(witness, k),
+                             what=f"{key}: the closed reader unlisted")
             continue
-        await settled(lambda k=key, h=held: listed(pub, k) == h and listed(witness, k) == h,
-                      f"{key}: the mesh's view of the reader is not {held}")
+        await wait_until(lambda k=key, h=held: listed(pub, k) == h and listed(witness, k) == h,
+                         what=f"{key}: the mesh's view of the reader to be {held}")
         if held and key.whole:
             got = await witness.fetch(MODEL, 1, sources=["reader"])
             np.testing.assert_array_equal(got.tensors["w"], weights()["w"])
@@ -282,8 +276,8 @@ async def check_state(pub: tensorhub.Peer, reader: tensorhub.Peer, witness: tens
 
 async def gone_everywhere(*peers: tensorhub.Peer) -> None:
     """No peer counts version 1 readable any more; ``latest`` still names it."""
-    await settled(lambda: not any(p.control.readable(MODEL) for p in peers),
-                  "a version nobody holds is still readable")
+    await wait_until(lambda: not any(p.control.readable(MODEL) for p in peers),
+                     what="the version nobody holds unreadable everywhere")
     for p in peers:
         assert await p.latest(MODEL) == 1, p.info.name
 
@@ -300,7 +294,7 @@ async def run_scenario(program: list[Caller]) -> None:
         outcomes = await run_program(reader, program, close)
         closed = close.is_set()
         if closed:  # let it finish leaving
-            await settled(lambda: reader.operations.closed, "the reader did not close")
+            await wait_until(lambda: reader.operations.closed, what="the reader closed")
         check_returns(outcomes, closed)
         await check_state(pub, reader, witness, outcomes, closed)
         close.set()
@@ -309,6 +303,14 @@ async def run_scenario(program: list[Caller]) -> None:
 @pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(callers(), min_size=2, max_size=5))
+# besides the random ones, one program for each kind of outcome the last test wants
+@example([Caller("fetch", 0.0), Caller("fetch", 0.0, into=True),
+          Caller("unpublish", 0.01)])  # moved, joined, refused in flight
+@example([Caller("fetch", 0.0), Caller("unpublish", 0.6), Caller("fetch", 0.8, into=True),
+          Caller("fetch", 1.2)])  # moved, unpublished, moved again, held
+@example([Caller("fetch", 0.0, cancel_after=0.03), Caller("fetch", 0.0, thread=True),
+          Caller("unpublish", 0.0)])  # cancelled, joined; not held yet
+@example([Caller("fetch", 0.0, layout=HALF), Caller("close", 0.05)])  # ended by close
 def test_single_flight_holds_under_random_interleavings(program: list[Caller]) -> None:
     trio.run(scenario, program)
 
@@ -335,9 +337,7 @@ async def test_a_cancelled_fetch_leaves_the_other_callers_transfer_alone() -> No
             tensorhub.open_peer(config("witness", join=(seed(pub),))) as witness:
         slow_served(pub, 0.002)
         await pub.publish(MODEL, 1, big)
-        with trio.fail_after(10):
-            while await reader.latest(MODEL) != 1:
-                await reader.wait_changed()
+        await wait_until(lambda: sees_latest(reader), what="v1 latest at the reader")
         got: list[tensorhub.Fetched] = []
 
         async def second() -> None:
@@ -352,7 +352,7 @@ async def test_a_cancelled_fetch_leaves_the_other_callers_transfer_alone() -> No
         stats = reader.statistics()
         assert stats.bytes_fetched == big["w"].nbytes and stats.fetches == 1
         assert stats.holdings == {str(VersionKey(MODEL, 1)): "complete"}
-        await settled(lambda: listed(pub, VersionKey(MODEL, 1)), "reader not listed")
+        await wait_until(lambda: listed(pub, VersionKey(MODEL, 1)), what="the reader listed")
         from_reader = await witness.fetch(MODEL, 1, sources=["reader"])
         np.testing.assert_array_equal(from_reader.tensors["w"], big["w"])
         await witness.unpublish(MODEL, 1)
@@ -377,11 +377,7 @@ def test_blocking_peer_threads_share_one_transfer() -> None:
     try:
         assert ready.wait(30)
         with tensorhub.BlockingPeer(config("reader", join=(address[0],))) as bp:
-            for _ in range(200):
-                if bp.latest(MODEL) == 1:
-                    break
-                threading.Event().wait(0.05)
-            assert bp.latest(MODEL) == 1
+            wait_until_sync(lambda: bp.latest(MODEL) == 1, what="v1 latest at the reader")
             results: list[Any] = [None] * 4
             intos = [None, None, *({k: np.zeros_like(v) for k, v in weights().items()}
                                    for _ in range(2))]
