@@ -60,6 +60,7 @@ from ..protocol.reading import (
     ManifestSearch,
     Plan,
     PlanFollow,
+    View,
     check_schema,
     named_view,
     size_hint,
@@ -515,8 +516,12 @@ class Reader:
                   only: Sequence[int] | None = None,
                   on_progress: Callable[[], None] = lambda: None) -> Transfer:
         ports, me = self.ports, self.me.name
-        return Transfer(me=me, local=local,
-                        view=lambda k: named_view(ports.holders(k), ports.live(), allowed, me),
+
+        def view(key: VersionKey) -> View:
+            every = ports.holders(key)
+            return every if allowed is None else named_view(every, ports.live(), allowed, me)
+
+        return Transfer(me=me, local=local, view=view,
                         upstream=allowed or frozenset(), plan=plan or (),
                         connect=self.pool.connect, release=self.pool.release,
                         window=streams, window_cap=cap, socket_window=socket_window(),
