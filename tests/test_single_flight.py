@@ -20,6 +20,7 @@ reader closing.  Once every caller has ended, the outcome is checked against a m
 * the store holds a version exactly when the model says (the last of the fetches and
   unpublishes of it that succeeded, in the order they returned), and nothing half-done
   is left: no partial or hidden version, no expected manifest, no lease, no flight;
+* nothing is left of any fetch once the peers closed: no memory file, no descriptor;
 * holdings and gossip agree with the store: the reader's statistics, the publisher's
   and the witness's view of the reader (it is a complete holder exactly when it holds
   the version, and after it closed it is none), a fetch from the reader by name; once
@@ -29,6 +30,8 @@ reader closing.  Once every caller has ended, the outcome is checked against a m
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -46,6 +49,7 @@ from slow_serving import slow_served
 
 import tensorhub
 from tensorhub import LocalProtocolError, PeerClosed, PeerConfig, Sharding, VersionKey
+from tensorhub.transport.samehost import memory_files
 
 MODEL = "m"
 CHUNK = 64 << 10
@@ -312,7 +316,19 @@ async def run_scenario(program: list[Caller]) -> None:
           Caller("unpublish", 0.0)])  # cancelled, joined; not held yet
 @example([Caller("fetch", 0.0, layout=HALF), Caller("close", 0.05)])  # ended by close
 def test_single_flight_holds_under_random_interleavings(program: list[Caller]) -> None:
+    fds, shared = leftovers()
     trio.run(scenario, program)
+    # every fetch that ended, whichever way, let go of its memory files and descriptors
+    # (the peers are closed: their sockets too; the kept spare buffer is dropped here)
+    wait_until_sync(lambda: leftovers()[1] == shared and leftovers()[0] <= fds,
+                    what="memory files and descriptors let go")
+
+
+def leftovers() -> tuple[set[str], int]:
+    """The descriptors open in this process, and its shared arrays alive."""
+    gc.collect()
+    memory_files.drop_spare()
+    return set(os.listdir("/proc/self/fd")), memory_files.registered()
 
 
 def test_the_property_test_explored_every_kind() -> None:
