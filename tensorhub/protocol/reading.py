@@ -67,6 +67,7 @@ Plan = list[tuple[PeerInfo, int, int]]
 PlanStamp = tuple[Epoch, int]
 """Which plan: the coordinator's epoch, then the plan's own (newer compares greater)."""
 BanCheck = Callable[[str], Ban | None]
+"""Holder name -> the peer's ban on it now (until when, and why), or None."""
 
 EARLY_RETRY = 0.02
 """Seconds between asks of a named source for a manifest it does not hold yet."""

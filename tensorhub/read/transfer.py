@@ -33,9 +33,8 @@ from ..errors import (
 )
 from ..manifest.digests import LOCAL_ALGO, digest_of
 from ..model import PeerInfo, VersionKey
-from ..protocol.bans import Ban
 from ..protocol.dataplane import NOT_YET
-from ..protocol.refs import Holding
+from ..protocol.reading import BanCheck, View
 from ..protocol.transfer import (
     FailureKind,
     Stream,
@@ -47,12 +46,10 @@ from ..transport.base import Connection, NotServing, Verifier
 from .report import FetchReport
 from .store import LocalVersion
 
-HolderView = Callable[[VersionKey], list[tuple[PeerInfo, Holding]]]
+HolderView = Callable[[VersionKey], View]
 Connector = Callable[[PeerInfo], Awaitable[Connection]]
 Releaser = Callable[[Connection], Awaitable[None]]
 """Takes a connection the fetch is done with (closes it, or keeps it for a later read)."""
-BanCheck = Callable[[str], Ban | None]
-"""Holder name -> the peer's ban on it now (until when, and why), or None."""
 BadBytes = Callable[[str, VersionKey, str], None]
 """Told ``(holder, version, reason)`` when a holder's chunk failed its digest."""
 FAILURES = (NotServing, IntegrityError, RemoteProtocolError, TransportError, OSError)
