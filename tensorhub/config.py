@@ -17,6 +17,7 @@ from typing import Any
 from .bounds import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_PEER_NAME
 from .errors import ConfigError
 from .limits import MAX_MANIFEST_BYTES, MAX_MODEL_NAME, ManifestLimits
+from .links import LinkSpec, check_links
 from .manifest.digests import DIGEST_ALGOS
 from .security import Security
 
@@ -160,6 +161,11 @@ class PeerConfig:
     nic_bps: float = 12.5e9
     """NIC bandwidth (bytes/s) assumed for peers without a ``nic_bps`` label: 100 Gbit.
     The planner's fan-out limits follow from it; label peers whose NIC differs."""
+
+    links: tuple[LinkSpec, ...] = ()
+    """Links between DCs the operator declares (:mod:`tensorhub.links`; the CLI's
+    ``--links FILE``): where this peer's planner starts for a DC pair nobody measured
+    yet.  Measured and gossiped estimates replace them (:mod:`tensorhub.protocol.wan`)."""
 
     planning: bool = True
     """Ask the version's coordinator for a plan (who pulls what from whom). Off: every
@@ -327,6 +333,7 @@ class PeerConfig:
             raise ConfigError(f"delta must be 'off', 'auto' or 'always', got {self.delta!r}")
         if not self.nic_bps > 0:
             raise ConfigError("nic_bps must be > 0")
+        check_links(self.links)
         if self.max_inflight_bytes < 4096:
             raise ConfigError("max_inflight_bytes must be >= 4096")
         if not 1 <= self.data_max_connections_per_address <= self.data_max_connections \

@@ -14,25 +14,32 @@ moving average, because small transfers measure latency, not bandwidth.  Only th
 receiver measures (``observe(src, dst=self, ...)``), so the estimates *into* a peer are
 that peer's own data: it gossips them as one :class:`LinkDigest` with a sequence number,
 and a merge keeps, per origin, the digest with the highest sequence number.  Merging is
-thus commutative, associative and idempotent.  All inter-DC traffic shares one WAN
-link of ``wan_bps``.
+thus commutative, associative and idempotent.
 
-:func:`fluid_bound` is the time no schedule can beat (every byte must leave the sources,
-reach the slowest fetcher, fit in the sum of all uplinks and cross the WAN once per
-remote DC); :func:`star_time` is what everyone pulling from the sources would take.
+Between DCs each ordered pair ``a -> b`` has its own link (:class:`~.wan.Wan`: declared,
+measured, gossiped); :meth:`Topology.dc_link` is its rate and round trip, the
+``wan_bps`` default where nothing is known.  A cross-DC pair of peers nobody measured is
+estimated at its DCs' link rate.
+
+:func:`cut_bound` is the time no schedule can beat: every byte must leave the sources,
+reach the slowest fetcher, fit in the sum of all uplinks, and enter every set of DCs
+without a source over the links into it (the cuts); :func:`fluid_bound` is its one-link
+special case and :func:`star_time` what everyone pulling from the sources would take.
 
 Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
 from ..errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from ..model import PeerInfo
+from .wan import Wan
 
 MAX_DIGEST_LINKS = 4096
 
@@ -116,7 +123,7 @@ class TopologyConfig:
     cross_dc_bps: float = 25e9
     """One flow across the inter-DC link (200 Gb/s cross-site)."""
     wan_bps: float = 25e9
-    """The inter-DC link, shared by every cross-DC flow."""
+    """A DC pair's link where nothing was declared or measured (each pair its own)."""
     ewma_alpha: float = 0.3
     """Weight of a new sample. Higher follows change faster, but is noisier."""
     min_sample_bytes: int = 1 << 20
@@ -142,8 +149,10 @@ class Topology:
     """Known nodes plus per-link throughput estimates (mutable, one per peer)."""
 
     def __init__(self, config: TopologyConfig | None = None,
-                 nodes: tuple[NodeInfo, ...] = ()) -> None:
+                 nodes: tuple[NodeInfo, ...] = (), wan: Wan | None = None) -> None:
         self.config = config or TopologyConfig()
+        self.wan = wan if wan is not None else Wan()
+        """The DC pairs' links (shared: the coordinator passes its peer's)."""
         self._nodes: dict[str, NodeInfo] = {n.name: n for n in nodes}
         self._est: dict[tuple[str, str], float] = {}
         self._seq: dict[str, int] = {}
@@ -173,9 +182,22 @@ class Topology:
         return self.estimate(src, dst, self.locality(src, dst))
 
     def estimate(self, src: str, dst: str, where: Locality) -> float:
-        """``link_bps`` for a pair whose locality is known (the nodes may be gone)."""
+        """``link_bps`` for a pair whose locality is known (the nodes may be gone): as
+        measured, else (across DCs) the DCs' link, else the class default."""
         est = self._est.get((src, dst))
-        return est if est is not None else self.config.class_bps(where)
+        if est is not None:
+            return est
+        if where is Locality.CROSS_DC and src in self._nodes and dst in self._nodes:
+            rate = self.wan.rate(self._nodes[src].dc, self._nodes[dst].dc)
+            if rate is not None:
+                return rate
+        return self.config.class_bps(where)
+
+    def dc_link(self, src: str, dst: str) -> tuple[float, float]:
+        """The ``src -> dst`` DC link's rate (bytes/s) and round trip (s): as the WAN
+        model believes, else ``wan_bps`` and 0."""
+        e = self.wan.estimate(src, dst)
+        return (self.config.wan_bps, 0.0) if e is None else (e.bps, e.rtt_s)
 
     def measured(self) -> list[tuple[str, str, float]]:
         """Every measured estimate, as ``(src, dst, bytes/s)``."""
@@ -222,6 +244,48 @@ def fluid_bound(size: float, source_up: float, d_min: float, uplinks: Sequence[f
         return 0.0
     return max(size / source_up, size / d_min,
                len(uplinks) * size / (source_up + sum(uplinks)), wan_bytes / wan_bps)
+
+
+MAX_CUT_DCS = 12
+"""Above this many DCs without a source, :func:`cut_bound` tries each alone and all
+together instead of every subset (2^12 subsets is some 50 ms)."""
+
+
+def cut_bound(size: float, sources: Sequence[tuple[str, float]],
+              fetchers: Sequence[tuple[str, float, float]],
+              link_bps: Callable[[str, str], float]) -> float:
+    """No schedule moves ``size`` bytes from ``sources`` (``(dc, up)``, each holding all
+    of them) to every fetcher (``(dc, up, down)``) faster than this:
+
+        max{ S/sum u_src,  S/min d_i,  N*S/(sum u_src + sum u_i),
+             max over sets A of DCs without a source:
+                 S/c(A),  |fetchers(A)|*S/(sum_{i in A} u_i + c(A)) }
+
+    with ``c(A)`` the sum of the rates ``link_bps(b, a)`` of the links into ``A`` from
+    the other DCs taking part (``a`` in ``A``, ``b`` not).  Each term is a cut: the sources
+    must upload one copy; the slowest fetcher must download one; all N copies must be
+    uploaded by someone; ``A`` must receive at least one copy over its links, and its
+    fetchers' copies come from inside ``A`` or over them."""
+    if not fetchers or not sources:
+        return 0.0
+    up_src = sum(u for _, u in sources)
+    terms = [size / up_src, size / min(d for _, _, d in fetchers),
+             len(fetchers) * size / (up_src + sum(u for _, u, _ in fetchers))]
+    src_dcs = {dc for dc, _ in sources}
+    dcs = sorted(src_dcs | {dc for dc, _, _ in fetchers})
+    others = [d for d in dcs if d not in src_dcs]
+    if len(others) <= MAX_CUT_DCS:
+        groups: Iterable[tuple[str, ...]] = (
+            g for k in range(1, len(others) + 1) for g in itertools.combinations(others, k))
+    else:
+        groups = [*((d,) for d in others), tuple(others)]
+    for group in groups:
+        inside = set(group)
+        cut = sum(link_bps(b, a) for a in inside for b in dcs if b not in inside)
+        members = [u for dc, u, _ in fetchers if dc in inside]
+        if members:
+            terms += [size / cut, len(members) * size / (sum(members) + cut)]
+    return max(terms)
 
 
 def star_time(size: float, source_up: float, downlinks: Sequence[float], *,
