@@ -17,6 +17,7 @@ from tensorhub.testing.clusterspec import (
     ClusterSpec,
     DCLink,
     DCSpec,
+    LinkChange,
     TopologyFileError,
     fluid_bound_s,
     load_topology,
@@ -24,6 +25,7 @@ from tensorhub.testing.clusterspec import (
     parse_topology,
     relay_buffer,
     relay_routes,
+    send_time_s,
     uniform,
 )
 
@@ -219,3 +221,235 @@ def test_the_example_in_the_docs_parses() -> None:
     assert [len(dc.nics_mbit) for dc in spec.dcs] == [4, 4, 2]
     assert spec.link(0, 2) == DCLink(400.0, 40.0)  # us-ap from [defaults]
     assert fluid_bound_s(spec, S) == pytest.approx(S / (100 * MB))  # the 100 Mbit hosts
+
+
+# -- one-way links and changes during a fan-out ----------------------------------------
+
+TWO = "[[dc]]\nname = 'a'\nhosts = [400]\n[[dc]]\nname = 'b'\nhosts = [400, 400]\n"
+
+
+def test_one_way_links_give_each_direction_its_rate() -> None:
+    spec = parse_topology(TWO + """
+        [[link]]
+        from = "a"
+        to = "b"
+        mbit = 100
+        rtt_ms = 40
+        [[link]]
+        from = "b"
+        to = "a"
+        mbit = 40
+        rtt_ms = 40
+    """)
+    assert spec.link(0, 1) == DCLink(100.0, 40.0)
+    assert spec.link(1, 0) == DCLink(40.0, 40.0)
+    assert not spec.symmetric(0, 1)
+    assert "a->b: 100 Mbit, b->a: 40 Mbit, 40 ms rtt" in spec.describe()
+    assert spec.to_dict()["links"] == [
+        {"from": "a", "to": "b", "mbit": 100.0, "rtt_ms": 40.0},
+        {"from": "b", "to": "a", "mbit": 40.0, "rtt_ms": 40.0}]
+    # The cut into {b} is the link a -> b: S / 100 Mbit, not the 40 Mbit back.
+    assert fluid_bound_s(spec, S) == pytest.approx(S / (100 * MB))
+    swapped = ClusterSpec(spec.dcs, {(0, 1): spec.link(1, 0), (1, 0): spec.link(0, 1)})
+    assert fluid_bound_s(swapped, S) == pytest.approx(S / (40 * MB))
+
+
+def test_a_one_way_link_may_take_its_way_back_from_defaults() -> None:
+    spec = parse_topology(TWO + """
+        [defaults]
+        wan_mbit = 300
+        wan_rtt_ms = 60
+        [[link]]
+        from = "a"
+        to = "b"
+        mbit = 50
+        rtt_ms = 60
+    """)
+    assert (spec.link(0, 1), spec.link(1, 0)) == (DCLink(50.0, 60.0), DCLink(300.0, 60.0))
+
+
+def test_a_symmetric_mapping_is_completed_both_ways() -> None:
+    spec = ClusterSpec((DCSpec("a", (1.0,)), DCSpec("b", (1.0,))), {(0, 1): DCLink(5.0, 2.0)})
+    assert spec.links == {(0, 1): DCLink(5.0, 2.0), (1, 0): DCLink(5.0, 2.0)}
+    assert spec.symmetric(0, 1)
+    with pytest.raises(ConfigError, match="the same both ways"):
+        ClusterSpec(spec.dcs, {(0, 1): DCLink(5.0, 2.0), (1, 0): DCLink(5.0, 3.0)})
+
+
+def test_bound_cuts_into_a_set_of_dcs_use_the_links_into_it() -> None:
+    # Into {b}: s->b + c->b = 100 + 40; into {c}: s->c + b->c = 50 + 200; into {b, c}:
+    # s->b + s->c = 150. The tightest is {b} at 140 Mbit (the links out of b, 300 + 200,
+    # and out of c, 300 + 40, do not count).
+    spec = parse_topology("""
+        [[dc]]
+        name = "s"
+        hosts = [400]
+        [[dc]]
+        name = "b"
+        hosts = [400]
+        [[dc]]
+        name = "c"
+        hosts = [400]
+        [[link]]
+        from = "s"
+        to = "b"
+        mbit = 100
+        [[link]]
+        from = "b"
+        to = "s"
+        mbit = 300
+        [[link]]
+        from = "s"
+        to = "c"
+        mbit = 50
+        [[link]]
+        from = "c"
+        to = "s"
+        mbit = 300
+        [[link]]
+        from = "b"
+        to = "c"
+        mbit = 200
+        [[link]]
+        from = "c"
+        to = "b"
+        mbit = 40
+    """)
+    assert spec.cut_steps([1]) == [(0.0, 140 * MB)]
+    assert spec.cut_steps([1, 2]) == [(0.0, 150 * MB)]
+    assert fluid_bound_s(spec, S) == pytest.approx(S / (140 * MB))
+
+
+def test_send_time_follows_the_rate_steps() -> None:
+    assert send_time_s(10.0, [(0.0, 5.0)]) == 2.0
+    # 12.5 MB/s for 2 s carries 25 MB; the other 25 MB at 5 MB/s take 5 s more.
+    assert send_time_s(50e6, [(0.0, 12.5e6), (2.0, 5e6)]) == pytest.approx(7.0)
+    assert send_time_s(20e6, [(0.0, 12.5e6), (2.0, 5e6)]) == pytest.approx(1.6)  # done before
+    assert send_time_s(50e6, [(0.0, 5e6), (1.0, 37.5e6)]) == pytest.approx(2.2)
+    assert send_time_s(50e6, [(0.0, 5e6), (1.0, math.inf)]) == 1.0
+    assert send_time_s(1.0, [(0.0, math.inf)]) == 0.0
+    assert send_time_s(50e6, [(0.0, 12.5e6), (2.0, 12.5e6 * 4)]) == pytest.approx(2.5)
+
+
+def test_a_change_during_the_fan_out_moves_the_bound() -> None:
+    text = TWO + """
+        [[link]]
+        between = ["a", "b"]
+        mbit = 100
+        rtt_ms = 40
+        [[change]]
+        at_s = 2.0
+        from = "a"
+        to = "b"
+        mbit = 40
+    """
+    spec = parse_topology(text)
+    assert spec.changes == (LinkChange(2.0, 0, 1, 40.0),)
+    assert spec.rate_steps(0, 1) == [(0.0, 100 * MB), (2.0, 40 * MB)]
+    assert spec.rate_steps(1, 0) == [(0.0, 100 * MB)]
+    assert not spec.symmetric(0, 1)
+    assert "at 2 s a->b: 40 Mbit" in spec.describe()
+    assert spec.to_dict()["changes"] == [{"at_s": 2.0, "from": "a", "to": "b", "mbit": 40.0}]
+    # 12.5 MB/s for 2 s, then 5 MB/s: 50 MB arrive at 7 s; 20 MB before the change.
+    assert fluid_bound_s(spec, 50e6) == pytest.approx(7.0)
+    assert fluid_bound_s(spec, 20e6) == pytest.approx(1.6)
+    faster = parse_topology(text.replace("mbit = 40", "mbit = 300").replace(
+        "mbit = 100", "mbit = 40").replace("at_s = 2.0", "at_s = 1.0"))
+    assert fluid_bound_s(faster, 50e6) == pytest.approx(2.2)  # 5 MB in 1 s, 45 at 37.5
+
+
+def test_a_change_on_one_of_two_links_into_a_dc_changes_that_cut_only() -> None:
+    spec = parse_topology("""
+        [defaults]
+        wan_mbit = 300
+        wan_rtt_ms = 50
+        [[dc]]
+        name = "s"
+        hosts = [400]
+        [[dc]]
+        name = "t"
+        hosts = [400]
+        [[dc]]
+        name = "r"
+        hosts = [400]
+        [[link]]
+        from = "s"
+        to = "r"
+        mbit = 100
+        rtt_ms = 50
+        [[link]]
+        from = "t"
+        to = "r"
+        mbit = 100
+        rtt_ms = 50
+        [[change]]
+        at_s = 1
+        between = ["t", "r"]
+        mbit = 20
+    """)
+    assert len(spec.changes) == 2  # both ways
+    assert spec.cut_steps([2]) == [(0.0, 200 * MB), (1.0, 120 * MB)]
+    # Into {r}: 25 MB in the first second, then 15 MB/s: 100 MB at 6 s. Into {t}: 600
+    # Mbit (1.33 s); into {t, r}: 400 Mbit (2 s); the source's NIC: 2 s.
+    assert fluid_bound_s(spec, 100e6) == pytest.approx(6.0)
+    assert relay_buffer(spec) == int(2 * 300 * MB * 0.025)
+
+
+def test_relay_routes_cap_each_direction_on_its_own() -> None:
+    spec = parse_topology(TWO + """
+        [[link]]
+        from = "a"
+        to = "b"
+        mbit = 100
+        rtt_ms = 20
+        [[link]]
+        from = "b"
+        to = "a"
+        rtt_ms = 20
+    """)
+    routes = {(r["src"], r["dst"]): r for r in relay_routes(spec, "10.77")}
+    a_to_b = routes[("10.77.0.0/24", "10.77.1.0/24")]
+    assert a_to_b["one_way_ms"] == 10
+    assert a_to_b["to_dst_priority"] == 0x10000 | pair_class(0)  # a -> b: capped
+    assert a_to_b["to_src_priority"] == 0  # b -> a: uncapped
+    b_to_a = routes[("10.77.1.0/24", "10.77.0.0/24")]
+    assert (b_to_a["to_dst_priority"], b_to_a["to_src_priority"]) == (0, 0x10000 | pair_class(0))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[[link]]\nfrom='a'\nto='b'\nmbit=100\nrtt_ms=10\n",
+     "no \\[\\[link\\]\\] for b->a .*needs one back"),
+    ("[[link]]\nfrom='a'\nto='b'\nmbit=100\nrtt_ms=10\n"
+     "[[link]]\nfrom='b'\nto='a'\nmbit=40\nrtt_ms=20\n",
+     "\\[\\[link\\]\\] #1 and \\[\\[link\\]\\] #2: the round trip between 'a' and 'b' must "
+     "be the same both ways, got rtt_ms = 10 a->b and 20 b->a"),
+    ("[defaults]\nwan_mbit=300\nwan_rtt_ms=60\n[[link]]\nfrom='a'\nto='b'\nmbit=100\n",
+     "\\[\\[link\\]\\] #1 and \\[defaults\\]: the round trip"),
+    ("[[link]]\nbetween=['a','b']\nfrom='a'\nmbit=1\n", "either between = \\[a, b\\] or from"),
+    ("[[link]]\nfrom='a'\nmbit=1\n", "needs between = \\[a, b\\] \\(both ways\\), or from"),
+    ("[[link]]\nfrom='a'\nto=3\nmbit=1\n", "from and to must be DC names"),
+    ("[[link]]\nfrom='a'\nto='x'\nmbit=1\n", "no DC named 'x'"),
+    ("[[link]]\nbetween=['a','b']\n[[link]]\nfrom='b'\nto='a'\n",
+     "#2: a second link from 'b' to 'a' \\(the first is \\[\\[link\\]\\] #1\\)"),
+    ("[[link]]\nbetween=['a','b']\nrtt_ms=5\n[[change]]\nat_s=1\nfrom='a'\nto='b'\nmbit=5\n",
+     "\\[\\[change\\]\\] #1: the link a->b has no cap"),
+    ("[[link]]\nbetween=['a','b']\nmbit=9\n[[change]]\nat_s=-1\nfrom='a'\nto='b'\nmbit=5\n",
+     "\\[\\[change\\]\\] #1: at_s must be a number >= 0"),
+    ("[[link]]\nbetween=['a','b']\nmbit=9\n[[change]]\nfrom='a'\nto='b'\nmbit=5\n",
+     "at_s must be a number"),
+    ("[[link]]\nbetween=['a','b']\nmbit=9\n[[change]]\nat_s=1\nfrom='a'\nto='b'\n",
+     "\\[\\[change\\]\\] #1: mbit must be a number > 0"),
+    ("[[link]]\nbetween=['a','b']\nmbit=9\n[[change]]\nat_s=1\nfrom='a'\nto='z'\nmbit=1\n",
+     "\\[\\[change\\]\\] #1: no DC named 'z'"),
+    ("[[link]]\nbetween=['a','b']\nmbit=9\n[[change]]\nat_s=1\nbetween=['a','b']\nmbit=1\n"
+     "[[change]]\nat_s=1\nfrom='b'\nto='a'\nmbit=2\n",
+     "\\[\\[change\\]\\] #2: a second change of b->a at 1 s"),
+    ("[[link]]\nbetween=['a','b']\nmbit=9\n[[change]]\nat_s=1\nfrom='a'\nto='b'\nmbit=1\n"
+     "rtt_ms=3\n", "\\[\\[change\\]\\] #1: unknown key\\(s\\) rtt_ms"),
+])
+def test_bad_one_way_links_and_changes_say_what_and_where(text: str, message: str) -> None:
+    with pytest.raises(TopologyFileError, match=message) as raised:
+        parse_topology(TWO + text, "my.toml")
+    assert str(raised.value).startswith("my.toml: ")
+    with pytest.raises(TopologyFileError, match="change must be an array of tables"):
+        parse_topology("change = 3\n" + TWO + "[[link]]\nbetween=['a','b']\n")

@@ -288,6 +288,41 @@ def test_three_dcs_give_each_pair_its_rate_and_round_trip(wan_support: None) -> 
 
 
 @pytest.mark.netns
+def test_one_way_links_cap_each_direction_and_change_while_running(wan_support: None) -> None:
+    spec = parse_topology("""
+        [[dc]]
+        name = "a"
+        hosts = [200]
+        [[dc]]
+        name = "b"
+        hosts = [200]
+        [[link]]
+        from = "a"
+        to = "b"
+        mbit = 100
+        rtt_ms = 10
+        [[link]]
+        from = "b"
+        to = "a"
+        mbit = 40
+        rtt_ms = 10
+    """)
+    with open_topology(spec) as cluster:
+        assert (cluster.link_rate_mbit(0, 1), cluster.link_rate_mbit(1, 0)) == (100, 40)
+        there = _pull(cluster, [("h0", "h1")], 3 * MIB) * 8 / 1e6
+        back = _pull(cluster, [("h1", "h0")], 2 * MIB) * 8 / 1e6
+        assert 70 <= there <= 130 and 28 <= back <= 52, (there, back)
+        cluster.set_link_rate(0, 1, 40)
+        assert cluster.link_rate_mbit(0, 1) == 40
+        assert cluster.link_rate_mbit(1, 0) == 40  # the other direction as it was
+        slower = _pull(cluster, [("h0", "h1")], 2 * MIB) * 8 / 1e6
+        assert 28 <= slower <= 52, slower
+        with pytest.raises(ValueError, match="> 0"):
+            cluster.set_link_rate(0, 1, 0)
+    assert leftovers(cluster.prefix) == []
+
+
+@pytest.mark.netns
 def test_everything_is_removed_when_the_body_raises(wan_support: None) -> None:
     with (
         pytest.raises(RuntimeError, match="boom"),

@@ -30,8 +30,9 @@ one; :func:`open_cluster` builds the uniform one of its arguments.
   subnet). So hosts use each other's real addresses across DCs; servers see the router's
   address as the source; only TCP crosses.
 * Per-pair rates: the router end of DC ``d``'s leg (``dc<d>``: traffic *into* DC ``d``)
-  has an ``htb`` qdisc with one class per other DC ``x`` at the rate of the pair
-  ``(x, d)``. The relay puts each socket's bytes in the right class with ``SO_PRIORITY``
+  has an ``htb`` qdisc with one class per other DC ``x`` at the rate of the direction
+  ``x -> d`` (links may be asymmetric; :meth:`Cluster.set_link_rate` changes one while
+  traffic flows). The relay puts each socket's bytes in the right class with ``SO_PRIORITY``
   (htb reads ``skb->priority`` as a class id; this kernel has no ``fw`` classifier):
   the socket it dials into ``d`` carries bytes from ``x``, the socket back to a client
   in ``x`` carries bytes from ``d``. The router leg of DC ``d`` carries exactly the
@@ -206,6 +207,37 @@ class Cluster:
     def wan_bytes(self) -> int:
         """Bytes (with their TCP/IP/Ethernet headers) that crossed between DCs so far."""
         return sum(c.tx_bytes for c in self.wan_counters().values())
+
+    def set_link_rate(self, src: int, dst: int, mbit: float) -> None:
+        """Cap the bytes from DC ``src`` into DC ``dst`` at ``mbit`` from now on (``tc
+        class change`` of the htb class ``pair_class(src)`` on ``dst``'s router leg; its
+        queue keeps the size it was built with). Only a direction capped in the spec has
+        a class; the spec itself is not changed."""
+        if self.router_namespace is None:
+            raise ValueError("a single-DC cluster has no inter-DC link")
+        if self.spec.link(src, dst).mbit is None:
+            raise ValueError(f"the link {src}->{dst} was built without a cap: no class")
+        if not mbit > 0:
+            raise ValueError(f"a rate must be > 0, got {mbit}")
+        burst = _burst(mbit)
+        _run(["tc", "-n", self.router_namespace, "class", "change", "dev", f"dc{dst}",
+              "parent", "1:", "classid", f"1:{pair_class(src):x}", "htb",
+              "rate", f"{round(mbit * 1000)}kbit", "burst", str(burst), "cburst", str(burst),
+              "quantum", "65536"])  # fmt: skip
+
+    def link_rate_mbit(self, src: int, dst: int) -> float | None:
+        """The cap the kernel now applies to bytes from DC ``src`` into DC ``dst`` (its
+        htb class's rate), or None if that direction has no class (uncapped)."""
+        if self.router_namespace is None:
+            raise ValueError("a single-DC cluster has no inter-DC link")
+        classid = f"1:{pair_class(src):x}"
+        shown = _run(["tc", "-n", self.router_namespace, "class", "show", "dev", f"dc{dst}",
+                      "classid", classid])
+        found = re.search(r"\brate (\d+(?:\.\d+)?)([KMG]?)bit\b", shown)
+        if found is None:
+            return None
+        scale = {"": 1e-6, "K": 1e-3, "M": 1.0, "G": 1e3}[found.group(2)]
+        return float(found.group(1)) * scale
 
     # -- building and tearing down ------------------------------------------------------
 
