@@ -55,6 +55,7 @@ import trio
 
 from ..config import PeerConfig, parse_labels
 from ..errors import TensorHubError
+from ..links import load_links
 from ..model import VersionKey
 from ..ops.demo import checksum, fill, model_specs
 from ..peer.node import Peer, open_peer
@@ -336,6 +337,7 @@ async def main(args: argparse.Namespace) -> None:
                            labels=(("host", args.host), *parse_labels(args.label)),
                            planning=args.planning == "on", delta=args.delta,
                            security=load_keys(args.keys, args.name) if args.keys else None,
+                           links=load_links(args.links) if args.links else (),
                            allow_insecure=True,  # without --keys: emulated hosts on a
                            **overrides)          # private bridge, or loopback
     async with open_peer(cfg) as peer:
@@ -386,6 +388,9 @@ if __name__ == "__main__":
                         " off here: benchmarks measure full transfers unless told)")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="run with the keys of --name in DIR (tensorhub keygen)")
+    p.add_argument("--links", default=None, metavar="FILE",
+                   help="declared links between DCs: the [[link]] tables of FILE "
+                        "(PeerConfig.links; tensorhub.links)")
     p.add_argument("--timers", choices=("local", "default"), default="local",
                    help="membership timers: local (PeerConfig.local's: gossip every 0.1 s, "
                         "for benches that kill peers) or default (PeerConfig's: every 1 s); "
