@@ -13,6 +13,7 @@ from ..testing.clusterspec import ClusterSpec, load_topology, uniform
 from .baselines import BASELINES, chunk_text, parse_chunk, parse_size
 from .cluster import BASELINE_EXTRAS, BASELINE_KEYS, ClusterBenchError, Measured, measure, report
 from .cluster_grid import run_grid
+from .cluster_suite import run_suite
 from .figures import print_figures
 
 
@@ -26,7 +27,11 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         if given:
             raise ClusterBenchError(f"--topology describes the whole cluster; drop "
                                     f"{', '.join(given)} (or edit the file)")
-        return load_topology(args.topology)
+        spec = load_topology(args.topology)
+        if spec.changes:
+            raise ClusterBenchError(f"{args.topology} has [[change]] tables: only "
+                                    "--topology-suite applies them (put it in a folder)")
+        return spec
     hosts = 8 if args.hosts is None else args.hosts
     dcs = 1 if args.dcs is None else args.dcs
     if hosts < 2 * dcs:
@@ -41,6 +46,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="the cluster as a TOML file: DCs, each host's NIC rate, each DC "
                         "pair's rate and round trip (docs/cluster.md); replaces the next "
                         "five flags")
+    p.add_argument("--topology-suite", default=None, metavar="DIR",
+                   help="run TensorHub's fan-out on every *.toml topology file of DIR "
+                        "(declared links, then learned ones; no baselines) and report each "
+                        "file and the worst (docs/cluster.md)")
     p.add_argument("--hosts", type=int, default=None,
                    help="emulated hosts: h0 is the trainer, the others rollouts (default 8)")
     p.add_argument("--nic-mbit", type=float, default=None,
@@ -98,7 +107,25 @@ def check(args: argparse.Namespace) -> tuple[ClusterSpec, list[str]]:
     return spec, chosen
 
 
+def check_suite(args: argparse.Namespace) -> None:
+    """``ClusterBenchError`` for options ``--topology-suite`` does not take."""
+    given = [flag for flag, value in (
+        ("--topology", args.topology), ("--hosts", args.hosts), ("--nic-mbit", args.nic_mbit),
+        ("--dcs", args.dcs), ("--wan-mbit", args.wan_mbit), ("--wan-rtt-ms", args.wan_rtt_ms),
+        ("--grid", args.grid), ("--baselines", args.baselines)) if value not in (None, "")]
+    if args.keys == "both":
+        given.append("--keys both")
+    if given:
+        raise ClusterBenchError(f"--topology-suite runs the folder's files, TensorHub only; "
+                                f"drop {', '.join(given)}")
+    if args.runs < 1:
+        raise ClusterBenchError("need --runs >= 1")
+
+
 def run_cli(args: argparse.Namespace) -> int:
+    if args.topology_suite is not None:
+        check_suite(args)
+        return run_suite(args)
     spec, chosen = check(args)
     if args.grid:
         return run_grid(args, spec, chosen)
