@@ -153,7 +153,7 @@ class _Stand:
 TWO_DCS = """
     [[dc]]
     name = "a"
-    hosts = [400]
+    hosts = [400, 400]
     [[dc]]
     name = "b"
     hosts = [400]
@@ -297,3 +297,56 @@ def test_the_suite_runs_a_tiny_three_dc_file(wan_support: None, tmp_path: Path) 
     assert figures["fanout_vs_fluid_bound_declared_v1"]["value"] == pytest.approx(
         statistics.median(one["declared_v1"]["seconds"]) / bound, abs=1e-3)
     assert result["settings"]["size_bytes"] == size
+
+
+def test_the_report_takes_the_worst_file_and_leaves_out_a_failed_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The table, figures and JSON from made-up fan-outs (no cluster is built)."""
+    from tensorhub import cli
+    from tensorhub.bench import cluster_suite
+    from tensorhub.bench.cluster import Fanout
+    from tensorhub.testing.worker import WorkerError
+
+    size = 2**20
+    (tmp_path / "a.toml").write_text(TWO_DCS)
+    (tmp_path / "b.toml").write_text(TWO_DCS.replace("rtt_ms = 50", "rtt_ms = 60"))
+    (tmp_path / "c.toml").write_text(TWO_DCS)
+    seconds = {"a": 2.0, "b": 3.0}
+
+    def run_file(args: Any, path: Path, spec: ClusterSpec) -> cluster_suite.FileResult:
+        if path.stem == "c":
+            raise WorkerError("h1: gone")
+        result = cluster_suite.FileResult(str(path), spec, fluid_bound_s(spec, size))
+        for kind in cluster_suite.KINDS:
+            crossed = size * (1.5 if (path.stem, kind) == ("b", "learned v3") else 1.0)
+            fetch = {"start": 10.0, "end": 10.0 + seconds[path.stem],
+                     "report": {"bytes_by_source": {"trainer": size}, "route": "dc0 -> dc1"}}
+            local = {**fetch, "end": 11.0, "report": {"bytes_by_source": {"trainer": size}}}
+            result.shots.append(cluster_suite.Shot(
+                kind, Fanout({"h1": local, "h2": fetch}, {}, int(crossed)),
+                {0: 0, 1: int(crossed)}))
+        return result
+
+    monkeypatch.setattr(cluster_suite, "run_file", run_file)
+    assert cli.main(["bench", "cluster", "--topology-suite", str(tmp_path), "--size", "1MiB",
+                     "--json"]) == 1
+    out = capsys.readouterr().out
+    bound = fluid_bound_s(parse_topology(TWO_DCS), size)  # 1 MiB over 100 Mbit
+    assert bound == pytest.approx(size / (100 * MB))
+    assert "c                            FAILED: h1: gone" in out
+    assert "b<-a 100%  routes: b dc0 -> dc1" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    figures = {f["name"]: f["value"] for f in result["figures"]}
+    assert figures == {
+        "fanout_vs_fluid_bound_declared_v1": pytest.approx(3.0 / bound, abs=1e-4),
+        "fanout_vs_fluid_bound_learned_v2": pytest.approx(3.0 / bound, abs=1e-4),
+        "fanout_vs_fluid_bound_learned_v1": pytest.approx(3.0 / bound, abs=1e-4),
+        "interdc_bytes_vs_min": 1.5,
+    }
+    assert result["measured"]["failed"] == [str(tmp_path / "c.toml")]
+    files = result["measured"]["files"]
+    assert [f["error"] for f in files] == [None, None, "h1: gone"]
+    assert files[1]["learned_v3"]["interdc_bytes_vs_min"] == [1.5]
+    assert files[0]["declared_v1"]["source_dcs"] == [{"b": {"a": 1.0}}]
+    assert files[0]["learned_v2"]["routes"] == [{"b": ["dc0 -> dc1"]}]

@@ -49,9 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import TensorHubError
 from ..links import load_links
 from ..testing.clusterspec import ClusterSpec, LinkChange, fluid_bound_s, load_topology
-from ..testing.netns import Cluster, open_topology
+from ..testing.netns import Cluster, ClusterUnavailable, open_topology
 from .baselines import chunk_text
 from .cluster import (
     FETCH_TIMEOUT_S,
@@ -396,7 +397,9 @@ def run_suite(args: argparse.Namespace) -> int:
               f"{fluid_bound_s(spec, size):.2f} s", flush=True)
         try:
             results.append(run_file(args, path, spec))
-        except ClusterBenchError as error:
+        except ClusterUnavailable:
+            raise
+        except TensorHubError as error:  # a worker failed, a tc command, a link change
             print(f"  FAILED: {error}", flush=True)
             results.append(FileResult(str(path), spec, fluid_bound_s(spec, size),
                                       error=str(error)))
