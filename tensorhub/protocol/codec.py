@@ -14,10 +14,11 @@ exceed the size cap raises :class:`LocalProtocolError` (that is our own fault).
 
 Supported field types: ``int``, ``float``, ``str``, ``bytes``, ``bool``, ``X | None``,
 ``tuple[X, ...]``, fixed ``tuple[X, Y]`` and other frozen dataclasses made of these,
-each optionally ``Annotated`` with the bounds of :mod:`tensorhub.bounds`: an ``int``
-needs a ``Range`` and a ``tuple[X, ...]`` a ``MaxLen`` (a ``str`` is capped at
-``MAX_STR`` characters and ``bytes`` at the frame size unless a ``MaxLen`` says less);
-``Valid`` adds a check of the value (endpoint syntax).
+each optionally ``Annotated`` with the bounds of :mod:`tensorhub.bounds`: a ``float``
+must be finite (an int is taken as one), an ``int`` needs a ``Range`` and a
+``tuple[X, ...]`` a ``MaxLen`` (a ``str`` is capped at ``MAX_STR`` characters and
+``bytes`` at the frame size unless a ``MaxLen`` says less); ``Valid`` adds a check of
+the value (endpoint syntax, link reports).
 
 The protocol version range this peer speaks is advertised in the join handshake
 (``PROTOCOL_MIN`` .. ``PROTOCOL_MAX``); a peer with no overlap is refused.
@@ -26,6 +27,7 @@ The protocol version range this peer speaks is advertised in the join handshake
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -78,9 +80,11 @@ def _scalar(kind: type[Any], bounds: tuple[Any, ...]) -> Check:
     if kind is float:
         def check_float(value: Any) -> Any:
             if isinstance(value, int) and not isinstance(value, bool):
-                return float(value)
-            if type(value) is not float:
+                value = float(value)
+            elif type(value) is not float:
                 raise _bad(f"expected float, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise _bad(f"float {value} is not finite")
             return value
 
         return check_float
