@@ -17,7 +17,10 @@ from typing import Any
 from hypothesis import strategies as st
 
 from tensorhub.bounds import MaxLen, Range, Valid, check_control_endpoint, check_hostport
+from tensorhub.links import MAX_LINK_BPS, MAX_LINK_RTT_S
 from tensorhub.protocol.codec import _to_wire
+from tensorhub.protocol.refs import check_links
+from tensorhub.protocol.wan import LinkReport
 
 BOUNDARY_INTS = (0, -1, 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, -(2**63))
 HOSTS = ("127.0.0.1", "localhost", "10.0.0.7", "[::1]", "node-3.example")
@@ -26,6 +29,16 @@ GARBAGE = st.sampled_from([
     "h:-1", "tcp://a b:1", "tcp://[zz]:1", "ipc:///tmp/x", "tcp://h:1;evil:2", "x" * 5000,
     "tcp://" + "a" * 300 + ":1", "\u2603:1",
 ]) | st.text(max_size=30)
+FLOATS = st.sampled_from([0.0, -0.0, 1.0, 1e-300, 1e300]) | st.floats(
+    allow_nan=False, allow_infinity=False)
+BAD_FLOATS = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+DC = st.sampled_from(["east", "west", "south", "dc-" + "x" * 250]) | st.text(min_size=1,
+                                                                            max_size=8)
+PLAUSIBLE_REPORTS = st.lists(st.builds(
+    LinkReport, DC, DC, st.sampled_from([MAX_LINK_BPS, 1.0]) | st.floats(1.0, MAX_LINK_BPS),
+    st.sampled_from([0.0, MAX_LINK_RTT_S]) | st.floats(0.0, MAX_LINK_RTT_S),
+).filter(lambda r: r.src != r.dst), max_size=4).map(tuple)
+"""What ``OriginEntry.links`` accepts (:func:`~tensorhub.protocol.refs.check_links`)."""
 
 
 def _split(tp: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -59,6 +72,10 @@ def valid(tp: Any) -> st.SearchStrategy[Any]:
         prefix = "tcp://" if check_control_endpoint in checks else ""
         return st.builds(lambda h, p: f"{prefix}{h}:{p}", st.sampled_from(HOSTS),
                          st.integers(1, 65535))
+    if check_links in checks:
+        return PLAUSIBLE_REPORTS
+    if tp is float:
+        return FLOATS
     if tp is int:
         r = next(b for b in bounds if isinstance(b, Range))
         edges = [v for v in (r.lo, r.hi, r.lo + 1, r.hi - 1, 0) if r.lo <= v <= r.hi]
@@ -97,6 +114,8 @@ def hostile(tp: Any) -> st.SearchStrategy[Any]:
             lambda v: -(2**63) <= v < 2**64))
     elif base is str:
         bad.append(GARBAGE)
+    elif base is float:
+        bad.append(BAD_FLOATS)
     elif dataclasses.is_dataclass(base) and isinstance(base, type):
         good = st.tuples(*map(hostile, _fields(base))).map(list)
         return good | st.sampled_from([None, [], "x", 7])

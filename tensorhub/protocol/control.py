@@ -15,9 +15,16 @@ clocks.  It composes two protocols:
   sender answers in turn (push-pull).  A local change is also pushed at once: to
   ``gossip_fanout`` random live members, and a publish of our own to every one.
 
+The plane also owns this peer's :class:`~.wan.Wan`: the links between DCs as declared
+(``PeerConfig.links``), measured by this peer's reads and probes (the shell calls
+:meth:`~.wan.Wan.observe`), and heard from every origin's reference entry, which carries
+its own measurements (:meth:`publish_links` re-stamps ours when they changed).  The
+coordinators of the versions this peer coordinates plan with it.
+
 When membership declares a peer dead or departed, its references are forgotten here,
-so a fetch is never routed to it; when it is seen alive again (it refuted), they are
-welcome again, and a peer that refutes re-stamps its own entry so the others pull it.
+so a fetch is never routed to it (and its link reports no longer count); when it is
+seen alive again (it refuted), they are welcome again, and a peer that refutes
+re-stamps its own entry so the others pull it.
 
 Secure mode (``PeerConfig.security``): one :class:`~.trust.Trust` signs and checks for
 membership and the table; only version announcements signed by a publisher of the model
@@ -39,10 +46,11 @@ from ..config import PeerConfig
 from ..model import PeerInfo, VersionKey
 from .coordination import Coordination, CoordReply, CoordRequest
 from .membership import MemberEvent, Membership, Outbound
-from .refs import Holding, OriginEntry, RefTable, Stamp, announcement_bytes
+from .refs import Holding, OriginEntry, RefTable, Stamp, announcement_bytes, check_links
 from .topology import NodeInfo
 from .trust import Trust
 from .versions import Seal, ShardClaim, VersionView
+from .wan import Wan
 
 PUSH_HOLDINGS = 16_384
 """A publish pushes our entry to at most this many holdings' worth of members (about 1
@@ -84,6 +92,12 @@ class ControlPlane:
         self.generation = generation
         self.coordination = Coordination(me.name, me.control, generation)
         self.nic_bps = float(config.nic_bps)
+        self.wan = Wan(config.links)
+        """The links between DCs as this peer knows them (see the module docstring)."""
+        self._wan_seen = self.wan.changes
+        self.implausible_entries = 0
+        """Reference entries refused for link reports out of range (the codec refuses
+        them first; this counts any that reach the plane another way)."""
         self.changes = 0
         self.versions = VersionView(
             self.trust.version_window if self.trust is not None else None)
@@ -113,13 +127,16 @@ class ControlPlane:
         if now >= self._next_gossip:
             self._next_gossip = now + self.config.gossip_interval
             out += self._digest_to(self._random_peers(self.config.gossip_fanout), True)
-        return out
+        return out + self.publish_links()
 
     def receive(self, now: float, msg: object) -> list[Outbound]:
         if isinstance(msg, RefsDigest):
             return self._on_digest(msg)
         if isinstance(msg, RefsDelta):
-            merged = [e for e in msg.entries if self._accept(e.origin) and self.refs.merge(e)]
+            merged = [e for e in msg.entries
+                      if self._accept(e.origin) and self._plausible(e) and self.refs.merge(e)]
+            for e in merged:
+                self.wan.hear(e.origin, e.links)
             if merged:
                 self._table_changed(merged)
                 return self._readopt()
@@ -204,7 +221,9 @@ class ControlPlane:
 
     def put_holding(self, holding: Holding, *, everyone: bool = False) -> list[Outbound]:
         """Add or replace our holding of ``holding.key``, pushed to ``gossip_fanout``
-        live members (``everyone``: see :meth:`publish_holding`)."""
+        live members (``everyone``: see :meth:`publish_holding`).  Our newest link
+        measurements go with it."""
+        self._sync_links()
         self.refs.put_local(self._current_announcement(holding))
         self._table_changed([self.refs.local])
         return self._push_local(everyone)
@@ -220,6 +239,22 @@ class ControlPlane:
         reader's would cost the mesh n messages.  An entry of many holdings goes to
         fewer members (:data:`PUSH_HOLDINGS`); gossip brings it to the rest."""
         return self.put_holding(holding, everyone=True)
+
+    def publish_links(self) -> list[Outbound]:
+        """Our entry re-stamped with our newest link measurements and pushed to
+        ``gossip_fanout`` live members, if they changed since it was last stamped (the
+        plane does this at each :meth:`tick`: at most one push a gossip round)."""
+        if not self._sync_links():
+            return []
+        self._table_changed([self.refs.local])
+        return self._push_local()
+
+    def _sync_links(self) -> bool:
+        """Put our measurements in our entry if they changed; True if it was re-stamped."""
+        if self.wan.changes == self._wan_seen:
+            return False
+        self._wan_seen = self.wan.changes
+        return self.refs.set_links(self.wan.reports())
 
     def drop_holding(self, key: VersionKey) -> list[Outbound]:
         if not self.refs.drop_local(key):
@@ -341,6 +376,14 @@ class ControlPlane:
     def _accept(self, origin: str) -> bool:
         return origin != self.me.name and self.membership.is_live(origin)
 
+    def _plausible(self, entry: OriginEntry) -> bool:
+        try:
+            check_links(entry.links)
+        except ValueError:
+            self.implausible_entries += 1
+            return False
+        return True
+
     def _absorb_events(self) -> None:
         events = self.membership.drain_events()
         for ev in events:
@@ -352,6 +395,7 @@ class ControlPlane:
                 self.refs.unforget(ev.name)
         for ev in events:
             if ev.kind in ("dead", "left"):
+                self.wan.forget(ev.name)
                 self.coordination.peer_gone(ev.name)
         if events:
             self.coordination.elect(self)

@@ -22,8 +22,13 @@ copy gossiped by a slow peer cannot bring a dead holder back -- or until members
 the origin alive again (it refuted the suspicion: :meth:`RefTable.unforget`), when its
 current entry is welcome again whatever its stamp.
 
+An origin's entry also carries the links between DCs it measured
+(:meth:`~.wan.Wan.reports`, at most :data:`~.wan.MAX_LINK_REPORTS`), so the WAN
+estimates travel by the same anti-entropy as the holdings; each is range-checked at
+decode (:func:`check_links`).
+
 Signatures (with ``PeerConfig.security``; see trust.py).  An entry carries its origin's
-signature over ``(stamp, holdings)``; :meth:`RefTable.merge` checks it before keeping
+signature over ``(stamp, holdings, links)``; :meth:`RefTable.merge` checks it before keeping
 an entry, so nobody writes entries on behalf of another origin.  Each holding of a
 published shard also carries its *publisher's* signature over what the publish
 announced (:func:`announcement_bytes`: model, version, shard, world, layout, manifest
@@ -38,12 +43,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Annotated
 
-from ..bounds import U32, U63, U64, MaxLen, PeerName, Rank, Signature, World
+from ..bounds import U32, U63, U64, MaxLen, PeerName, Rank, Signature, Valid, World
+from ..errors import RemoteProtocolError
 from ..model import LayoutId, ModelName, SchemaId, VersionKey
 from .codec import fields_bytes
 from .trust import Trust
+from .wan import MAX_LINK_REPORTS, LinkReport, check_report
 
-_TAG_ENTRY = b"tensorhub/ref-entry/1\0"
+_TAG_ENTRY = b"tensorhub/ref-entry/2\0"
 _TAG_ANNOUNCEMENT = b"tensorhub/version/2\0"
 MAX_HOLDINGS = 1 << 16
 """Holdings in one origin's entry (versions x shards it holds)."""
@@ -129,15 +136,34 @@ class Stamp:
         return other is None or (self.generation, self.seq) > (other.generation, other.seq)
 
 
+def check_links(reports: tuple[LinkReport, ...]) -> None:
+    """Raise ValueError (the codec's :class:`~tensorhub.bounds.Valid` contract) unless
+    every report is a plausible measurement: two different DCs, a rate in (0,
+    ``MAX_LINK_BPS``], a round trip in [0, ``MAX_LINK_RTT_S``], at most
+    :data:`~.wan.MAX_LINK_REPORTS` of them."""
+    if len(reports) > MAX_LINK_REPORTS:
+        raise ValueError(f"{len(reports)} link reports (at most {MAX_LINK_REPORTS})")
+    for r in reports:
+        try:
+            check_report(r)
+        except RemoteProtocolError as exc:
+            raise ValueError(str(exc)) from None
+
+
+LinkReports = Annotated[tuple[LinkReport, ...], MaxLen(MAX_LINK_REPORTS), Valid(check_links)]
+
+
 @dataclass(frozen=True, slots=True)
 class OriginEntry:
     stamp: Stamp
     holdings: Annotated[tuple[Holding, ...], MaxLen(MAX_HOLDINGS)]
     sig: Signature = b""
     """The origin's signature over :meth:`signed_bytes` (secure mode)."""
+    links: LinkReports = ()
+    """The DC links the origin measured itself (:meth:`~.wan.Wan.reports`)."""
 
     def signed_bytes(self) -> bytes:
-        return fields_bytes(_TAG_ENTRY, self.stamp, self.holdings)
+        return fields_bytes(_TAG_ENTRY, self.stamp, self.holdings, self.links)
 
     @property
     def origin(self) -> str:
@@ -149,7 +175,7 @@ class OriginEntry:
             192 + len(h.model) + len(h.publisher) + len(h.bitmap) + len(h.layout)
             + len(h.schema)
             for h in self.holdings
-        )
+        ) + sum(32 + len(r.src.encode()) + len(r.dst.encode()) for r in self.links)
 
 
 class RefTable:
@@ -174,9 +200,19 @@ class RefTable:
             return entry
         return replace(entry, sig=self._trust.sign(entry.signed_bytes()))
 
-    def _set_local(self, holdings: tuple[Holding, ...]) -> None:
-        st = self.local.stamp
-        self._entries[self.me] = self._signed(OriginEntry(replace(st, seq=st.seq + 1), holdings))
+    def _set_local(self, holdings: tuple[Holding, ...],
+                   links: tuple[LinkReport, ...] | None = None) -> None:
+        local = self.local
+        self._entries[self.me] = self._signed(OriginEntry(
+            replace(local.stamp, seq=local.stamp.seq + 1), holdings,
+            links=local.links if links is None else links))
+
+    def set_links(self, links: tuple[LinkReport, ...]) -> bool:
+        """Put our own link measurements in our entry (re-stamped); False if unchanged."""
+        if links == self.local.links:
+            return False
+        self._set_local(self.local.holdings, links)
+        return True
 
     def bump_local(self, holdings: tuple[Holding, ...] | None = None) -> None:
         """Re-stamp (and re-sign) our entry, so every peer pulls it again: after we
