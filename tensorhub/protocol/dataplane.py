@@ -313,3 +313,20 @@ class DeltaReply:
 
 
 MESSAGES_5 = (DeltaRunRequest, DeltaReply)
+
+
+# -- link probes (sixth id block; see :mod:`tensorhub.protocol.probing`) -----------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRequest:
+    """Send ``nbytes`` bytes of zeros, to time the link: answered by a :class:`Reply`
+    whose ``length`` is what the holder sends (at most its ``PeerConfig.wan_probe_bytes``;
+    0 with ``nbytes`` 0, a round trip alone), followed by that many zero bytes.  A
+    holder with probes off answers ``BAD_REQUEST``."""
+
+    req_id: U63
+    nbytes: U64
+
+
+MESSAGES_6 = (ProbeRequest,)

@@ -17,6 +17,7 @@ from . import (
     onesided,
     opstatus,
     retention,
+    wan,
 )
 
 _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
@@ -33,6 +34,8 @@ _BLOCKS: tuple[tuple[int, tuple[type, ...]], ...] = (
     (120, dataplane.MESSAGES_4), # 120..129: data plane, continued (streamed runs)
     (130, dataplane.MESSAGES_5), # 130..139: data plane, continued (chunk deltas)
     (140, onesided.MESSAGES),    # 140..149: one-sided data plane (RDMA READ, CUDA IPC)
+    (150, wan.MESSAGES),         # 150..159: links between DCs (in reference entries)
+    (160, dataplane.MESSAGES_6), # 160..169: data plane, continued (link probes)
 )
 
 

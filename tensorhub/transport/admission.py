@@ -55,11 +55,16 @@ class ServerLimits:
     make room for a new one that a cap would refuse (a reader keeps its connection
     between fetches).  Long enough that a reader in the middle of a fetch, which asks
     for its next chunk at once, is never the one closed."""
+    probe_bytes: int = 0
+    """The most bytes one link probe is answered with (``PeerConfig.wan_probe_bytes``);
+    0: probes are refused."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_connections_per_address <= self.max_connections <= 1 << 20:
             raise ConfigError("data connection caps must satisfy "
                               "1 <= per address <= total <= 2**20")
+        if not 0 <= self.probe_bytes <= 1 << 30:
+            raise ConfigError("probe_bytes must be in [0, 1 GiB]")
         for name in ("idle_timeout", "frame_timeout", "requests_per_second", "lease_timeout",
                      "evict_idle_after"):
             if not 0 < getattr(self, name) < float("inf"):
@@ -99,6 +104,11 @@ class ServerStats:
     idle_evicted: int = 0
     """Idle connections (a reader keeps one between reads) closed to make room for a
     new one that a cap would have refused."""
+    probes: int = 0
+    """Link probes answered with bytes (:class:`~tensorhub.protocol.dataplane.
+    ProbeRequest`; not counting those for no bytes, which time a round trip)."""
+    probe_bytes: int = 0
+    """Bytes of zeros sent for them."""
 
 
 class Admission:
@@ -164,7 +174,8 @@ class Admission:
             accept_errors=c["accept_errors"], idle_closed=c["idle_closed"],
             frame_timeouts=c["frame_timeouts"], throttled=c["throttled"],
             bad_frames=c["bad_frames"], leases_revoked=c["leases_revoked"],
-            shm_over_tcp=c["shm_over_tcp"], idle_evicted=c["idle_evicted"])
+            shm_over_tcp=c["shm_over_tcp"], idle_evicted=c["idle_evicted"],
+            probes=c["probes"], probe_bytes=c["probe_bytes"])
 
 
 class RequestRate:

@@ -37,6 +37,7 @@ from ..protocol.dataplane import (
     ChunkRunRequest,
     DeltaRunRequest,
     ManifestRequest,
+    ProbeRequest,
     Reply,
     ShmChunkRequest,
     ShmHello,
@@ -67,6 +68,10 @@ RUN_WRITE_BYTES = 64 << 20
 """Bytes of a streamed run sent in one worker-thread write at most (leased together)."""
 
 _LAST_CHUNK = 2**32 - 1  # the largest chunk index a ChunkReply can name
+
+PROBE_PIECE = 1 << 20
+_ZEROS = memoryview(bytes(PROBE_PIECE))
+"""What a link probe is answered with, one piece after the other (shared: read only)."""
 
 
 class TcpServer:
@@ -265,9 +270,7 @@ class _ServerConn:
                 req = await self.next_request()
                 if req is None:
                     return
-                cost = req.count if isinstance(
-                    req, ChunkRunRequest | DeltaRunRequest | OneSidedRunRequest) else 1
-                wait = rate.delay(trio.current_time(), cost)
+                wait = rate.delay(trio.current_time(), self.cost(req))
                 if wait:
                     self.counts["throttled"] += 1
                     await trio.sleep(wait)
@@ -283,6 +286,15 @@ class _ServerConn:
             what = str(exc) if isinstance(exc, RemoteProtocolError) else \
                 f"{type(exc).__name__} answering a request: {exc}"
             self.server.on_bad(f"{self.peer}: {what}")
+
+    def cost(self, req: Any) -> int:
+        """Tokens of the request rate ``req`` takes: a run one per chunk, a link probe
+        one per :data:`PROBE_PIECE` it is answered with, anything else one."""
+        if isinstance(req, ChunkRunRequest | DeltaRunRequest | OneSidedRunRequest):
+            return int(req.count)
+        if isinstance(req, ProbeRequest):
+            return 1 + min(req.nbytes, self.limits.probe_bytes) // PROBE_PIECE
+        return 1
 
     async def authenticate(self, auth: DataAuth) -> bool:
         """The reader proves a member identity (within ``frame_timeout``) before any
@@ -332,6 +344,8 @@ class _ServerConn:
                 return
             await send_frame(sock, Reply(req.req_id, OK, len(data)))
             await send_all(sock, memoryview(data))
+        elif isinstance(req, ProbeRequest):
+            await self.send_probe(req)
         elif isinstance(req, ChunkRequest):
             await self.send_chunk(req)
         elif isinstance(req, ChunkRunRequest):
@@ -352,6 +366,25 @@ class _ServerConn:
         else:
             await send_frame(sock, Reply(0, BAD_REQUEST, 0, f"unexpected {type(req).__name__}"))
             raise RemoteProtocolError(f"unexpected message {type(req).__name__}")
+
+    async def send_probe(self, req: ProbeRequest) -> None:
+        """Answer a link probe: ``req.nbytes`` zeros, at most ``limits.probe_bytes``
+        (one request at a time on a connection, like every other; charged to its request
+        rate a piece of :data:`PROBE_PIECE` at a time)."""
+        cap = self.limits.probe_bytes
+        if cap == 0:
+            await send_frame(self.sock, Reply(req.req_id, BAD_REQUEST, 0,
+                                              "link probes are off here"))
+            return
+        n = min(req.nbytes, cap)
+        if n == 0:  # a round trip alone: answered at once, from the event loop
+            await send_frame(self.sock, Reply(req.req_id, OK, 0))
+            return
+        whole, rest = divmod(n, PROBE_PIECE)
+        await self.send_views([memoryview(encode_frame(Reply(req.req_id, OK, n))),
+                               *([_ZEROS] * whole), _ZEROS[:rest]])
+        self.counts["probes"] += 1
+        self.counts["probe_bytes"] += n
 
     async def send_chunk(self, req: ChunkRequest) -> None:
         provider = self.server.provider

@@ -1,0 +1,107 @@
+"""Link probes: who measures which link between DCs that nobody has measured yet.
+
+Theory of operation
+-------------------
+Reads measure the links they use (:mod:`.linktime`), but a planner deciding the first
+transfer into a new DC has only what operators declared, or nothing.  So each DC sends
+one cheap probe over each link into it that nobody has measured: its *prober*, the live
+member of the DC with the smallest name (every member of the DC agrees on it from
+membership alone, without a message), reads :data:`PROBE_STREAMS` x
+``PeerConfig.wan_probe_bytes`` of zeros from the smallest-named live member of the
+other DC and times it (:mod:`tensorhub.read.probe`); the result is one more sample of
+that link (:meth:`~.wan.Wan.observe`), which then travels in the prober's reference
+entry like any measurement.
+
+:class:`ProbeSchedule` is the prober's policy.  Nothing is probed until
+``wan_probe_after`` seconds after joining, so the DCs' probers are agreed on; after that
+every look (:meth:`ProbeSchedule.due`: the shell looks again every gossip round, so a
+DC that appears in membership is probed within a round) names, per other DC with a live
+member, the peer to read from, when the link from that DC into ours is not measured
+(declared is not measured) and was not probed in the last ``wan_probe_every`` seconds,
+successfully or not.  A probe is at most a few tens of MiB per link and per
+``wan_probe_every``, and none runs on a link anyone measured.
+
+Why the rate is timed on the second half only: a fresh TCP connection starts slowly
+(slow start doubles its window every round trip), so its first bytes measure the round
+trip more than the link.  With 4 streams of 8 MiB, a 300 Mbit link at 150 ms reaches its
+rate after some 7 MB, before the timed half begins.
+
+Pure: the caller passes ``now``, the live members and the WAN model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..model import PeerInfo
+from .wan import Wan
+
+PROBE_STREAMS = 4
+"""Parallel connections of one probe: four slow starts side by side reach a long link's
+rate in fewer round trips than one."""
+
+
+@dataclass(frozen=True)
+class ProbeSample:
+    """What one probe measured: ``tail_bytes`` (those after the first half of each
+    stream) in ``tail_seconds`` (from the first stream's half way to the last stream's
+    end), and the least round trip of its streams."""
+
+    nbytes: int
+    tail_bytes: int
+    tail_seconds: float
+    rtt_s: float
+
+
+def combine(streams: Iterable[tuple[int, int, float, float, float]]) -> ProbeSample:
+    """One probe of several streams, each ``(bytes, tail bytes, tail start, end, round
+    trip)``: the streams' tails over the time from the first tail's start to the last
+    end (their summed rate while they ran side by side)."""
+    got = list(streams)
+    if not got:
+        return ProbeSample(0, 0, 0.0, 0.0)
+    start = min(s for _, _, s, _, _ in got)
+    end = max(e for _, _, _, e, _ in got)
+    return ProbeSample(sum(n for n, _, _, _, _ in got), sum(t for _, t, _, _, _ in got),
+                       max(0.0, end - start), min(r for _, _, _, _, r in got))
+
+
+def prober(members: Iterable[PeerInfo], dc: str) -> PeerInfo | None:
+    """The smallest-named of ``members`` in DC ``dc`` (None: none is)."""
+    return min((m for m in members if m.label("dc") == dc), key=lambda m: m.name,
+               default=None)
+
+
+class ProbeSchedule:
+    """Which links one peer probes, and when (see the module docstring)."""
+
+    def __init__(self, me: PeerInfo, joined: float, after: float, every: float) -> None:
+        self.me = me
+        self.dc = me.label("dc") or ""
+        self.start = joined + after
+        self.every = every
+        self._last: dict[str, float] = {}
+        """Source DC -> when we last probed the link from it."""
+
+    def due(self, now: float, live: Iterable[PeerInfo], wan: Wan) -> list[tuple[str, PeerInfo]]:
+        """``(source DC, peer to read from)`` of each link to probe now: none unless we
+        are our DC's prober; each is noted as probed now (call it when about to probe)."""
+        if not self.dc or now < self.start:
+            return []
+        members = [*live, self.me]
+        mine = prober(members, self.dc)
+        if mine is None or mine.name != self.me.name:
+            return []
+        out = []
+        for dc in sorted({m.label("dc") or "" for m in members} - {"", self.dc}):
+            known = wan.estimate(dc, self.dc)
+            last = self._last.get(dc)
+            if (known is not None and known.how == "measured") or (
+                    last is not None and now < last + self.every):
+                continue
+            target = prober(members, dc)
+            if target is not None:
+                self._last[dc] = now
+                out.append((dc, target))
+        return out
