@@ -77,6 +77,7 @@ from ..errors import LocalProtocolError
 from ..manifest.manifest import Manifest
 from ..model import PeerInfo
 from .bans import Ban
+from .linktime import LinkTime
 from .pace import Pace
 from .refs import Holding
 from .sizing import MIN_AUTO_CHUNK, StreamWindow, choose_chunk_size, size_text
@@ -227,6 +228,9 @@ class TransferSession:
         """Each source's stream window, from what its streams measured."""
         self.rates = dict(rates or {})
         self.tally = TransferTally()
+        self.link_time = LinkTime()
+        """Per source DC: bytes landed and the time reads from it were in flight (what
+        the shell folds into the WAN model; :mod:`.linktime`)."""
 
     # -- questions --------------------------------------------------------------------
 
@@ -382,6 +386,7 @@ class TransferSession:
         stream.taken.update(dict.fromkeys(out))
         stream.claimed += len(out)
         self.tally.reads += 1
+        self.link_time.claimed(now, _dc(stream), len(out))
         return out
 
     def landed(self, now: float, stream: Stream, chunk: int, nbytes: int) -> None:
@@ -389,6 +394,7 @@ class TransferSession:
         name = stream.source.name
         on_plan = chunk in self.on_plan
         self._unclaim(stream, chunk)
+        self.link_time.ended(now, _dc(stream), 1, nbytes)
         self.pace.completed(name, nbytes, now - stream.last)
         stream.last = now
         self.failures.pop(name, None)
@@ -411,6 +417,7 @@ class TransferSession:
         """``chunk`` of ``stream`` did not land (``kind``, ``detail`` says why): it goes
         back to pending.  True when the stream must end (its connection closed)."""
         self._unclaim(stream, chunk)
+        self.link_time.ended(now, _dc(stream), 1)
         self.pending.append(chunk)
         self.pending.sort()
         stream.last = now
@@ -432,6 +439,7 @@ class TransferSession:
             chunk = min(stream.taken, default=stream.first)
             stream.stop = self._failed(now, name, chunk, kind, detail) or stream.stop
         self.load[name] -= 1
+        self.link_time.ended(now, _dc(stream), len(stream.taken))
         for c in stream.taken:
             del self.claimed[c]
             self.on_plan.discard(c)
@@ -568,3 +576,7 @@ class TransferSession:
     def _size(self, chunk: int) -> int:
         first, stop = self.manifest.chunk_range(chunk)
         return stop - first
+
+
+def _dc(stream: Stream) -> str:
+    return stream.source.label("dc") or ""
