@@ -245,16 +245,21 @@ def routes(shot: Shot, spec: ClusterSpec) -> dict[str, list[str]] | None:
 
 
 def path_text(shot: Shot, spec: ClusterSpec) -> str:
-    """The table's path column: where each remote DC's bytes came from (and routes)."""
+    """The table's last column: where each remote DC's bytes came from, by the source's
+    DC (``ap<-eu 75% us 25%``)."""
     parts = []
     for dc, shares in source_dcs(shot, spec.hosts, spec).items():
         parts.append(f"{dc}<-" + " ".join(f"{src} {share:.0%}"
                                           for src, share in shares.items() if share >= 0.005))
-    text = "; ".join(parts)
+    return "; ".join(parts)
+
+
+def route_lines(shot: Shot, spec: ClusterSpec) -> list[str]:
+    """Per remote DC, its rollouts' distinct routes (none if the reports have none)."""
     found = routes(shot, spec)
-    if found is not None:
-        text += "  routes: " + "; ".join(f"{dc} {'|'.join(r)}" for dc, r in found.items())
-    return text
+    if found is None:
+        return []
+    return [f"{dc}: " + " | ".join(r or "(no route)" for r in rs) for dc, rs in found.items()]
 
 
 def run_file(args: argparse.Namespace, path: Path, spec: ClusterSpec) -> FileResult:
@@ -313,7 +318,7 @@ def suite_figures(results: Sequence[FileResult], size: int) -> list[dict[str, An
 
 def print_table(results: Sequence[FileResult], size: int) -> None:
     print(f"\n{'file':<28} {'fan-out':<12} {'seconds':>8} {'bound':>7} {'x bound':>8} "
-          f"{'interdc':>8}  where the remote DCs' bytes came from")
+          f"{'interdc':>8}  where the remote DCs' bytes came from (by the source's DC)")
     for r in results:
         name = Path(r.path).stem
         if r.error is not None:
@@ -329,9 +334,11 @@ def print_table(results: Sequence[FileResult], size: int) -> None:
             middle = min(shots, key=lambda s: abs(s.fanout.seconds - med))
             print(f"{name:<28} {kind:<12} {med:>8.2f} {r.bound_s:>7.2f} {med / r.bound_s:>8.2f} "
                   f"{crossed:>8.2f}  {path_text(middle, r.spec)}")
+            for line in route_lines(middle, r.spec):
+                print(f"{'':<30}route {line}")
             name = ""
         if any(routes(s, r.spec) is not None for s in r.shots):
-            print(f"{'':<28} (routes name DCs by the peers' labels: "
+            print(f"{'':<30}(routes name DCs by the peers' labels: "
                   + ", ".join(f"{dc_label(d)} = {dc.name}" for d, dc in enumerate(r.spec.dcs))
                   + ")")
     print("\nseconds: median over runs; bound: the file's fluid bound (changes included); "
