@@ -62,7 +62,7 @@ from .candidates import Candidates, EdgeKey, Group, worse_than
 from .plans import Assignment, ChunkRanges, Plan, PlannerStatistics, normalize_ranges
 from .plans import PlannerConfig as PlannerConfig
 from .plans import SourceRange as SourceRange
-from .topology import Locality, NodeInfo, Topology, fluid_bound, locality
+from .topology import Locality, NodeInfo, Topology, cut_bound, locality
 
 _STEP = 1.03
 _MAX_STEPS = 400  # 1.03**400: far past any budget a star would need
@@ -74,6 +74,12 @@ plan (as does one that made the budget grow)."""
 REBUILD_GAIN = 1.05
 """A fresh plan replaces the incremental one only if its estimate is this much better:
 moving fetchers has a cost (a stream ends, another starts)."""
+WIDEN_OVER_BOUND = 1.15
+"""A fresh plan whose estimate at the least budget that fits is over this many times the
+bound also tries the budgets :data:`WIDEN` times larger: at the least budget every
+uploader feeds about one child, trees become chains, and a chunk's delay per hop adds
+up (deep relays across DCs make it worse)."""
+WIDEN = (1.1, 1.25, 1.5)
 REBUILD_SPACING = 4
 """After a try at n fetchers the next waits for n / this more joiners (at least one)."""
 
@@ -244,7 +250,7 @@ class Planner:
     # -- building -----------------------------------------------------------------
 
     _STATE = ("_stripes", "_sb", "_roots", "_held_bytes", "_parent", "_kids", "_load",
-              "_seed", "_exports", "_budget_s", "_seed_stripes", "_surplus")
+              "_seed", "_exports", "_budget_s", "_seed_stripes", "_surplus", "_route")
     """What a build makes (each a new object: a snapshot is a copy of the references)."""
 
     def _fresh(self) -> None:
@@ -260,6 +266,10 @@ class Planner:
             else:
                 raise LocalProtocolError(f"{self.key}: no plan fits any budget (planner bug)")
             tries.append((self._estimate(), k, t))
+            if tries[-1][0] > WIDEN_OVER_BOUND * self._bound():
+                for more in WIDEN:  # wider trees: shallower, so pipelining costs less
+                    if self._build(k, t * more):
+                        tries.append((self._estimate(), k, t * more))
         _, k, t = min(tries)
         self._build(k, t)
 
@@ -308,6 +318,7 @@ class Planner:
         self._kids: list[dict[str, int]] = [{} for _ in self._stripes]
         self._load = dict.fromkeys(self._nodes, 0.0)
         self._seed: dict[tuple[str, int], str] = {}
+        self._route: dict[tuple[str, int], str] = {}  # (DC, stripe) -> the DC feeding it
         self._exports: dict[tuple[str, int], int] = {}  # cross-DC edges out of (DC, stripe)
         self._budget_s = self._bound()
         return self._budget_s
@@ -429,10 +440,12 @@ class Planner:
         return self.plan
 
     def _attach(self, todo: Iterable[tuple[str, int]]) -> None:
-        """Re-attach each ``(fetcher, stripe)``, seeds first so that their DC can follow."""
-        def seeds_first(item: tuple[str, int]) -> tuple[bool, int, str]:
+        """Re-attach each ``(fetcher, stripe)``, seeds first so that their DC can follow
+        (a seed fed through another DC after that DC's)."""
+        def seeds_first(item: tuple[str, int]) -> tuple[bool, int, int, str]:
             v, j = item
-            return self._seed.get((self._nodes[v].dc, j)) != v, j, v
+            d = self._nodes[v].dc
+            return self._seed.get((d, j)) != v, j, self._hops(d, j), v
 
         for v, j in sorted(set(todo), key=seeds_first):
             self._unlink(v, j)
@@ -459,6 +472,7 @@ class Planner:
         members: dict[str, list[str]] = {}
         for v in sorted(self._fetchers):
             members.setdefault(dc[v], []).append(v)
+        self._plan_routes(root_dcs, members)
         for d, ms in sorted(members.items()):
             carried: dict[str, float] = {}  # bytes each seed of ``d`` pulls across
             for (dd, j), x in self._seed.items():
@@ -486,6 +500,120 @@ class Planner:
         for d, j in self._seed:
             self._surplus[d] += self._sb[j]
         return new
+
+    # -- routes between DCs -------------------------------------------------------
+
+    def _plan_routes(self, root_dcs: list[set[str]], members: Mapping[str, list[str]]
+                     ) -> None:
+        """Give each (DC, stripe) that needs its stripe from outside the DC that feeds
+        it: keep the routes that still stand, and add the others greedily, stripe by
+        stripe, each time the (feeding DC, DC) pair that keeps the slowest link or DC
+        uplink of the plan least loaded (ties: the less loaded edge, then the longer
+        path: a stripe relayed on through the DCs that have it leaves the links out of
+        its roots to the next stripes, which is what the cut bound asks of equal
+        links).  So a
+        DC behind a slow direct link is fed through another DC, and a DC whose links
+        are each too slow alone gets its stripes over several (see the module
+        docstring)."""
+        need = {(d, j) for d in members for j, rd in enumerate(root_dcs) if d not in rd}
+        route = {k: a for k, a in self._route.items() if k in need}
+        while True:  # drop routes whose feeding DC no longer gets the stripe
+            gone = [(d, j) for (d, j), a in route.items()
+                    if a not in root_dcs[j] and (a, j) not in route]
+            if not gone:
+                break
+            for k in gone:
+                del route[k]
+        self._route = route
+        todo = sorted(need - route.keys(), key=lambda k: (k[1], k[0]))
+        if not todo:
+            return
+        dcs = {n.dc for n in self._nodes.values()}
+        upcap = dict.fromkeys(dcs, 0.0)
+        for n in self._nodes.values():
+            upcap[n.dc] += n.up_bps
+        inside = dict.fromkeys(dcs, 0.0)  # bytes each DC's uplinks move inside it
+        for d, ms in members.items():
+            inside[d] = len(ms) * self._size - sum(
+                b for b, rd in zip(self._sb, root_dcs, strict=True) if d not in rd)
+        load: dict[tuple[str, str], float] = {}
+        out = dict.fromkeys(dcs, 0.0)
+        for (d, j), a in route.items():
+            load[a, d] = load.get((a, d), 0.0) + self._sb[j]
+            out[a] += self._sb[j]
+        links = {(a, b): self._topo.dc_link(a, b) for a in dcs for b in dcs if a != b}
+
+        def up_time(a: str, extra: float) -> float:
+            return (max(inside[a], 0.0) + out[a] + extra) / upcap[a]
+
+        worst = max([*(b / links[k][0] for k, b in load.items()),
+                     *(up_time(a, 0.0) for a in dcs)], default=0.0)
+        for j in sorted({j for _, j in todo}):
+            hops = dict.fromkeys(root_dcs[j], 0)
+            grow = True
+            while grow:  # the DCs already routed for j, in chain order
+                grow = False
+                for (d, jj), a in route.items():
+                    if jj == j and d not in hops and a in hops:
+                        hops[d] = hops[a] + 1
+                        grow = True
+            pending = {d for d, jj in todo if jj == j}
+            sb = self._sb[j]
+            while pending:
+                best: tuple[float, float, int, float, str, str] | None = None
+                for d in sorted(pending):
+                    for a, h in hops.items():
+                        rate, rtt = links[a, d]
+                        t_edge = (load.get((a, d), 0.0) + sb) / rate
+                        t = max(t_edge, up_time(a, sb))
+                        key = (max(worst, t), t, -h, t_edge + rtt, a, d)
+                        if best is None or key < best:
+                            best = key
+                assert best is not None  # a root DC is always in hops
+                cost, _, h, _, a, d = best
+                route[d, j] = a
+                hops[d] = 1 - h
+                load[a, d] = load.get((a, d), 0.0) + sb
+                out[a] += sb
+                worst = max(worst, cost)
+                pending.discard(d)
+
+    def _hops(self, d: str, j: int) -> int:
+        """DCs between DC ``d`` and a root of stripe ``j`` along the routes."""
+        n = 0
+        while (d, j) in self._route and n <= len(self._route):
+            d, n = self._route[d, j], n + 1
+        return n
+
+    def route_of(self, fetcher: str) -> str:
+        """Which DCs ``fetcher``'s DC gets its stripes through, and the links' rates and
+        where they come from (declared, measured, default): one line for a fetch report
+        or ``status``."""
+        if fetcher not in self._nodes:
+            raise LocalProtocolError(f"{fetcher!r} takes no part in {self.key}")
+        d = self._nodes[fetcher].dc
+        paths: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+        for j, (lo, hi) in enumerate(self._stripes):
+            chain, at = [d], d
+            while (at, j) in self._route and len(chain) <= len(self._route):
+                at = self._route[at, j]
+                chain.append(at)
+            if len(chain) > 1:
+                paths.setdefault(tuple(reversed(chain)), []).append((lo, hi))
+        if not paths:
+            return f"{d or 'this DC'}: every chunk from inside the DC"
+        parts, used = [], set[tuple[str, str]]()
+        for path, ranges in sorted(paths.items(), key=lambda kv: kv[1][0]):
+            spans = ", ".join(f"[{lo}, {hi})" for lo, hi in normalize_ranges(
+                tuple(ranges), self._chunks))
+            parts.append(f"chunks {spans} via {' -> '.join(path)}")
+            used.update(pairwise(path))
+        rates = []
+        for a, b in sorted(used):
+            e = self._topo.wan.estimate(a, b)
+            how = "default" if e is None else e.how
+            rates.append(f"{a}->{b} {self._topo.dc_link(a, b)[0] * 8 / 1e6:.0f} Mbit {how}")
+        return f"{d}: {'; '.join(parts)} ({', '.join(rates)})"
 
     # -- edges, budgets, costs ----------------------------------------------------
 
@@ -516,9 +644,12 @@ class Planner:
         return self._spare(p, j) >= self._sb[j] * (1 - _EPS)
 
     def _allowed(self, p: str, v: str, j: int) -> bool:
-        """Only the seed of a (DC, stripe) crosses DCs, and it must."""
-        dv = self._nodes[v].dc
-        return (self._nodes[p].dc != dv) == (self._seed.get((dv, j)) == v)
+        """Only the seed of a (DC, stripe) crosses DCs, and it must, from the DC its
+        route names."""
+        dv, dp = self._nodes[v].dc, self._nodes[p].dc
+        if self._seed.get((dv, j)) == v:
+            return dp == self._route.get((dv, j), dp) and dp != dv
+        return dp == dv
 
     def _key(self, p: str, v: str, j: int, depth: int, spare: float | None = None) -> _Key:
         """Edge cost.  A DC exports each stripe only its share of its surplus, so that
@@ -566,11 +697,14 @@ class Planner:
     # -- the fluid model ----------------------------------------------------------
 
     def _estimate(self) -> float:
-        nodes, pair, wan, finish = self._nodes, dict[tuple[str, str], float](), 0.0, 0.0
+        nodes, pair, finish = self._nodes, dict[tuple[str, str], float](), 0.0
+        wan: dict[tuple[str, str], float] = {}  # bytes over each DC pair's link
         for j, parent in enumerate(self._parent):
             for v, p in parent.items():
                 pair[p, v] = pair.get((p, v), 0.0) + self._sb[j]
-                wan += self._sb[j] if nodes[p].dc != nodes[v].dc else 0.0
+                if (dp := nodes[p].dc) != (dv := nodes[v].dc):
+                    wan[dp, dv] = wan.get((dp, dv), 0.0) + self._sb[j]
+        dc_link = {k: self._topo.dc_link(*k) for k in wan}
         for j, (lo, hi) in enumerate(self._stripes):
             kids = self._children(j)
             frontier = [(r, 0.0, 0.0) for r in self._roots[j]]  # (node, start, duration)
@@ -580,18 +714,25 @@ class Planner:
                 for v in kids.get(p, ()):
                     loc = locality(nodes[p], nodes[v])
                     edge = max(self._load[p] / nodes[p].up_bps, self._size / nodes[v].down_bps,
-                               pair[p, v] / self._topo.estimate(p, v, loc),
-                               wan / self._topo.config.wan_bps if loc == Locality.CROSS_DC else 0)
-                    finish = max(finish, start + max(edge, dur))
-                    frontier.append((v, start, max(edge, dur)))
+                               pair[p, v] / self._topo.estimate(p, v, loc))
+                    at = start
+                    if loc == Locality.CROSS_DC:
+                        rate, rtt = dc_link[nodes[p].dc, nodes[v].dc]
+                        edge = max(edge, wan[nodes[p].dc, nodes[v].dc] / rate)
+                        at += rtt
+                    finish = max(finish, at + max(edge, dur))
+                    frontier.append((v, at, max(edge, dur)))
         return finish
 
     def _bound(self) -> float:
-        nodes, fetchers = self._nodes, self._fetchers
-        dcs = {nodes[v].dc for v in fetchers}
-        wan = sum(b for b, r in zip(self._sb, self._roots, strict=True) for d in dcs
-                  if all(nodes[x].dc != d for x in r))
-        return fluid_bound(self._size, sum(nodes[r].up_bps for r in set().union(*self._roots)),
-                           min((nodes[v].down_bps for v in fetchers), default=1.0),
-                           [nodes[v].up_bps for v in fetchers],
-                           wan_bytes=wan, wan_bps=self._topo.config.wan_bps)
+        """The cut bound (:func:`~.topology.cut_bound`): roots of any stripe count as
+        sources, so a DC holding part of the version is never cut from them (the
+        bound only gets lower: still one no schedule beats)."""
+        nodes = self._nodes
+        if not self._fetchers:
+            return 0.0
+        return cut_bound(self._size,
+                         [(nodes[r].dc, nodes[r].up_bps) for r in set().union(*self._roots)],
+                         [(nodes[v].dc, nodes[v].up_bps, nodes[v].down_bps)
+                          for v in self._fetchers],
+                         lambda a, b: self._topo.dc_link(a, b)[0])
