@@ -7,6 +7,7 @@ from __future__ import annotations
 from tensorhub.model import VersionKey
 from tensorhub.protocol.coordination import Coordination, CoordReply
 from tensorhub.protocol.topology import NodeInfo
+from tensorhub.protocol.wan import Wan
 
 KEY = VersionKey("m", 1)
 SIZE, CHUNKS = 256 << 20, 64
@@ -17,6 +18,7 @@ class FixedView:
 
     def __init__(self, nodes: list[NodeInfo]) -> None:
         self.nodes = {n.name: n for n in nodes}
+        self.wan = Wan()
 
     def live_names(self) -> list[str]:
         return sorted(self.nodes)

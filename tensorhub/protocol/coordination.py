@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Annotated, Protocol
 
 from ..bounds import (
+    MAX_TEXT,
     U32,
     U63,
     U64,
@@ -41,6 +42,7 @@ from .planner import Planner
 from .plans import PlannerConfig, SourceRange
 from .ring import CoordinatorView, Epoch, EpochTracker, Local, Verdict, route
 from .topology import NodeInfo, Topology
+from .wan import Wan
 
 MAX_HOPS = 4
 _REQUEST_TAG = b"tensorhub/coordinator-request/1\0"
@@ -90,6 +92,9 @@ class CoordReply:
     plan_epoch: U63 = 0
     """The plan's own epoch under the coordinator's (one more with each change), so
     that a fetcher asking again while it runs takes only a newer plan."""
+    route: Text = ""
+    """Which DC path the bytes into the asker's DC take, and the links' rates and where
+    they come from (:meth:`Planner.route_of`); empty without a plan."""
 
 
 MESSAGES = (CoordRequest, CoordReply)
@@ -106,10 +111,14 @@ class CoordinatorAnswer:
     sources: tuple[SourceRange, ...] = ()
     detail: str = ""
     plan_epoch: int = 0
+    route: str = ""
 
 
 class MeshView(Protocol):
-    """What the coordinator reads from membership and the reference table."""
+    """What the coordinator reads from membership, the reference table and the WAN."""
+
+    wan: Wan
+    """The links between DCs as this peer knows them: the plans it makes use them."""
 
     def live_names(self) -> list[str]: ...
 
@@ -216,20 +225,26 @@ class Coordination:
         epoch = self.view.register(key, msg.name, None, msg.seen)
         state = self.view.state(key)
         fetchers = tuple(sorted(state.fetchers)) if state is not None else ()
-        sources, detail, plan_epoch = (self._plan_for(key, msg, mesh) if msg.size > 0
-                                       else ((), "", 0))
+        sources, detail, plan_epoch, path = (self._plan_for(key, msg, mesh) if msg.size > 0
+                                             else ((), "", 0, ""))
         return "reply", CoordReply(msg.req_id, msg.model, msg.version, True, epoch, fetchers,
-                                   detail, sources, plan_epoch)
+                                   detail, sources, plan_epoch, path)
 
     def _plan_for(self, key: VersionKey, msg: CoordRequest, mesh: MeshView
-                  ) -> tuple[tuple[SourceRange, ...], str, int]:
-        """Plan ``msg.name`` into the version's transfer: its sources, and the plan's
-        epoch; () and why when we cannot.  A fetcher of the plan asking again gets the
-        current plan's sources (after :meth:`Planner.reconsider`: the joins since the
-        last rebuild may make a fresh plan clearly better)."""
+                  ) -> tuple[tuple[SourceRange, ...], str, int, str]:
+        """Plan ``msg.name`` into the version's transfer: its sources, the plan's epoch
+        and the route into its DC; () and why when we cannot.  A fetcher of the plan
+        asking again gets the current plan's sources (after :meth:`Planner.reconsider`:
+        the joins since the last rebuild may make a fresh plan clearly better)."""
         sources, detail = self._plan_sources(key, msg, mesh)
         planner = self.planners.get(key)
-        return sources, detail, planner.epoch if planner is not None and sources else 0
+        if planner is None or not sources:
+            return sources, detail, 0, ""
+        try:
+            path = planner.route_of(msg.name)[:MAX_TEXT]
+        except LocalProtocolError:
+            path = ""
+        return sources, detail, planner.epoch, path
 
     def _plan_sources(self, key: VersionKey, msg: CoordRequest, mesh: MeshView
                       ) -> tuple[tuple[SourceRange, ...], str]:
@@ -238,7 +253,7 @@ class Coordination:
             if planner is None:
                 infos = [mesh.node_info(n) for n in
                          sorted({*mesh.complete_holders_of(key), msg.name})]
-                topo = Topology(nodes=tuple(n for n in infos if n is not None))
+                topo = Topology(nodes=tuple(n for n in infos if n is not None), wan=mesh.wan)
                 holders = [n.name for n in infos if n is not None and n.name != msg.name]
                 if not holders or msg.name not in topo:
                     return (), "no complete holder known to the coordinator yet"
@@ -272,4 +287,4 @@ class Coordination:
             return
         self.answers[msg.req_id] = CoordinatorAnswer(key, msg.epoch.coordinator, msg.epoch,
                                                      msg.fetchers, msg.sources, msg.detail,
-                                                     msg.plan_epoch)
+                                                     msg.plan_epoch, msg.route)
