@@ -167,6 +167,24 @@ class PeerConfig:
     ``--links FILE``): where this peer's planner starts for a DC pair nobody measured
     yet.  Measured and gossiped estimates replace them (:mod:`tensorhub.protocol.wan`)."""
 
+    wan_probe_bytes: int = 8 << 20
+    """Link probes (:mod:`tensorhub.protocol.probing`): the most bytes this peer's data
+    server sends for one probe request, and what this peer asks for on each of a probe's
+    parallel streams.  Where nobody measured the link from another DC into ours, one
+    peer of our DC times a read of that many bytes per stream from one peer of that DC,
+    so the planner starts from a measurement instead of a guess.  8 MiB a stream gets a
+    300 Mbit, 150 ms link past TCP slow start for the half of the probe that is timed;
+    larger is more exact on faster, longer links and costs the link more.  0 disables
+    probes, asked and served."""
+
+    wan_probe_after: float = 5.0
+    """Seconds after joining before this peer probes links: membership has settled by
+    then, so each DC's prober (its smallest-named live member) is agreed on."""
+
+    wan_probe_every: float = 600.0
+    """A link is probed at most once in this many seconds (a failed probe waits as long);
+    only links nobody has measured are probed at all."""
+
     planning: bool = True
     """Ask the version's coordinator for a plan (who pulls what from whom). Off: every
     fetcher picks holders itself (nearest, least loaded)."""
@@ -334,6 +352,12 @@ class PeerConfig:
         if not self.nic_bps > 0:
             raise ConfigError("nic_bps must be > 0")
         check_links(self.links)
+        if self.wan_probe_bytes != 0 and not 1 << 20 <= self.wan_probe_bytes <= 1 << 30:
+            raise ConfigError("wan_probe_bytes must be 0 (no probes) or in [1 MiB, 1 GiB]")
+        if not 0 <= self.wan_probe_after < float("inf"):
+            raise ConfigError("wan_probe_after must be >= 0 and finite")
+        if not 0 < self.wan_probe_every < float("inf"):
+            raise ConfigError("wan_probe_every must be > 0 and finite")
         if self.max_inflight_bytes < 4096:
             raise ConfigError("max_inflight_bytes must be >= 4096")
         if not 1 <= self.data_max_connections_per_address <= self.data_max_connections \
@@ -390,7 +414,7 @@ class PeerConfig:
         base: dict[str, Any] = dict(
             gossip_interval=0.1, probe_interval=0.2, probe_timeout=0.1,
             push_pull_interval=2.0, dead_reap_after=10.0, stall_timeout=3.0,
-            connect_timeout=2.0, lease_timeout=5.0,
+            connect_timeout=2.0, lease_timeout=5.0, wan_probe_after=1.0,
         )
         base.update(overrides)
         return cls(name=name, **base)

@@ -85,6 +85,7 @@ from .opstatus import StatusDesk, status_reply
 from .retention import Retention
 from .stats import INSECURE, PeerStats, Switches, chunking_text, digest_text
 from .switching import describe, switch_interval
+from .wanprobe import LinkProbes
 from .zap import HandshakeMonitor, ZapHandler
 from .zmq_trio import CurveKeys, ZmqRouter
 
@@ -127,8 +128,8 @@ class Peer:
         self._server = TcpServer(self.store, self._count_sent, self._count_bad, ServerLimits(
             config.data_max_connections, config.data_max_connections_per_address,
             config.data_idle_timeout, config.data_frame_timeout,
-            config.data_requests_per_second, config.lease_timeout), self._data_auth,
-            dialer.host)
+            config.data_requests_per_second, config.lease_timeout,
+            probe_bytes=config.wan_probe_bytes), self._data_auth, dialer.host)
         self.store.on_dropped.append(dialer.host.dropped)
         data_host, data_port = parse_hostport(config.data_listen) if config.data_listen \
             else (host, 0)
@@ -163,9 +164,13 @@ class Peer:
             announce=lambda holding: self._send(self.control.put_holding(holding)),
             withdraw=self.withdraw, ask_coordinator=self._ask_coordinator,
             changed=self.wait_changed, banned=self.banned, ban=self.ban,
-            spawn=self.start_background, data_auth=lambda: self._data_auth))
+            spawn=self.start_background, data_auth=lambda: self._data_auth,
+            measured=self.control.wan.observe))
         """The read path: every fetch here, its connections, link memory and counters
         (:mod:`tensorhub.read`)."""
+        self.link_probes = LinkProbes(self.info, config, self.control, self.reader.probe,
+                                      trio.current_time())
+        """Probes of the links into our DC that nobody measured (:mod:`.wanprobe`)."""
         self.retention = Retention(config.name, config, self.store, self.control,
                                    self.send_to, self.withdraw, self._count_bad,
                                    lambda task: self._nursery.start_soon(task))
@@ -203,6 +208,7 @@ class Peer:
         await nursery.start(self._router.run)
         nursery.start_soon(self._dispatch)
         nursery.start_soon(self._ticker)
+        nursery.start_soon(self.link_probes.run)
         seeds = [f"tcp://{h}:{p}" for h, p in map(parse_hostport, self.config.join)]
         self._send(self.control.join(trio.current_time(), seeds))
 
@@ -679,7 +685,10 @@ class Peer:
             switch_interval=describe(self.config.switch_interval),
             chunking=chunking_text(self.config, self.chunking),
             fetches_joined=reads.fetches_joined, fetches_in_flight=reads.in_flight,
-            control_waiting=rs.inbound_waiting, control_dropped=rs.dropped_inbound)
+            control_waiting=rs.inbound_waiting, control_dropped=rs.dropped_inbound,
+            wan={"links": self.control.wan.table(), "probes": self.link_probes.describe(),
+                 "probed": dict(self.link_probes.notes),
+                 "implausible_entries": self.control.implausible_entries})
 
 
 @asynccontextmanager

@@ -104,6 +104,12 @@ class PeerStats:
     """How this peer cuts what it publishes into chunks (automatic, or
     ``PeerConfig.chunk_size``), and what its last publish chose and why.  Each fetch
     report says the chunk size and the stream windows of that fetch."""
+    wan: dict[str, Any] = field(default_factory=dict)
+    """The links between DCs as this peer knows them (:mod:`tensorhub.protocol.wan`):
+    ``links``, one row per DC pair (from, to, Mbit, rtt_ms, how: declared or measured,
+    reporters: the origins whose measurements it is the median of); ``probes``: whether
+    this peer probes links and how; ``probed``: what its probes found, per link;
+    ``implausible_entries``: reference entries refused for link reports out of range."""
 
 
 def digest_text(algo: str) -> str:

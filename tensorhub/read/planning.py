@@ -5,6 +5,7 @@ schedule, handing a newer plan to the transfer (:meth:`Transfer.replan`)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import trio
 
@@ -15,9 +16,16 @@ from .ports import Ports
 from .report import FetchReport
 from .transfer import Transfer, first_error
 
-PlanAnswer = tuple[Plan, str, PlanStamp | None]
-"""Our part of a plan, a note on it (or why there is none), and its stamp (None: no
-plan)."""
+
+class PlanAnswer(NamedTuple):
+    """Our part of a plan, a note on it (or why there is none), its stamp (None: no
+    plan), and the route the coordinator says our DC's bytes take ("" without a plan;
+    ``FetchReport.route``)."""
+
+    plan: Plan
+    note: str
+    stamp: PlanStamp | None
+    route: str = ""
 
 
 async def ask_plan(ports: Ports, me: str, key: VersionKey, size: int, chunks: int
@@ -27,23 +35,24 @@ async def ask_plan(ports: Ports, me: str, key: VersionKey, size: int, chunks: in
     try:
         answer = await ports.ask_coordinator(key, size, chunks)
     except TransportError as exc:
-        return [], f"no plan: {exc}", None
-    return plan_of(answer, ports.members(), me)
+        return PlanAnswer([], f"no plan: {exc}", None)
+    plan, note, stamp = plan_of(answer, ports.members(), me)
+    return PlanAnswer(plan, note, stamp, answer.route if stamp is not None else "")
 
 
 async def run_following(transfer: Transfer, follow: PlanFollow,
                         ask: Callable[[], Awaitable[PlanAnswer]]) -> FetchReport:
     """Run ``transfer``; meanwhile ask again (``ask``) as ``follow`` schedules, take a
-    plan newer than the one followed, and keep the report's ``plan`` note."""
+    plan newer than the one followed, and keep the report's ``plan`` note and route."""
     async def follow_plan() -> None:
         while True:
             await trio.sleep(follow.next_delay())  # a schedule, not a wait for an event
-            plan, _, stamp = await ask()
-            if stamp is None or not follow.newer(stamp):
+            answer = await ask()
+            if answer.stamp is None or not follow.newer(answer.stamp):
                 continue
-            moved, ended = transfer.replan(plan)
-            follow.took(trio.current_time(), stamp, moved, ended)
-            transfer.report.plan = follow.note
+            moved, ended = transfer.replan(answer.plan)
+            follow.took(trio.current_time(), answer.stamp, moved, ended)
+            transfer.report.plan, transfer.report.route = follow.note, answer.route
 
     done: list[FetchReport] = []
     try:

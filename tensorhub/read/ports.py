@@ -53,3 +53,7 @@ class Ports:
     data_auth: Callable[[], DataAuth | None]
     """How this peer proves itself on a data connection it opens (it changes when the
     peer rotates its identity); None without keys."""
+    measured: Callable[[str, str, int, float], object]
+    """A transfer moved ``nbytes`` from DC ``src`` into DC ``dst`` in ``seconds`` of
+    reading from ``src``: a sample of that link for the WAN model (``(src, dst, nbytes,
+    seconds)``; one under its ``min_sample_bytes`` does not count)."""

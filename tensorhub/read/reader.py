@@ -56,6 +56,7 @@ from ..device.staging import DeviceRings, on_device, staged_fetch
 from ..errors import LocalProtocolError, PeerClosed
 from ..manifest.manifest import Manifest
 from ..model import PeerInfo, VersionKey
+from ..protocol.probing import ProbeSample
 from ..protocol.reading import (
     ManifestSearch,
     Plan,
@@ -71,6 +72,7 @@ from ..protocol.sharding import Sharding
 from ..protocol.versions import Seal
 from ..torch import Into, destination
 from ..transport import copy_threads
+from ..transport.probe import probe
 from .cast import CastSpec, cast_fetched
 from .connections import ConnectionPool
 from .deltas import Deltas, add_to_report
@@ -265,6 +267,14 @@ class Reader:
         with self._running(transfer):
             return await transfer.run()
 
+    async def probe(self, holder: PeerInfo, nbytes: int) -> ProbeSample:
+        """Time a read of ``nbytes`` zeros a stream from ``holder`` over TCP: a link
+        probe (:mod:`tensorhub.transport.probe`), within ``connect_timeout +
+        stall_timeout``."""
+        return await probe(holder.data, holder.name, nbytes,
+                           self.config.connect_timeout + self.config.stall_timeout,
+                           self.ports.data_auth())
+
     def progress(self) -> list[FetchProgress]:
         """The transfers running here now."""
         return [FetchProgress(t.key, t.manifest.total_bytes, r.bytes, dict(r.bytes_by_source),
@@ -453,8 +463,8 @@ class Reader:
             self.ports.announce(local.holding())  # downstream can find us
             if staged is not None:
                 await staged.landing.ring.ready()
-            plan, plan_note, plan_seconds, stamp = await self._plan(key, manifest, allowed,
-                                                                    early)
+            (plan, plan_note, stamp, route), plan_seconds = await self._plan(
+                key, manifest, allowed, early)
             delta, delta_seconds = await self.deltas.run(local, plan, allowed, progress)
             n, cap = streams(self.config, manifest.chunk_size), \
                 stream_cap(self.config, manifest.chunk_size)
@@ -464,6 +474,7 @@ class Reader:
             transfer = self._transfer(local, allowed, plan=plan, streams=n, cap=cap,
                                       on_progress=progress)
             transfer.report.plan, transfer.report.plan_seconds = plan_note, plan_seconds
+            transfer.report.route = route
             with self._running(transfer):
                 if stamp is None:
                     report = await transfer.run()
@@ -494,21 +505,24 @@ class Reader:
 
     async def _plan(self, key: VersionKey, manifest: Manifest,
                     allowed: frozenset[str] | None, early: tuple[PlanAnswer, float] | None
-                    ) -> tuple[Plan, str, float | None, Any]:
-        """The plan to follow, a note on it, how long asking took, and its stamp."""
+                    ) -> tuple[PlanAnswer, float | None]:
+        """The plan to follow (a note on it, its stamp, its route), and how long asking
+        took."""
         if early is not None:
-            (plan, note, stamp), seconds = early
-            return plan, note + " (asked while the manifest was read)", seconds, stamp
+            answer, seconds = early
+            return answer._replace(
+                note=answer.note + " (asked while the manifest was read)"), seconds
         if not key.whole:
-            return [], "no plan: shards are fetched from their holders directly", None, None
+            return PlanAnswer([], "no plan: shards are fetched from their holders directly",
+                              None), None
         if allowed is not None:
-            return [], "no plan: the caller named the sources", None, None
+            return PlanAnswer([], "no plan: the caller named the sources", None), None
         if not self.config.planning:
-            return [], "planning off", None, None
+            return PlanAnswer([], "planning off", None), None
         asked = trio.current_time()
-        plan, note, stamp = await ask_plan(self.ports, self.me.name, key,
-                                           manifest.total_bytes, manifest.num_chunks)
-        return plan, note, trio.current_time() - asked, stamp
+        answer = await ask_plan(self.ports, self.me.name, key, manifest.total_bytes,
+                                manifest.num_chunks)
+        return answer, trio.current_time() - asked
 
     def _transfer(self, local: LocalVersion, allowed: frozenset[str] | None, *,
                   streams: int, cap: int, plan: Plan | None = None,
@@ -540,7 +554,8 @@ class Reader:
     @contextmanager
     def _running(self, transfer: Transfer) -> Iterator[None]:
         """``transfer`` runs meanwhile: gossip wakes it, progress displays see it.  A
-        failure counts the bad bytes it met."""
+        failure counts the bad bytes it met; a success tells the WAN model what it
+        measured of the links into our DC (:meth:`_measured`)."""
         self._transfers.add(transfer)
         try:
             yield
@@ -549,6 +564,18 @@ class Reader:
             raise
         finally:
             self._transfers.discard(transfer)
+        self._measured(transfer)
+
+    def _measured(self, transfer: Transfer) -> None:
+        """For each other DC the transfer read from: its bytes over the time reads from
+        that DC were in flight (:mod:`~tensorhub.protocol.linktime`), a sample of the
+        link into ours."""
+        here = self.me.label("dc")
+        if not here:
+            return
+        for dc, nbytes, seconds in transfer.session.link_time.samples():
+            if dc and dc != here:
+                self.ports.measured(dc, here, nbytes, seconds)
 
     def _count_integrity(self, report: FetchReport) -> None:
         for src, n in report.integrity_failures.items():

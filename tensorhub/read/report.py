@@ -51,6 +51,10 @@ class FetchReport:
     """Bytes that came from the source the coordinator's plan named."""
     plan: str = ""
     """The plan followed: coordinator and epoch, or why there was none."""
+    route: str = ""
+    """Which DC path the bytes into this peer's DC took, and why: the links' rates and
+    whether each was declared, measured or a default (the coordinator's
+    ``Planner.route_of``); empty when no plan was followed."""
     plan_seconds: float | None = None
     """From asking the version's coordinator for a plan until its answer (or the
     failure to get one); None when no plan was asked (planning off, a named source, a
@@ -152,7 +156,7 @@ class FetchReport:
             "served_arrays": self.served_arrays, "joined": self.joined,
             "copy_seconds": self.copy_seconds,
             "cast": dict(self.cast), "cast_seconds": self.cast_seconds,
-            "planned_bytes": self.planned_bytes, "plan": self.plan,
+            "planned_bytes": self.planned_bytes, "plan": self.plan, "route": self.route,
             "plan_seconds": self.plan_seconds, "switch_seconds": self.switch_seconds,
             "chunk_size": self.chunk_size, "windows": dict(self.windows),
             "first_byte_seconds": self.first_byte_seconds,
