@@ -20,6 +20,7 @@ import trio
 
 from .config import PeerConfig, parse_labels
 from .errors import ConfigError, TensorHubError
+from .links import load_links
 from .ops import commands
 from .ops.commands import Role
 from .security import load, read_keyring, write_keys
@@ -39,6 +40,8 @@ def _config(args: argparse.Namespace, name: str) -> PeerConfig:
         extra["allow_insecure"] = True
     if args.transports:
         extra["transports"] = tuple(t for t in args.transports.split(",") if t)
+    if getattr(args, "links", None):
+        extra["links"] = load_links(args.links)
     return PRESETS[args.preset](name, listen=args.listen, join=seeds, delta=args.delta,
                                 labels=parse_labels(args.label or []), **extra)
 
@@ -85,6 +88,8 @@ async def _status(config: PeerConfig, settle: float) -> dict[str, Any]:
 
 
 def _print_status(report: dict[str, Any]) -> None:
+    from .ops.status import WAN_COLUMNS, wan_rows
+
     print(f"{'member':<20} {'state':<8} {'control':<26} labels")
     for name, m in sorted(report["members"].items()):
         labels = ",".join(f"{k}={v}" for k, v in m["labels"].items())
@@ -94,6 +99,12 @@ def _print_status(report: dict[str, Any]) -> None:
     for key, v in sorted(report["versions"].items()):
         holders = ", ".join(f"{n} ({h['chunks']})" for n, h in sorted(v["holders"].items()))
         print(f"{key:<24} {holders}")
+    rows = wan_rows(report)
+    if rows:
+        print()
+        print("links between DCs")
+        for row in (WAN_COLUMNS, *rows):
+            print(f"{row[0]:<12} {row[1]:<12} {row[2]:>10} {row[3]:>8} {row[4]:<9} {row[5]}")
 
 
 def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
@@ -110,6 +121,10 @@ def _add_peer_options(p: argparse.ArgumentParser, listen: str) -> None:
     p.add_argument("--delta", choices=("off", "auto", "always"), default="auto",
                    help="chunk deltas against an older version held here "
                         "(PeerConfig.delta; default auto: where they beat the link)")
+    p.add_argument("--links", default=None, metavar="FILE",
+                   help="the links between DCs, declared: the [[link]] tables of a TOML "
+                        "file (PeerConfig.links; docs/cluster.md); measurements refine "
+                        "them")
     p.add_argument("--transports", default=None, metavar="LIST",
                    help="data-plane transports in order of preference, e.g. rdma,shm,tcp "
                         "(PeerConfig.transports; default shm,tcp); each is detected at "

@@ -106,6 +106,31 @@ def test_status_lists_members_and_versions() -> None:
         p.stderr.close()  # type: ignore[union-attr]
 
 
+def test_links_file_declares_the_wan_and_status_shows_it(tmp_path: Path) -> None:
+    links = tmp_path / "links.toml"
+    links.write_text('[[link]]\nbetween = ["east", "west"]\nmbit = 300\nrtt_ms = 150\n')
+    ports = free_ports(1)
+    p = _start_peer(ports[0], "alpha")
+    try:
+        out = subprocess.run([*CLI, "status", "--preset", "local", "--join",
+                              f"127.0.0.1:{ports[0]}", "--settle", "0.5", "--json",
+                              "--links", str(links)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        assert {"from": "east", "to": "west", "mbit": 300.0, "rtt_ms": 150.0,
+                "how": "declared", "reporters": 0} in report["wan"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=5)
+        p.stdout.close()  # type: ignore[union-attr]
+        p.stderr.close()  # type: ignore[union-attr]
+    bad = subprocess.run([*CLI, "peer", "--name", "x", "--links", str(tmp_path / "no.toml")],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "links file" in bad.stderr
+
+
 def test_port_helper_gives_bindable_ports() -> None:
     (port,) = free_ports(1)
     with socket.socket() as s:

@@ -1,7 +1,8 @@
 """``tensorhub status``: gather a mesh's state as one member sees it, and draw it.
 
-:func:`gather` joins what gossip says (members, incarnations, who holds which chunks)
-with what each member answers to a status query (bytes held, fetches in flight with
+:func:`gather` joins what gossip says (members, incarnations, who holds which chunks,
+the links between DCs its members measured: :func:`wan_rows`) with what each member
+answers to a status query (bytes held, fetches in flight with
 the bytes from each source); :class:`Rates` turns two gathers into per-link rates; and
 :func:`render` draws a report with rich (the ``ops`` extra, imported when drawing).
 A member's *staleness* for a model is how many sealed versions are newer than the
@@ -64,7 +65,8 @@ async def gather(peer: Peer, timeout: float) -> dict[str, Any]:
               "total": link.total}
              for r in replies.values() for link in r.links]
     return {"members": members, "health": health, "versions": versions, "links": links,
-            "staleness": staleness, "time": trio.current_time()}
+            "staleness": staleness, "wan": peer.control.wan.table(),
+            "time": trio.current_time()}
 
 
 class Rates:
@@ -94,8 +96,18 @@ def _size(n: int | None) -> str:
     return f"{n} B"
 
 
+WAN_COLUMNS = ("from", "to", "Mbit", "rtt ms", "how", "reporters")
+
+
+def wan_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The WAN table of a report: one row per known DC link (:data:`WAN_COLUMNS`)."""
+    return [(w["from"], w["to"], f"{w['mbit']:g}", f"{w['rtt_ms']:g}", w["how"],
+             str(w["reporters"]) if w["how"] == "measured" else "-")
+            for w in report.get("wan", ())]
+
+
 def render(report: dict[str, Any]) -> Any:
-    """The report as a rich renderable (members, versions, transfers, staleness)."""
+    """The report as a rich renderable (members, versions, transfers, staleness, WAN)."""
     from rich.console import Group
     from rich.table import Table
 
@@ -132,7 +144,12 @@ def render(report: dict[str, Any]) -> Any:
     for s in report["staleness"]:
         stale.add_row(s["member"], s["model"], str(s["holds"]), str(s["latest"]),
                       str(s["behind"]))
-    return Group(members, versions, links, stale)
+    wan = Table(title="links between DCs", title_justify="left")
+    for col in WAN_COLUMNS:
+        wan.add_column(col)
+    for row in wan_rows(report):
+        wan.add_row(*row)
+    return Group(members, versions, links, stale, wan)
 
 
 async def watch(peer: Peer, interval: float, count: int | None, timeout: float) -> None:
