@@ -13,8 +13,12 @@ Three kinds of knowledge, best last:
 * *declared* by the operator (``PeerConfig.links``, :mod:`tensorhub.links`): a starting
   point;
 * *measured*: a receiver in DC ``b`` folds each transfer it completed from DC ``a``
-  (at least ``min_sample_bytes``, so latency does not pass for bandwidth) into an
-  exponentially weighted average of ``a -> b`` (:meth:`Wan.observe`); a probe at join
+  (at least ``min_sample_bytes``, so latency does not pass for bandwidth) into its
+  estimate of ``a -> b`` (:meth:`Wan.observe`).  A transfer's rate is what the link
+  carried *at least* (a busy sender or a short read shows less than the link can), so
+  a faster sample is believed at once, as a bottleneck-bandwidth filter does, and a
+  slower one moves the estimate ``ewma_alpha`` of the way down: a link that degrades
+  is followed within a few transfers, one slow sender does not halve a good link; a probe at join
   is one more such sample.  Its own measurements (:meth:`Wan.reports`, at most
   :data:`MAX_LINK_REPORTS`) travel in its reference-table entry, so they reach every
   peer by the same anti-entropy that carries holdings; :meth:`Wan.hear` keeps, per
@@ -113,7 +117,9 @@ class Wan:
         old = self._mine.pop((src, dst), None)  # re-inserted last: the most recent
         if old is None:
             bps, rtt = rate, 0.0
-        else:
+        elif rate >= old[0]:  # a link carried at least this: believe it at once
+            bps, rtt = rate, old[1]
+        else:  # slower: a busy sender, or the link degraded; follow by halves
             bps = self._alpha * rate + (1 - self._alpha) * old[0]
             rtt = old[1]
         if rtt_s is not None and math.isfinite(rtt_s) and 0 <= rtt_s <= MAX_LINK_RTT_S:
