@@ -113,6 +113,7 @@ class _Worker(WorkerClient):
                 "--planning", "on" if plan else "off",
                 "--stall-timeout", str(_STALL_TIMEOUT_S)]  # fmt: skip
         argv += ["--keys", keys] if keys else []
+        argv += ["--wan-probe-bytes", "0"]  # the suite turns them on (cluster_suite.PROBES)
         argv += extra
         path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
         with self.log.open("w") as log:

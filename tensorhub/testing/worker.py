@@ -338,6 +338,8 @@ async def main(args: argparse.Namespace) -> None:
                            planning=args.planning == "on", delta=args.delta,
                            security=load_keys(args.keys, args.name) if args.keys else None,
                            links=load_links(args.links) if args.links else (),
+                           **({} if args.wan_probe_bytes is None
+                              else {"wan_probe_bytes": args.wan_probe_bytes}),
                            allow_insecure=True,  # without --keys: emulated hosts on a
                            **overrides)          # private bridge, or loopback
     async with open_peer(cfg) as peer:
@@ -388,6 +390,8 @@ if __name__ == "__main__":
                         " off here: benchmarks measure full transfers unless told)")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="run with the keys of --name in DIR (tensorhub keygen)")
+    p.add_argument("--wan-probe-bytes", type=int, default=None, metavar="N",
+                   help="PeerConfig.wan_probe_bytes (link probes between DCs; 0: off)")
     p.add_argument("--links", default=None, metavar="FILE",
                    help="declared links between DCs: the [[link]] tables of FILE "
                         "(PeerConfig.links; tensorhub.links)")
