@@ -11,19 +11,26 @@ leaf's uplink to the spine and the receiver leaf's downlink from it, each carryi
 ``gpus under the leaf x nic_bps / oversubscription``, when oversubscribed (a
 non-blocking leaf carries at most what the NICs under it send, so it never limits a
 flow, and leaving it out saves the max-min sharing of :mod:`simulations.flows` the
-work); between DCs it also crosses the
-DC pair's WAN link (``wan_bps`` each way).  Round trips: ``rtt_s`` inside a DC,
-``wan_rtt_s`` across.  Links are those of :class:`simulations.flows.Network`, shared by
-every fan-out that runs at once on the fabric.
+work); between DCs it also crosses the link of that ordered DC pair, ``wan:{a}>{b}``.
+Each ordered pair may have its own rate and round trip (:attr:`FabricSpec.wan`: the
+real WAN is asymmetric, and a direct link may be slower than a path through a third
+DC); a pair not listed runs at ``wan_bps`` with a ``wan_rtt_s`` round trip.  Round
+trips: ``rtt_s`` inside a DC, the pair's across.  Links are those of
+:class:`simulations.flows.Network`, shared by every fan-out that runs at once on the
+fabric.
 
 The planner sees what a peer would gossip: ``dc``, ``rack`` (the leaf) and ``host``
-labels and the NIC rate (:meth:`Fabric.node`).
+labels and the NIC rate (:meth:`Fabric.node`); the DC pairs' links are what an operator
+declares (:meth:`FabricSpec.declared`, the ``[[link]]`` tables of :mod:`tensorhub.links`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from tensorhub.links import LinkSpec
 from tensorhub.protocol.topology import NodeInfo
 
 from ..flows import Link, Network
@@ -45,12 +52,38 @@ class FabricSpec:
     rtt_s: float = 10e-6
     """Round trip inside a DC (RDMA)."""
     wan_bps: float = 200 * GBIT
+    """Each way of a DC pair's link not in ``wan``."""
     wan_rtt_s: float = 0.010
+    """The round trip of a DC pair not in ``wan``."""
+    wan: Mapping[tuple[str, str], tuple[float, float]] = field(default_factory=dict,
+                                                               hash=False)
+    """``(src DC, dst DC) -> (bytes/s, round trip s)``: the one-way links of their own.
+    A round trip is the pair's, the same both ways (as :mod:`tensorhub.testing.clusterspec`
+    has it): ``b -> a`` not listed takes ``a -> b``'s round trip and ``wan_bps``."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_host < 1 or self.hosts_per_leaf < 1 or self.oversubscription < 1:
             raise ValueError("need gpus_per_host >= 1, hosts_per_leaf >= 1, "
                              "oversubscription >= 1")
+        for (a, b), (bps, rtt) in self.wan.items():
+            if a == b or not (math.isfinite(bps) and bps > 0 and math.isfinite(rtt)
+                              and rtt >= 0):
+                raise ValueError(f"wan link {a}>{b}: need two DCs, a rate > 0 and a "
+                                 f"round trip >= 0, got {bps!r} bytes/s, {rtt!r} s")
+            back = self.wan.get((b, a))
+            if back is not None and back[1] != rtt:
+                raise ValueError(f"wan link {a}>{b}: the round trip is the same both ways, "
+                                 f"got {rtt:g} s and {back[1]:g} s back")
+
+    def wan_link(self, src: str, dst: str) -> tuple[float, float]:
+        """The ``src -> dst`` DC link's rate (bytes/s) and round trip (s)."""
+        there, back = self.wan.get((src, dst)), self.wan.get((dst, src))
+        rtt = there[1] if there else back[1] if back else self.wan_rtt_s
+        return (there[0] if there else self.wan_bps), rtt
+
+    def declared(self) -> tuple[LinkSpec, ...]:
+        """The links of ``wan`` as an operator declares them to the peers."""
+        return tuple(LinkSpec(a, b, bps, rtt) for (a, b), (bps, rtt) in sorted(self.wan.items()))
 
 
 @dataclass(frozen=True)
@@ -89,8 +122,8 @@ class Fabric:
         return NodeInfo(name, p.dc, p.leaf, p.host, self.spec.nic_bps, self.spec.nic_bps)
 
     def rtt(self, a: str, b: str) -> float:
-        return self.spec.rtt_s if self.places[a].dc == self.places[b].dc \
-            else self.spec.wan_rtt_s
+        da, db = self.places[a].dc, self.places[b].dc
+        return self.spec.rtt_s if da == db else self.spec.wan_link(da, db)[1]
 
     def links(self, src: str, dst: str) -> tuple[Link, ...]:
         a, b, s, net = self.places[src], self.places[dst], self.spec, self.net
@@ -103,5 +136,5 @@ class Fabric:
             out += [net.link(f"leaf-up:{a.leaf}", spine),
                     net.link(f"leaf-down:{b.leaf}", spine)]
         if a.dc != b.dc:
-            out.append(net.link(f"wan:{a.dc}>{b.dc}", s.wan_bps))
+            out.append(net.link(f"wan:{a.dc}>{b.dc}", s.wan_link(a.dc, b.dc)[0]))
         return tuple(out)

@@ -14,12 +14,16 @@ shares its NIC between them, and shards that cross the same leaf uplink share it
 Ties in the queue are broken by insertion order, and the readers' start jitter comes
 from the seed, so one seed gives one run.  The coordinator plans with the topology a
 peer gossips (DC, leaf as rack, host labels; NIC rates) unless ``topology_aware`` is
-off (every peer then looks alike), and with the fabric's speeds per locality class (a
-leaf's switch at NIC rate, the spine at NIC rate over the oversubscription).  Chunks
+off (every peer then looks alike), with the fabric's speeds per locality class (a
+leaf's switch at NIC rate, the spine at NIC rate over the oversubscription), and with
+each DC pair's link as an operator declares it (a :class:`~tensorhub.protocol.wan.Wan`
+of the fabric's ``wan`` links) unless ``wan_known`` is off.  Chunks
 here are coarse (hundreds of MB, so that a 140 GB model is tens of chunks); a reader's
 in-flight limit is scaled with them (``max_inflight_bytes`` = ``fetch_window`` x
 ``MIN_CHUNKS`` chunks), so it keeps as many streams and chunks in flight as a peer does
-with its own chunk size.
+with its own chunk size, and so is its ``stall_timeout`` (a limit per chunk: one chunk
+here is as many of a peer's largest, ``MAX_AUTO_CHUNK``, as it holds), or a chunk that
+needs longer than it over a thin link would be given up and asked for again for ever.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from functools import partial
 
 from tensorhub.config import PeerConfig
 from tensorhub.protocol.planner import Planner, PlannerConfig
-from tensorhub.protocol.sizing import MIN_CHUNKS
+from tensorhub.protocol.sizing import MAX_AUTO_CHUNK, MIN_CHUNKS
 from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig
+from tensorhub.protocol.wan import Wan
 
 from ..events import EventQueue
 from ..flows import Link, Network
@@ -62,6 +67,9 @@ class Fanout:
     upstream: dict[str, frozenset[str]] = field(default_factory=dict)
     seeds_per_dc: int = 1
     topology_aware: bool = True
+    wan_known: bool = True
+    """The coordinator is told each DC pair's link (off: it knows none, and plans every
+    pair at the fabric's ``wan_bps``, as before per-pair links)."""
     rebuild: bool = True
 
 
@@ -89,7 +97,8 @@ class FabricCoordinator(SimCoordinator):
         return Topology(TopologyConfig(
             same_host_bps=spec.nvlink_bps, same_rack_bps=spec.nic_bps,
             same_dc_bps=spec.nic_bps / spec.oversubscription, cross_dc_bps=spec.wan_bps,
-            wan_bps=spec.wan_bps), tuple(nodes))
+            wan_bps=spec.wan_bps), tuple(nodes),
+            wan=Wan(spec.declared() if fan.wan_known else ()))
 
     def _new(self, fetchers: list[str]) -> Planner:
         s, fan = self.setup, self.fan
@@ -152,19 +161,22 @@ class RunResult:
 
 
 def setup_of(fan: Fanout, fabric: Fabric, seed: int) -> Setup:
-    nic = fabric.spec.nic_bps
+    nic, peer = fabric.spec.nic_bps, PeerConfig("sim")
     hosts = tuple(Host(n, fabric.places[n].dc, nic, nic) for n in (*fan.holders, *fan.readers))
     return Setup(hosts, fan.holders[0], fan.readers, fan.size, fan.chunk_size, plan=fan.plan,
                  incremental_plan=fan.incremental, upstream=fan.upstream,
                  rtt=fabric.spec.rtt_s, rebuild=fan.rebuild, seed=seed,
                  gossip_delay=0.001, detect_delay=0.2, start_jitter=0.001,
-                 config=PeerConfig("sim", max_inflight_bytes=max(
-                     512 << 20, PeerConfig("sim").fetch_window * MIN_CHUNKS * fan.chunk_size)))
+                 config=peer.replace(max_inflight_bytes=max(
+                     512 << 20, peer.fetch_window * MIN_CHUNKS * fan.chunk_size),
+                     stall_timeout=peer.stall_timeout * max(1.0, fan.chunk_size
+                                                            / MAX_AUTO_CHUNK)))
 
 
 def run(fans: list[Fanout], fabric: Fabric, *, seed: int = 0,
-        kills: tuple[tuple[float, str], ...] = ()) -> RunResult:
-    """Run every fan-out at once on ``fabric`` until each reader is done or failed."""
+        kills: tuple[tuple[float, str], ...] = (), until: float = math.inf) -> RunResult:
+    """Run every fan-out at once on ``fabric`` until each reader is done or failed, or
+    the clock passes ``until`` (a reader not done then counts as failed)."""
     clock = Clock()
     fabric.net.queue = clock
     sims = [FanoutSim(setup_of(f, fabric, seed), f, fabric, clock) for f in fans]
@@ -178,7 +190,7 @@ def run(fans: list[Fanout], fabric: Fabric, *, seed: int = 0,
             if gpu in sim.hosts:
                 clock.at(when, partial(sim.kill, gpu))
     events = 0
-    while (nxt := clock.pop()) is not None:
+    while (nxt := clock.pop()) is not None and nxt[0] <= until:
         when, fn = nxt
         clock.now = when
         events += 1

@@ -80,9 +80,11 @@ class Outcome:
         return sum(o.roll_tp * (max(0.0, t - overlap_s) + flip) for t in self.instance_s)
 
 
-def cluster(o: Options, dcs: tuple[int, ...]) -> tuple[Fabric, list[list[str]], list[list[str]]]:
-    """Trainer hosts in the first DC, then ``dcs[i]`` rollout hosts in ``dc{i}``."""
-    fabric = new_fabric(o.spec())
+def cluster(o: Options, dcs: tuple[int, ...], spec: FabricSpec | None = None
+            ) -> tuple[Fabric, list[list[str]], list[list[str]]]:
+    """Trainer hosts in the first DC, then ``dcs[i]`` rollout hosts in ``dc{i}``, on
+    ``spec`` (default ``o.spec()``)."""
+    fabric = new_fabric(spec or o.spec())
     trainer = fabric.add_hosts("dc0", o.train_pp, "t")
     rollouts = [g for i, n in enumerate(dcs) for g in fabric.add_hosts(f"dc{i}", n, "r")]
     return fabric, trainer, rollouts
@@ -107,9 +109,9 @@ def slices(o: Options, trainer: list[list[str]], readers: list[list[str]],
 
 def simulate(o: Options, fabric: Fabric, fans: list[Fanout], hosts: list[list[str]],
              joins: dict[int, float] | None = None,
-             kills: tuple[tuple[float, str], ...] = ()) -> Outcome:
+             kills: tuple[tuple[float, str], ...] = (), until: float = math.inf) -> Outcome:
     started = time.perf_counter()
-    res = run(fans, fabric, seed=o.seed, kills=kills)
+    res = run(fans, fabric, seed=o.seed, kills=kills, until=until)
     wall = time.perf_counter() - started
     done = {g: t for f in res.fanouts.values() for g, t in f.done.items()}
     late: dict[str, float] = {}
