@@ -3,9 +3,10 @@
 
     python -m simulations.paper --json
     python -m simulations.paper --rollout-hosts 4 --kraken-hosts 32 --no-plots  # quick
+    python -m simulations.paper --only wan --no-plots --json  # the multi-DC WAN (opt-in)
 
 Prints each table, then each figure next to its bound; with ``--json`` one JSON object
-as the last line: ``{"figures": [...], "tables": {...}, "settings": {...}}``.
+as the last line: ``{"figures": [...], "tables": {...}, "raw": {...}, "settings": {...}}``.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from typing import Any
 from tensorhub.bench.figures import figure, print_figures
 from tensorhub.protocol.sizing import MAX_AUTO_CHUNK, choose_chunk_size
 
+from ..dataplane import multidc as m
 from ..dataplane import workloads as w
 from ..dataplane.validate import compare
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-PARTS = ("standalone", "ablations", "elastic", "crossdc", "kraken", "validation")
+PARTS = ("standalone", "ablations", "elastic", "crossdc", "kraken", "validation", "wan")
+DEFAULT_PARTS = PARTS[:-1]
+"""``wan`` is asked for by name: ten 1,024-GPU runs, some 8 minutes here (2 cores)."""
 
 STANDALONE_CHUNK = MAX_AUTO_CHUNK
 """The standalone figures' chunk size: 64 MiB (66 chunks per 4.4 GB slice), what a
@@ -44,12 +48,15 @@ the flow model then recomputes every one of their rates at each start and end, a
 
 
 def run(o: w.Options, kraken_hosts: int, kraken_chunks: int, standalone_chunks: int = 0,
-        only: frozenset[str] = frozenset(PARTS)
-        ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[str, float, str]]]]:
-    """Every part in ``only``.  The standalone figures at ``standalone_chunks`` per slice
-    (0: :data:`STANDALONE_CHUNK`), the rest at ``o.chunks``."""
+        only: frozenset[str] = frozenset(DEFAULT_PARTS)
+        ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[str, float, str]]],
+                   dict[str, Any]]:
+    """Every part in ``only``: its figures, tables and raw numbers.  The standalone
+    figures at ``standalone_chunks`` per slice (0: :data:`STANDALONE_CHUNK`), the rest at
+    ``o.chunks``."""
     figs: list[dict[str, Any]] = []
     tables: dict[str, list[tuple[str, float, str]]] = {}
+    raw: dict[str, Any] = {}
     gpus = o.rollout_hosts * o.roll_tp
     began = time.perf_counter()
 
@@ -162,7 +169,38 @@ def run(o: w.Options, kraken_hosts: int, kraken_chunks: int, standalone_chunks: 
                                          f"{r['error']:.3f}") for r in rows]
         figs.append(figure("sim_vs_netns_error", max(r["error"] for r in rows), "ratio", 0.15,
                            "lower"))
-    return figs, tables
+
+    if "wan" in only:
+        runs = []
+        for shape in m.SHAPES:
+            say(f"multi-DC WAN, {shape.name} ({shape.what}) ...")
+            runs.append(m.measure(o, shape))
+        tables["multi-DC WAN"] = [row for r in runs for row in wan_rows(r)]
+        figs.append(figure("sim_wan_fanout_vs_cut_bound_worst",
+                           max(r.vs_bound for r in runs), "ratio", 1.3, "lower"))
+        figs.append(figure("sim_wan_interdc_bytes_vs_min_worst",
+                           max(r.bytes_vs_min for r in runs), "ratio", 1.1, "lower"))
+        figs.append(figure("sim_wan_fanout_vs_blind_planner_worst",
+                           max(r.makespan_s / (r.blind_s or r.makespan_s) for r in runs),
+                           "ratio", 1.0, "lower"))
+        figs.append(figure("sim_wan_fanout_vs_direct_feed_worst",
+                           max(r.makespan_s / r.direct_feed_s for r in runs), "ratio", 1.0,
+                           "lower"))
+        raw["wan"] = [r.raw() for r in runs]
+    return figs, tables, raw
+
+
+def wan_rows(r: m.Run) -> list[tuple[str, float, str]]:
+    """One shape's rows of the multi-DC table."""
+    n = r.shape.name
+    return [(f"{n}: simulated fan-out", r.makespan_s, "s"),
+            (f"{n}: cut bound", r.bound_s, "s"),
+            (f"{n}: simulated / cut bound", r.vs_bound, "x"),
+            (f"{n}: inter-DC bytes / (remote DCs x model)", r.bytes_vs_min, "x"),
+            *([(f"{n}: planner blind to the links (simulated)", r.blind_s, "s")]
+              if r.blind_s is not None else []),
+            (f"{n}: each DC fed over its direct link", r.direct_feed_s, "s"),
+            (f"{n}: every GPU pulls from the trainer", r.pull_s, "s")]
 
 
 def plot(tables: dict[str, list[tuple[str, float, str]]], out: Path) -> list[str]:
@@ -204,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="chunks of the 3 GB blob (default 0: the origin's own "
                         "choice in a mesh of --kraken-hosts + 1 peers)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default=",".join(PARTS),
-                        help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
+    parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
+                        help=f"comma-separated parts to run (of {','.join(PARTS)}; "
+                        f"default all but wan)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--json", action="store_true")
     a = parser.parse_args(argv)
@@ -220,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     only = frozenset(a.only.split(","))
     if not only or not only <= set(PARTS):
         parser.error(f"--only takes parts of {','.join(PARTS)}")
-    figs, tables = run(o, a.kraken_hosts, a.kraken_chunks, a.standalone_chunks, only)
+    figs, tables, raw = run(o, a.kraken_hosts, a.kraken_chunks, a.standalone_chunks, only)
     for name, rows in tables.items():
         print(f"\n{name}")
         for what, value, unit in rows:
@@ -232,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 "standalone_chunks": a.standalone_chunks,
                 "wall_s": round(time.perf_counter() - started, 1), "plots": plots}
     out = {"figures": figs, "tables": {k: [list(r) for r in v] for k, v in tables.items()},
-           "settings": settings}
+           "raw": raw, "settings": settings}
     if not a.no_plots:
         (RESULTS / "paper.json").write_text(json.dumps(out, indent=1) + "\n")
     if a.json:
