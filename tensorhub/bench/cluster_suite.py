@@ -148,6 +148,27 @@ def changing(cluster: Cluster, changes: Sequence[LinkChange]
         raise ClusterBenchError(f"changing a link failed: {failed[0]}") from failed[0]
 
 
+SETTLE_TIMEOUT_S = 90.0
+"""Most seconds a fresh mesh is given for its link probes before its first fan-out."""
+
+
+def settle(mesh: Mesh, dcs: int) -> float:
+    """Wait until every peer knows a measured estimate of every ordered DC pair (the
+    probes at join are done and gossiped), at most :data:`SETTLE_TIMEOUT_S`; returns the
+    seconds waited.  Probes belong to joining, not to the version: their bytes must
+    not count as the fan-out's, nor their load slow it."""
+    t0 = time.monotonic()
+    want = dcs * (dcs - 1)
+    while time.monotonic() - t0 < SETTLE_TIMEOUT_S:
+        known = [sum(1 for link in w.call("stats", cmd="stats")["wan"].get("links", [])
+                     if link.get("how") == "measured")
+                 for w in mesh.workers.values()]
+        if min(known) >= want:
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
 def fanout(mesh: Mesh, version: int, size: int, kind: str) -> Shot:
     """The trainer publishes ``version``; every rollout fetches it at once with no
     sources named (as :meth:`~.cluster.Mesh.fanout`), while the file's changes are applied;
@@ -186,6 +207,8 @@ class FileResult:
     bound_s: float
     shots: list[Shot] = field(default_factory=list)
     error: str | None = None
+    settle_s: list[float] = field(default_factory=list)
+    """Seconds each mesh waited for its link probes before its first fan-out."""
 
     def seconds(self, kind: str) -> list[float]:
         return [s.fanout.seconds for s in self.shots if s.kind == kind]
@@ -277,9 +300,11 @@ def run_file(args: argparse.Namespace, path: Path, spec: ClusterSpec) -> FileRes
             port = BASE_PORT + 20 * run
             with open_mesh(cluster, chunk, args.plan, port, keys,
                            extra=["--links", str(links_file), *PROBES]) as mesh:
+                result.settle_s.append(settle(mesh, len(spec.dcs)))
                 result.shots.append(fanout(mesh, 1, size, "declared v1"))
                 _say(result, result.shots[-1], size)
             with open_mesh(cluster, chunk, args.plan, port + 10, keys, extra=PROBES) as mesh:
+                result.settle_s.append(settle(mesh, len(spec.dcs)))
                 for version in LEARNED_VERSIONS:
                     result.shots.append(fanout(mesh, version, size, f"learned v{version}"))
                     _say(result, result.shots[-1], size)
@@ -366,7 +391,8 @@ def print_suite_figures(figures: Sequence[dict[str, Any]]) -> None:
 def file_json(r: FileResult, size: int) -> dict[str, Any]:
     """One file's raw numbers for the ``--json`` line."""
     out: dict[str, Any] = {"file": r.path, "topology": r.spec.to_dict(),
-                           "fluid_bound_s": r.bound_s, "error": r.error}
+                           "fluid_bound_s": r.bound_s, "error": r.error,
+                           "probe_settle_s": r.settle_s}
     for kind in KINDS:
         shots = [s for s in r.shots if s.kind == kind]
         key = kind.replace(" ", "_")

@@ -225,7 +225,7 @@ class Worker:
                     "gossip_interval": self.peer.config.gossip_interval,
                     "probe_interval": self.peer.config.probe_interval,
                     "stall_timeout": self.peer.config.stall_timeout,
-                    "switch_interval": st.switch_interval}
+                    "switch_interval": st.switch_interval, "wan": st.wan}
         raise ValueError(f"unknown command {kind!r}")
 
     def spin(self, on: bool) -> dict[str, Any]:
