@@ -100,6 +100,30 @@ def test_a_transfer_session_times_each_source_dc() -> None:
     assert samples["west"] == (len(run_b) * m.chunk_size, 0.5)
 
 
+def test_a_relay_still_receiving_does_not_time_the_link() -> None:
+    """Reads from a source holding part of the version wait at its pace, not the
+    link's: they move bytes but give no sample; once it holds everything they do."""
+    m = manifest(8, chunk_size=MIB // 8)
+    partial = {"held": holding(m, {0, 1, 2, 3})}
+    session = TransferSession(
+        now=0.0, me="me", manifest=m, holders=lambda: [(EAST[0], partial["held"])],
+        banned=lambda _now, _name: None, wanted=range(8), verified=[0] * 8, window=1,
+        stall_timeout=10.0)
+    s = session.open_stream(0.0, 0, EAST[0])
+    run = session.next_run(0.0, s, 2 * m.chunk_size)
+    assert run
+    for c in run:
+        session.landed(5.0, s, c, m.chunk_size)
+    assert session.link_time.samples() == []
+    partial["held"] = holding(m, None)  # the relay completed
+    run = session.next_run(5.0, s, 2 * m.chunk_size)
+    assert run
+    for c in run:
+        session.landed(6.0, s, c, m.chunk_size)
+    session.stream_ended(6.0, s)
+    assert session.link_time.samples() == [("east", len(run) * m.chunk_size, 1.0)]
+
+
 # -- our measurements in our entry ------------------------------------------------------
 
 

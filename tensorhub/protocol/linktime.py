@@ -10,9 +10,12 @@ DC, the bytes that landed and the seconds during which at least one chunk from t
 was claimed and not yet landed (or given back): the union of the reads' busy times, so
 two sources of one DC read side by side count once, at their summed rate.
 
-What it measures is what the fetch got: a source that is itself still receiving (a
-relay) may keep us waiting with chunks claimed, and a chunk's time includes its digest
-check; both only make the estimate lower than the link, never higher.  Samples of
+Only chunks asked of a source that held the whole version count (the session's
+``Stream.timed``): a source that is itself still receiving (a relay) keeps us waiting with
+chunks claimed at its own pace, and timing that made links look several times slower
+than they were, which inflated the plans' budgets (the trainer then fed two copies).  A
+chunk's time still includes its digest check, which only makes the estimate lower than
+the link, never higher.  Samples of
 fewer than ``Wan``'s ``min_sample_bytes`` are dropped there.
 
 Pure: every event carries its ``now``.

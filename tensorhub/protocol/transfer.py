@@ -140,6 +140,9 @@ class Stream:
     claimed: int = 0
     stop: bool = False
     """The source failed: its connection is to be closed."""
+    timed: set[int] = field(default_factory=set)
+    """Of ``taken``, the chunks asked of a source that held the whole version: only
+    those time the link (:mod:`.linktime`); a relay still receiving times its own pace."""
 
 
 def chunk_size_note(manifest: Manifest) -> str:
@@ -386,7 +389,10 @@ class TransferSession:
         stream.taken.update(dict.fromkeys(out))
         stream.claimed += len(out)
         self.tally.reads += 1
-        self.link_time.claimed(now, _dc(stream), len(out))
+        whole = next((h for p, h in holders() if p.name == name), None)
+        if whole is not None and whole.complete:
+            stream.timed.update(out)
+            self.link_time.claimed(now, _dc(stream), len(out))
         return out
 
     def landed(self, now: float, stream: Stream, chunk: int, nbytes: int) -> None:
@@ -394,7 +400,9 @@ class TransferSession:
         name = stream.source.name
         on_plan = chunk in self.on_plan
         self._unclaim(stream, chunk)
-        self.link_time.ended(now, _dc(stream), 1, nbytes)
+        if chunk in stream.timed:
+            stream.timed.discard(chunk)
+            self.link_time.ended(now, _dc(stream), 1, nbytes)
         self.pace.completed(name, nbytes, now - stream.last)
         stream.last = now
         self.failures.pop(name, None)
@@ -417,7 +425,9 @@ class TransferSession:
         """``chunk`` of ``stream`` did not land (``kind``, ``detail`` says why): it goes
         back to pending.  True when the stream must end (its connection closed)."""
         self._unclaim(stream, chunk)
-        self.link_time.ended(now, _dc(stream), 1)
+        if chunk in stream.timed:
+            stream.timed.discard(chunk)
+            self.link_time.ended(now, _dc(stream), 1)
         self.pending.append(chunk)
         self.pending.sort()
         stream.last = now
@@ -439,7 +449,8 @@ class TransferSession:
             chunk = min(stream.taken, default=stream.first)
             stream.stop = self._failed(now, name, chunk, kind, detail) or stream.stop
         self.load[name] -= 1
-        self.link_time.ended(now, _dc(stream), len(stream.taken))
+        self.link_time.ended(now, _dc(stream), len(stream.timed))
+        stream.timed.clear()
         for c in stream.taken:
             del self.claimed[c]
             self.on_plan.discard(c)
