@@ -83,7 +83,7 @@ def test_a_transfer_session_times_each_source_dc() -> None:
         now=0.0, me="me", manifest=m, holders=lambda: [(EAST[0], holding(m, None)),
                                                        (west, holding(m, None))],
         banned=lambda _now, _name: None, wanted=range(8), verified=[0] * 8, window=2,
-        stall_timeout=10.0)
+        stall_timeout=10.0, dc="north")
     a = session.open_stream(0.0, 0, EAST[0])
     b = session.open_stream(0.0, 4, west)
     run_a = session.next_run(1.0, a, 4 * m.chunk_size)
@@ -108,7 +108,7 @@ def test_a_relay_still_receiving_does_not_time_the_link() -> None:
     session = TransferSession(
         now=0.0, me="me", manifest=m, holders=lambda: [(EAST[0], partial["held"])],
         banned=lambda _now, _name: None, wanted=range(8), verified=[0] * 8, window=1,
-        stall_timeout=10.0)
+        stall_timeout=10.0, dc="west")
     s = session.open_stream(0.0, 0, EAST[0])
     run = session.next_run(0.0, s, 2 * m.chunk_size)
     assert run

@@ -172,7 +172,7 @@ class TransferSession:
                  plan: Sequence[tuple[PeerInfo, int, int]] = (),
                  window_cap: int = 256 << 20, socket_window: int = 0,
                  host: str | None = None, rates: Mapping[str, float] | None = None,
-                 cores: int = 0) -> None:
+                 cores: int = 0, dc: str | None = None) -> None:
         """``wanted``: the chunks to fetch (those already ``verified``, non-zero, are
         skipped);
         ``window``: the number of workers; ``plan``: ``(source, first, stop)`` ranges;
@@ -180,7 +180,8 @@ class TransferSession:
         ``host``: this peer's ``host`` label (holders with the same one share its host);
         ``rates``: bytes a second earlier fetches measured per source (each source's
         window starts from it); ``cores``: the cores this process may run on (0:
-        unknown)."""
+        unknown); ``dc``: this peer's ``dc`` label (reads from other DCs time their
+        links, :attr:`link_time`; None: none are timed)."""
         if window < 1:
             raise LocalProtocolError(f"window must be >= 1, got {window}")
         self.me = me
@@ -195,6 +196,7 @@ class TransferSession:
         self.window_cap = window_cap
         self.socket_window = socket_window
         self.host = host
+        self.dc = dc
         self.cores = cores
         self.stall_timeout = stall_timeout
         self.started = now
@@ -389,7 +391,8 @@ class TransferSession:
         stream.taken.update(dict.fromkeys(out))
         stream.claimed += len(out)
         self.tally.reads += 1
-        whole = next((h for p, h in holders() if p.name == name), None)
+        whole = None if self.dc is None or _dc(stream) == self.dc else \
+            next((h for p, h in holders() if p.name == name), None)
         if whole is not None and whole.complete:
             stream.timed.update(out)
             self.link_time.claimed(now, _dc(stream), len(out))

@@ -538,7 +538,8 @@ class Reader:
                         upstream=allowed or frozenset(), plan=plan or (),
                         connect=self.pool.connect, release=self.pool.release,
                         window=streams, window_cap=cap, socket_window=socket_window(),
-                        host=self.me.label("host"), rates=self.links.rates,
+                        host=self.me.label("host"), dc=self.me.label("dc"),
+                        rates=self.links.rates,
                         cores=copy_threads.pool.cores,
                         stall_timeout=self.config.stall_timeout, on_progress=on_progress,
                         banned=ports.banned, on_bad_bytes=ports.ban, only=only)

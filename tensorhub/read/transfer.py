@@ -93,7 +93,7 @@ class Transfer:
                  only: Sequence[int] | None = None, release: Releaser | None = None,
                  window_cap: int = 256 << 20, socket_window: int = 0,
                  host: str | None = None, rates: Mapping[str, float] | None = None,
-                 cores: int = 0) -> None:
+                 cores: int = 0, dc: str | None = None) -> None:
         """``only``, when given, limits the fetch to those chunks (a resharding fetch
         needs just the chunks that overlap its slices); ``release`` takes each
         connection a worker is done with (default: close it); ``window_cap`` bounds
@@ -114,7 +114,7 @@ class Transfer:
             wanted=range(self.manifest.num_chunks) if only is None else only,
             verified=local.verified, window=window, stall_timeout=stall_timeout,
             upstream=upstream, plan=plan, window_cap=window_cap,
-            socket_window=socket_window, host=host, rates=rates, cores=cores)
+            socket_window=socket_window, host=host, rates=rates, cores=cores, dc=dc)
         self._report = FetchReport(key.model, key.version,
                                    chunk_size=chunk_size_note(self.manifest))
         self._verify_times: list[float] = []
