@@ -270,9 +270,13 @@ def test_only_each_dcs_smallest_named_member_probes_unmeasured_links_into_it() -
 
 
 def test_a_probe_of_several_streams_is_their_tails_over_the_time_they_ran() -> None:
+    # Tails overlapping from 1.2 to 2.0: the link carried 4 MiB/1.0 s + 4 MiB/1.3 s.
     s = combine([(8 * MIB, 4 * MIB, 1.0, 2.0, 0.15), (8 * MIB, 4 * MIB, 1.2, 2.5, 0.12)])
-    assert (s.nbytes, s.tail_bytes, s.tail_seconds, s.rtt_s) == (16 * MIB, 8 * MIB, 1.5,
-                                                                  0.12)
+    assert (s.nbytes, s.tail_bytes, s.rtt_s) == (16 * MIB, 8 * MIB, 0.12)
+    assert s.tail_bytes / s.tail_seconds == pytest.approx(4 * MIB / 1.0 + 4 * MIB / 1.3)
+    # One after the other (no overlap): the tails over the whole time, never the sum.
+    s = combine([(8 * MIB, 4 * MIB, 1.0, 2.0, 0.1), (8 * MIB, 4 * MIB, 2.0, 3.0, 0.1)])
+    assert s.tail_seconds == 2.0
     assert combine([]).tail_seconds == 0.0
 
 

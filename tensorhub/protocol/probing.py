@@ -45,8 +45,8 @@ rate in fewer round trips than one."""
 @dataclass(frozen=True)
 class ProbeSample:
     """What one probe measured: ``tail_bytes`` (those after the first half of each
-    stream) in ``tail_seconds`` (from the first stream's half way to the last stream's
-    end), and the least round trip of its streams."""
+    stream) in ``tail_seconds`` (at the rate :func:`combine` found), and the least round
+    trip of its streams."""
 
     nbytes: int
     tail_bytes: int
@@ -56,15 +56,24 @@ class ProbeSample:
 
 def combine(streams: Iterable[tuple[int, int, float, float, float]]) -> ProbeSample:
     """One probe of several streams, each ``(bytes, tail bytes, tail start, end, round
-    trip)``: the streams' tails over the time from the first tail's start to the last
-    end (their summed rate while they ran side by side)."""
+    trip)``: where all the tails overlapped, the sum of the tails' rates (each tail's
+    bytes over its own time: the link's rate while they all ran); else the tails over
+    the time from the first tail's start to the last end."""
     got = list(streams)
     if not got:
         return ProbeSample(0, 0, 0.0, 0.0)
+    nbytes, tail = sum(n for n, _, _, _, _ in got), sum(t for _, t, _, _, _ in got)
+    rtt = min(r for _, _, _, _, r in got)
     start = min(s for _, _, s, _, _ in got)
     end = max(e for _, _, _, e, _ in got)
-    return ProbeSample(sum(n for n, _, _, _, _ in got), sum(t for _, t, _, _, _ in got),
-                       max(0.0, end - start), min(r for _, _, _, _, r in got))
+    if max(s for _, _, s, _, _ in got) < min(e for _, _, _, e, _ in got) \
+            and all(e > s for _, _, s, e, _ in got):
+        # Every tail ran at once for a while: the link carried the sum of their rates
+        # then.  (From the first tail's start to the last end, the streams still in
+        # their heads shared the link uncounted: that read 300 Mbit links as 175.)
+        rate = sum(t / (e - s) for _, t, s, e, _ in got)
+        return ProbeSample(nbytes, tail, tail / rate if rate > 0 else 0.0, rtt)
+    return ProbeSample(nbytes, tail, max(0.0, end - start), rtt)
 
 
 def prober(members: Iterable[PeerInfo], dc: str) -> PeerInfo | None:
