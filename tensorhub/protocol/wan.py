@@ -101,6 +101,9 @@ class Wan:
         self._alpha, self._min_bytes = ewma_alpha, min_sample_bytes
         self._mine: dict[tuple[str, str], tuple[float, float]] = {}
         self._heard: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
+        self._known: dict[tuple[str, str], LinkEstimate | None] = {}
+        """:meth:`estimate` per pair, until the next change (a planner asks per edge,
+        and each answer is a median over every reporting origin)."""
         self.changes = 0
 
     # -- our own measurements -------------------------------------------------------
@@ -125,6 +128,7 @@ class Wan:
         if rtt_s is not None and math.isfinite(rtt_s) and 0 <= rtt_s <= MAX_LINK_RTT_S:
             rtt = rtt_s if rtt == 0 else self._alpha * rtt_s + (1 - self._alpha) * rtt
         self._mine[src, dst] = (bps, rtt)
+        self._known.clear()
         while len(self._mine) > MAX_LINK_REPORTS:
             del self._mine[next(iter(self._mine))]
         self.changes += 1
@@ -148,6 +152,7 @@ class Wan:
         new = {(r.src, r.dst): (r.bps, r.rtt_s) for r in got}
         if self._heard.get(origin, {}) == new:
             return False
+        self._known.clear()
         if not new:
             self._heard.pop(origin, None)
         elif origin in self._heard or len(self._heard) < MAX_ORIGINS:
@@ -158,12 +163,20 @@ class Wan:
 
     def forget(self, origin: str) -> None:
         """``origin`` left the mesh: its reports no longer count."""
-        self._heard.pop(origin, None)
+        if self._heard.pop(origin, None) is not None:
+            self._known.clear()
 
     # -- what we believe --------------------------------------------------------------
 
     def estimate(self, src: str, dst: str) -> LinkEstimate | None:
         """``src -> dst`` as we believe it now; None if nobody declared or measured it."""
+        if (src, dst) not in self._known:
+            if len(self._known) >= MAX_LINK_REPORTS * MAX_LINK_REPORTS:
+                self._known.clear()  # asked of more pairs than any mesh has: start over
+            self._known[src, dst] = self._estimate(src, dst)
+        return self._known[src, dst]
+
+    def _estimate(self, src: str, dst: str) -> LinkEstimate | None:
         measured = [m[src, dst] for m in (self._mine, *self._heard.values())
                     if (src, dst) in m]
         declared = self._declared.get((src, dst))
