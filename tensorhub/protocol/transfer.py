@@ -140,6 +140,8 @@ class Stream:
     claimed: int = 0
     stop: bool = False
     """The source failed: its connection is to be closed."""
+    whole: bool = False
+    """Its source was seen holding the whole version (it stays so while it serves)."""
     timed: set[int] = field(default_factory=set)
     """Of ``taken``, the chunks asked of a source that held the whole version: only
     those time the link (:mod:`.linktime`); a relay still receiving times its own pace."""
@@ -391,9 +393,10 @@ class TransferSession:
         stream.taken.update(dict.fromkeys(out))
         stream.claimed += len(out)
         self.tally.reads += 1
-        whole = None if self.dc is None or _dc(stream) == self.dc else \
-            next((h for p, h in holders() if p.name == name), None)
-        if whole is not None and whole.complete:
+        if not stream.whole and self.dc is not None and _dc(stream) != self.dc:
+            held = next((h for p, h in holders() if p.name == name), None)
+            stream.whole = held is not None and held.complete
+        if stream.whole:
             stream.timed.update(out)
             self.link_time.claimed(now, _dc(stream), len(out))
         return out
