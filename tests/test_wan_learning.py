@@ -24,7 +24,7 @@ from tensorhub.protocol.coordination import Coordination, CoordReply
 from tensorhub.protocol.linktime import LinkTime
 from tensorhub.protocol.membership import Gossip, Update
 from tensorhub.protocol.messages import register_all
-from tensorhub.protocol.probing import ProbeSchedule, combine
+from tensorhub.protocol.probing import ProbeSchedule, combine, rotation
 from tensorhub.protocol.refs import OriginEntry, RefTable, Stamp
 from tensorhub.protocol.topology import NodeInfo
 from tensorhub.protocol.transfer import TransferSession
@@ -267,6 +267,22 @@ def test_only_each_dcs_smallest_named_member_probes_unmeasured_links_into_it() -
     assert mine.due(1300.0, live, wan) == [("south", s0)]
     nolabel = ProbeSchedule(PeerInfo("x", "tcp://h:1", "h:2"), 0.0, 0.0, 1.0)
     assert nolabel.due(10.0, live, wan) == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7])
+def test_probers_in_step_each_read_a_different_dc(n: int) -> None:
+    dcs = [f"dc{i}" for i in range(n)]
+    orders = {d: rotation([*dcs, ""], d) for d in dcs}
+    assert all(sorted(o) == sorted(set(dcs) - {d}) for d, o in orders.items())
+    for step in range(n - 1):  # at each step the sources are a permutation of the DCs
+        sources = [orders[d][step] for d in dcs]
+        assert sorted(sources) == dcs and all(s != d for s, d in zip(sources, dcs, strict=True))
+    w0, e0, s0 = member("w0", "west", 7500), member("e0", "east", 7700), \
+        member("s0", "south", 7900)
+    east = ProbeSchedule(e0, 0.0, after=0.0, every=600.0)
+    assert east.due(1.0, [w0, s0], Wan(())) == [("south", s0), ("west", w0)]
+    south = ProbeSchedule(s0, 0.0, after=0.0, every=600.0)
+    assert south.due(1.0, [w0, e0], Wan(())) == [("west", w0), ("east", e0)]
 
 
 def test_a_probe_of_several_streams_is_their_tails_over_the_time_they_ran() -> None:

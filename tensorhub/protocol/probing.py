@@ -82,6 +82,19 @@ def prober(members: Iterable[PeerInfo], dc: str) -> PeerInfo | None:
                default=None)
 
 
+def rotation(dcs: Iterable[str], mine: str) -> list[str]:
+    """The other DCs in the order DC ``mine`` probes them: the DCs sorted, starting
+    after ``mine`` and wrapping around.  Every prober agrees on the sorted list, so
+    while they probe in step, at the i-th probe each DC reads from the DC i places
+    after it and is read by the one i places before: a prober serves one probe while
+    it reads one.  (All in the same order, every prober read the first DC at once:
+    each prober's uplink carried two or three probes, its own probe's acknowledgements
+    queued behind them, and a 250 Mbit link read as 128.)"""
+    ordered = sorted(set(dcs) - {""} | {mine})
+    at = ordered.index(mine)
+    return ordered[at + 1:] + ordered[:at]
+
+
 class ProbeSchedule:
     """Which links one peer probes, and when (see the module docstring)."""
 
@@ -103,7 +116,7 @@ class ProbeSchedule:
         if mine is None or mine.name != self.me.name:
             return []
         out = []
-        for dc in sorted({m.label("dc") or "" for m in members} - {"", self.dc}):
+        for dc in rotation({m.label("dc") or "" for m in members}, self.dc):
             known = wan.estimate(dc, self.dc)
             last = self._last.get(dc)
             if (known is not None and known.how == "measured") or (
