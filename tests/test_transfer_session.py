@@ -140,6 +140,22 @@ def test_planned_chunks_go_to_their_planned_source_and_fall_back_when_it_fails()
     assert s.next_run(back, c, 1 << 20) == [1, 2]  # asked before it advertises them
 
 
+def test_a_parent_still_receiving_is_asked_first_for_the_chunks_it_holds() -> None:
+    """The parent gets [0, 8) and [8, 16) from two sources at once: a child that asked
+    in order would wait on [0, 8) while [8, 16) piles up at the parent."""
+    w = World(manifest(16), {"h1": {9, 10, 11}, "h0": None}, timeout=30.0, window=1,
+              plan=[("h1", 0, 16)])
+    s = w.session
+    stream = s.open_stream(0.0, 0, info("h1"))
+    run = s.next_run(0.0, stream, 5 * 64)
+    assert run[0] == 9 and run == [9, 10, 11, 12, 13]  # planned chunks after it pipeline
+    w.held["h1"] = set()  # nothing held any more (as far as the view says): lowest first
+    s.view_changed()
+    assert s.next_run(0.0, stream, 2 * 64) == [0, 1]
+    w.held["h1"] = None  # complete: in order
+    assert s.next_run(0.0, stream, 2 * 64) == [2, 3]
+
+
 def test_a_newer_plan_moves_pending_chunks_and_ends_streams_it_sources_elsewhere() -> None:
     w = World(manifest(8), {"h1": None, "h2": None}, timeout=30.0, window=2,
               plan=[("h1", 0, 4), ("h2", 4, 8)])

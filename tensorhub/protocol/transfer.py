@@ -10,7 +10,8 @@ shell (``tensorhub.read.transfer``) runs a bounded number of workers; each asks
 -- a holder other than the original publisher first, then the one we are reading least
 from -- and opens a stream to it (:meth:`~TransferSession.open_stream`).  The stream
 claims runs (:meth:`~TransferSession.next_run`): the lowest pending chunk that holder is
-the source of and the pending chunks right after it that it has too, about the stream's
+the source of (of those, first the ones a parent still receiving already holds) and the
+pending chunks right after it that it has too, about the stream's
 window in bytes (:class:`~tensorhub.protocol.sizing.StreamWindow`, sized from the
 bandwidth-delay product measured on that source) and no more than leaves work for every
 worker.  It keeps claiming until the holder is the source of nothing pending.  A chunk
@@ -89,6 +90,11 @@ chunk-time; the stream's window keeps the parent's next chunks asked for, and th
 sends each as it lands.  Measured in the 8-host emulated cluster (256 MiB, 4 MiB chunks,
 one request at a time): 1 gave 1.16x the fluid bound, 2 gave 1.28x (two chunks share
 our link, so every level lags by two)."""
+
+LOOKAHEAD = 1024
+"""Pending chunks past the lowest one a parent still receiving is the source of that a
+run may start at, when the parent holds that one already (:meth:`TransferSession.
+_first_run`): the scan per run stays bounded whatever the version's chunk count."""
 
 RETRY_BASE = 0.1
 """Seconds before a source whose connection failed is tried again; doubles with each
@@ -366,9 +372,7 @@ class TransferSession:
         if not self.usable(now, name):
             return []
         holders = self._holders(now)
-        at = next((i for i, c in enumerate(self.pending)
-                   if (found := self._source_for(now, c, holders, name)) is not None
-                   and found.name == name), None)
+        at = self._first_run(now, holders, name)
         if at is None:
             return []
         chunk = self.pending[at]
@@ -400,6 +404,32 @@ class TransferSession:
             stream.timed.update(out)
             self.link_time.claimed(now, _dc(stream), len(out))
         return out
+
+    def _first_run(self, now: float, holders: Callable[[], list[tuple[PeerInfo, Holding]]],
+                   name: str) -> int | None:
+        """Where ``name``'s next run starts in ``pending``: the lowest chunk it is the
+        source of that it already holds, as far as our view says (within
+        :data:`LOOKAHEAD` of the lowest it is the source of), else that lowest one.  A
+        parent still receiving gets its chunks in several stripes at once, from several
+        sources; asked strictly in order, a child waits on the slowest stripe while the
+        others pile up at the parent, and fetches them all after it (in the emulated
+        cluster: the two children of a seed fed at 100 Mbit over each of two links ended
+        3 s after it, at 200 Mbit each)."""
+        holding = next((h for p, h in holders() if p.name == name), None)
+        partial = holding is not None and not holding.complete
+        lacks = self.lacks.get(name, ())
+        first = None
+        for i, c in enumerate(self.pending):
+            if first is not None and (not partial or i > first + LOOKAHEAD):
+                break
+            found = self._source_for(now, c, holders, name)
+            if found is None or found.name != name:
+                continue
+            if first is None:
+                first = i
+            if partial and holding is not None and holding.has(c) and c not in lacks:
+                return i
+        return first
 
     def landed(self, now: float, stream: Stream, chunk: int, nbytes: int) -> None:
         """``chunk`` of ``stream`` arrived (``nbytes``) and passed its digest."""
