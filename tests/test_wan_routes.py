@@ -13,7 +13,7 @@ from tensorhub.links import LinkSpec, parse_links
 from tensorhub.model import VersionKey
 from tensorhub.protocol.planner import Planner
 from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig, cut_bound
-from tensorhub.protocol.wan import MAX_LINK_REPORTS, LinkReport, Wan
+from tensorhub.protocol.wan import MAX_LINK_REPORTS, SLOW_STREAK, LinkReport, Wan
 
 MBIT = 1e6 / 8
 KEY = VersionKey("llm", 1)
@@ -111,16 +111,26 @@ def test_measured_beats_declared_and_the_median_of_reporters_counts() -> None:
     assert [r.bps for r in wan.reports()] == [500.0]
 
 
-def test_a_faster_sample_is_believed_a_slower_one_by_halves() -> None:
+def test_a_faster_sample_is_believed_a_slower_one_by_halves_once_it_persists() -> None:
     wan = Wan(min_sample_bytes=1)
     wan.observe("a", "b", 100, 1.0)
     wan.observe("a", "b", 400, 1.0)
     assert wan.rate("a", "b") == 400.0
-    wan.observe("a", "b", 100, 1.0)
+    changes = wan.changes
+    for _ in range(SLOW_STREAK - 1):  # a busy sender, a busy receiver: not the link
+        wan.observe("a", "b", 100, 1.0)
+    assert wan.rate("a", "b") == 400.0 and wan.changes == changes
+    wan.observe("a", "b", 400, 1.0)  # a fast one in between: the streak starts over
+    for _ in range(SLOW_STREAK - 1):
+        wan.observe("a", "b", 100, 1.0)
+    assert wan.rate("a", "b") == 400.0
+    wan.observe("a", "b", 100, 1.0)  # slower time after time: the link degraded
     assert wan.rate("a", "b") == 250.0
     for _ in range(8):
         wan.observe("a", "b", 100, 1.0)
-    assert wan.rate("a", "b") == pytest.approx(100.0, rel=0.01)  # a degraded link
+    assert wan.rate("a", "b") == pytest.approx(100.0, rel=0.01)
+    wan.observe("a", "b", 30, 1.0, probe=True)  # a probe reads the link alone
+    assert wan.rate("a", "b") == 30.0
     assert not wan.observe("a", "a", 100, 1.0)  # inside one DC: not a link
 
 

@@ -68,7 +68,7 @@ class LinkProbes:
             self.notes[link] = f"from {target.name}: failed: {exc}"
             return
         counted = s.tail_seconds > 0 and self.control.wan.observe(
-            dc, here, s.tail_bytes, s.tail_seconds, rtt_s=s.rtt_s)
+            dc, here, s.tail_bytes, s.tail_seconds, rtt_s=s.rtt_s, probe=True)
         rate = s.tail_bytes / s.tail_seconds * 8 / 1e6 if s.tail_seconds > 0 else 0.0
         self.notes[link] = (f"from {target.name}: {s.nbytes} bytes, {rate:.1f} Mbit over "
                             f"the second half, round trip {s.rtt_s * 1e3:.2f} ms"
