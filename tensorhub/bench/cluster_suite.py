@@ -299,11 +299,11 @@ def run_file(args: argparse.Namespace, path: Path, spec: ClusterSpec) -> FileRes
         for run in range(args.runs):
             port = BASE_PORT + 20 * run
             with open_mesh(cluster, chunk, args.plan, port, keys,
-                           extra=["--links", str(links_file), *PROBES]) as mesh:
+                           extra=["--links", str(links_file), *PEERS]) as mesh:
                 result.settle_s.append(settle(mesh, len(spec.dcs)))
                 result.shots.append(fanout(mesh, 1, size, "declared v1"))
                 _say(result, result.shots[-1], size)
-            with open_mesh(cluster, chunk, args.plan, port + 10, keys, extra=PROBES) as mesh:
+            with open_mesh(cluster, chunk, args.plan, port + 10, keys, extra=PEERS) as mesh:
                 result.settle_s.append(settle(mesh, len(spec.dcs)))
                 for version in LEARNED_VERSIONS:
                     result.shots.append(fanout(mesh, version, size, f"learned v{version}"))
@@ -320,6 +320,15 @@ def _say(result: FileResult, shot: Shot, size: int) -> None:
 PROBES = ("--wan-probe-bytes", str(PeerConfig.wan_probe_bytes))
 """The suite's peers probe the links between DCs at join, as peers do by default (the
 plain ``bench cluster`` turns probes off: its 2-DC figures predate them)."""
+
+PEERS = (*PROBES, "--timers", "default")
+"""How the suite's peers run: probes on, and ``PeerConfig``'s own membership timers (a
+probe timeout of 0.5 s, gossip every second), as a deployment across DCs would.  The
+workers' local preset (a 0.1 s probe timeout, gossip ten times a second) is for one
+machine: across round trips of 40-150 ms every direct probe between DCs timed out, so
+peers were suspected and coordinators moved mid-fetch, and holdings gossip took most
+of the CPU (05-split-over-two-links: 29 s with 1.66x the inter-DC bytes; workers used
+2.7 CPU-seconds each in a 19 s fan-out, 1.0 with these timers)."""
 
 KINDS = ("declared v1", *(f"learned v{v}" for v in LEARNED_VERSIONS))
 
