@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorhub.protocol.packing import min_arborescence, pack_trees, stripe_trees
+from tensorhub.protocol.packing import min_arborescence, pack_trees, stripe_trees, widest_trees
 
 MBIT = 1e6 / 8
 
@@ -76,6 +76,22 @@ def test_trees_together_come_near_the_cut_bound_and_fit_every_link() -> None:
         for e in tree:
             load[e] = load.get(e, 0.0) + rate
     assert all(x <= RELAY[e] * (1 + 1e-9) for e, x in load.items())
+
+
+SPLIT = links(("us", "eu", 300), ("us", "as", 300), ("eu", "ap", 100), ("as", "ap", 100),
+              ("us", "ap", 40), ("eu", "as", 40))
+"""topologies/05-split-over-two-links.toml: the cut into {ap} is 240 Mbit."""
+
+
+def test_the_widest_trees_take_the_plain_answer_where_each_dcs_links_suffice() -> None:
+    trees = widest_trees("us", ["us", "eu", "as", "ap"], SPLIT, most=4)
+    assert sum(trees.values()) == pytest.approx(240 * MBIT)
+    assert sorted(round(r / MBIT) for r in trees.values()) == [40, 100, 100]
+    assert all({("us", "eu"), ("us", "as")} <= t for t in trees)  # both direct, each time
+    relay = widest_trees("us", ["us", "eu", "me", "ap"], RELAY, most=4)
+    assert max(relay.values()) == pytest.approx(250 * MBIT)  # us -> eu -> me -> ap first
+    assert sum(relay.values()) <= 330 * MBIT * (1 + 1e-9)
+    assert widest_trees("us", ["us", "eu", "ap"], links(("us", "eu", 100)), most=4) == {}
 
 
 def test_a_dc_nobody_links_to_gets_no_trees() -> None:

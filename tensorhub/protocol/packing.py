@@ -146,12 +146,12 @@ def widest_trees(root: str, dcs: Sequence[str], rate: Mapping[Edge, float], most
         tree: set[Edge] = set()
         reached, narrowest = {root}, math.inf
         while len(reached) < len(set(dcs)):
-            step = max(((r, -len(tree), e) for e, r in sorted(left.items())
+            step = max(((r, e) for e, r in left.items()
                         if e[0] in reached and e[1] not in reached and r > 0),
-                       default=None)
+                       default=None)  # ties: the larger (from, to) names, any fixed rule
             if step is None:
                 return out
-            r, _, e = step
+            r, e = step
             tree.add(e)
             reached.add(e[1])
             narrowest = min(narrowest, r)
