@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+import tensorhub.protocol.planner as planner_mod
 from tensorhub.errors import ConfigError, RemoteProtocolError
 from tensorhub.links import LinkSpec, parse_links
 from tensorhub.model import VersionKey
@@ -81,6 +82,36 @@ def test_a_dc_whose_links_are_each_too_slow_gets_its_copy_over_two() -> None:
     assert sum(into_ap.values()) == pytest.approx(SIZE)
     assert into_ap.get("eu", 0.0) > 0 and into_ap.get("as", 0.0) > 0  # both links used
     assert sum(moved.values()) == pytest.approx(3 * SIZE)  # still one copy per DC
+
+
+def test_a_dc_behind_slow_links_gets_its_copy_along_several_dc_trees() -> None:
+    """04-relay-only at 1 GiB (256 chunks) on 1 Gbit NICs: ap's cut is 40 + 40 + 250
+    Mbit; equal stripes take it all over the one 250 Mbit path, a layout also sends
+    different bytes over its two 40 Mbit links."""
+    topo, fetchers = mesh({"us": 3, "eu": 2, "me": 2, "ap": 2},
+                          {("us", "eu"): 250, ("eu", "me"): 250, ("me", "ap"): 250,
+                           ("us", "me"): 40, ("us", "ap"): 40, ("eu", "ap"): 40}, 1000)
+    size, chunks = 1 << 30, 256
+    planner = Planner(KEY, size, chunks, topo, {"trainer": None}, fetchers)
+    plan = planner.plan
+    lengths = {hi - lo for lo, hi in planner._stripes}
+    assert len(lengths) > 1  # cut by the trees' rates, not evenly
+    route = planner.route_of("ap-0")
+    assert "via us -> ap" in route and "via us -> eu -> me -> ap" in route, route
+    assert plan.estimate_s <= 1.15 * plan.bound_s
+    into_ap = 0
+    for a in plan.assignments:  # still one copy into each DC
+        for src in a.sources:
+            if topo.node(src.peer).dc != "ap" and topo.node(a.fetcher).dc == "ap":
+                into_ap += src.stop - src.first
+    assert into_ap == chunks
+    old_gain = planner_mod.LAYOUT_GAIN
+    try:
+        planner_mod.LAYOUT_GAIN = math.inf  # equal stripes only
+        equal = Planner(KEY, size, chunks, topo, {"trainer": None}, fetchers).plan
+    finally:
+        planner_mod.LAYOUT_GAIN = old_gain
+    assert equal.estimate_s >= plan.estimate_s * planner_mod.LAYOUT_GAIN
 
 
 def test_the_cut_bound_by_hand() -> None:
