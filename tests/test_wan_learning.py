@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import msgpack
 import pytest
+import trio
 from test_refs import holding as ref_holding
 from test_replan import FixedView
 from test_transfer_session import holding, manifest
@@ -18,13 +19,14 @@ from tensorhub import PeerConfig
 from tensorhub.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from tensorhub.links import LinkSpec
 from tensorhub.model import PeerInfo, VersionKey
+from tensorhub.peer.wanprobe import LinkProbes
 from tensorhub.protocol import codec
 from tensorhub.protocol.control import ControlPlane, RefsDelta
 from tensorhub.protocol.coordination import Coordination, CoordReply
 from tensorhub.protocol.linktime import LinkTime
 from tensorhub.protocol.membership import Gossip, Update
 from tensorhub.protocol.messages import register_all
-from tensorhub.protocol.probing import ProbeSchedule, combine, rotation
+from tensorhub.protocol.probing import ProbeSample, ProbeSchedule, combine, rotation
 from tensorhub.protocol.refs import OriginEntry, RefTable, Stamp
 from tensorhub.protocol.topology import NodeInfo
 from tensorhub.protocol.transfer import TransferSession
@@ -283,6 +285,32 @@ def test_probers_in_step_each_read_a_different_dc(n: int) -> None:
     assert east.due(1.0, [w0, s0], Wan(())) == [("south", s0), ("west", w0)]
     south = ProbeSchedule(s0, 0.0, after=0.0, every=600.0)
     assert south.due(1.0, [w0, e0], Wan(())) == [("west", w0), ("east", e0)]
+
+
+@pytest.mark.parametrize("declared_mbit", [None, 300.0])
+def test_a_probe_far_under_a_declared_rate_is_taken_twice(declared_mbit: float | None
+                                                          ) -> None:
+    """A real control plane and the real probe task; the probe itself is a function
+    returning samples of 129 then 300 Mbit (what two probes of one link read)."""
+    config = PeerConfig.local("me", links=() if declared_mbit is None else (
+        LinkSpec("east", "west", declared_mbit * 1e6 / 8),))
+    control = plane(config)
+    reads = iter([129.0, 300.0])
+    asked = []
+
+    async def probe(target: PeerInfo, nbytes: int) -> ProbeSample:
+        asked.append(target.name)
+        mbit = next(reads)
+        return ProbeSample(4 * nbytes, 2 * nbytes, 2 * nbytes * 8 / (mbit * 1e6), 0.08)
+
+    probes = LinkProbes(ME, config, control, probe, 0.0)
+    trio.run(probes.probe_link, "east", EAST[1])
+    got = control.wan.estimate("east", "west")
+    assert got is not None and got.how == "measured"
+    if declared_mbit is None:  # nothing to doubt it by: one probe
+        assert asked == ["e0"] and got.bps * 8 / 1e6 == pytest.approx(129.0)
+    else:
+        assert asked == ["e0", "e0"] and got.bps * 8 / 1e6 == pytest.approx(300.0)
 
 
 def test_a_probe_of_several_streams_is_their_tails_over_the_time_they_ran() -> None:

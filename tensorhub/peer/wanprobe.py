@@ -26,6 +26,17 @@ Probe = Callable[[PeerInfo, int], Awaitable[ProbeSample]]
 """Reads ``nbytes`` a stream from a peer and times it."""
 
 
+AGAIN_UNDER = 0.7
+"""A probe that reads a declared link under this share of its declared rate is taken
+once more, and the faster of the two counts: a probe shares the link with whatever else
+crosses it then (a 300 Mbit link once read 129 beside the other DCs' probes), and a
+declaration the operator made deserves a second look before it is overruled."""
+
+
+def _rate(s: ProbeSample) -> float:
+    return s.tail_bytes / s.tail_seconds if s.tail_seconds > 0 else 0.0
+
+
 class LinkProbes:
     """This peer's probes of the links into its DC (see the module docstring)."""
 
@@ -62,8 +73,13 @@ class LinkProbes:
     async def probe_link(self, dc: str, target: PeerInfo) -> None:
         """Probe the link from DC ``dc`` by reading from ``target``; note the outcome."""
         link, here = f"{dc}->{self.schedule.dc}", self.schedule.dc
+        declared = self.control.wan.estimate(dc, here)
         try:
             s = await self._probe(target, self.config.wan_probe_bytes)
+            if declared is not None and declared.how == "declared" and \
+                    _rate(s) < AGAIN_UNDER * declared.bps:
+                again = await self._probe(target, self.config.wan_probe_bytes)
+                s = max(s, again, key=_rate)
         except (TransportError, RemoteProtocolError) as exc:
             self.notes[link] = f"from {target.name}: failed: {exc}"
             return
