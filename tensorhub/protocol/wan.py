@@ -12,24 +12,26 @@ Three kinds of knowledge, best last:
   default (:class:`~.topology.TopologyConfig`);
 * *declared* by the operator (``PeerConfig.links``, :mod:`tensorhub.links`): a starting
   point;
-* *measured*: a receiver in DC ``b`` folds each transfer it completed from DC ``a``
-  (at least ``min_sample_bytes``, so latency does not pass for bandwidth) into its
-  estimate of ``a -> b`` (:meth:`Wan.observe`).  A transfer's rate is what the link
-  carried *at least* (a busy sender or a short read shows less than the link can), so
-  a faster sample is believed at once, as a bottleneck-bandwidth filter does.  A
-  slower one shows the transfer's own limits (a sender sharing its uplink, a receiver
-  its downlink, both their CPUs) as often as the link's, and changes nothing until
-  :data:`SLOW_STREAK` in a row were slower; from then on each moves the estimate
-  ``ewma_alpha`` of the way down: a link that degrades is followed within a few
-  transfers.  (Taking every slower sample halfway, 300 Mbit links probed right at
-  303-317 were believed at 182-227 after two fan-outs, and the planner routed around
-  them.)  A probe at join (:mod:`.probing`) reads the link and nothing else: its
-  sample replaces the estimate.  A peer's own measurements (:meth:`Wan.reports`, at
-  most :data:`MAX_LINK_REPORTS`) travel in its reference-table entry, so they reach
-  every peer by the same anti-entropy that carries holdings; :meth:`Wan.hear` keeps, per
-  origin, the reports of its newest entry.  A pair measured by anyone is estimated as
-  the median of the measurements (ours and each origin's), which a single slow or
-  lying reporter cannot move far; otherwise the declaration stands.
+* *measured*: a receiver in DC ``b`` folds each transfer it completed from DC ``a`` (at
+  least ``min_sample_bytes``, so latency does not pass for bandwidth) into its estimate
+  of ``a -> b`` (:meth:`Wan.observe`).  A transfer's rate is what the link carried *at
+  least* (a busy sender or a short read shows less than the link can), so a faster
+  sample is believed at once, as a bottleneck-bandwidth filter does.  A slower one shows
+  the transfer's own limits (a sender sharing its uplink, a receiver its downlink, both
+  their CPUs) as often as the link's: one above :data:`SLOW_SHARE` of the estimate
+  changes nothing, and one under it counts only when :data:`SLOW_STREAK` in a row were;
+  from then on each moves the estimate ``ewma_alpha`` of the way down: a link that
+  degrades is followed within a few transfers, to within ``1 / SLOW_SHARE`` of its
+  rate.  (Taking every slower sample halfway, 300 Mbit links probed right at 303-317
+  were believed at 182-227 after two fan-outs, and the planner routed around them; with
+  three slower ones in a row and no share, the third fan-out did.)  A probe at join
+  (:mod:`.probing`) reads the link and nothing else: its sample replaces the estimate.
+  A peer's own measurements (:meth:`Wan.reports`, at most :data:`MAX_LINK_REPORTS`)
+  travel in its reference-table entry, so they reach every peer by the same anti-entropy
+  that carries holdings; :meth:`Wan.hear` keeps, per origin, the reports of its newest
+  entry.  A pair measured by anyone is estimated as the median of the measurements (ours
+  and each origin's), which a single slow or lying reporter cannot move far; otherwise
+  the declaration stands.
 
 Everything that comes from the wire is range-checked in :meth:`Wan.hear`; origins and
 reports are bounded (:data:`MAX_ORIGINS`, :data:`MAX_LINK_REPORTS`), so gossip cannot
@@ -93,9 +95,13 @@ class LinkEstimate:
     """Origins whose measurements the estimate is the median of."""
 
 
-SLOW_STREAK = 3
-"""Transfer samples in a row under our estimate before it follows them down (see the
-module docstring)."""
+SLOW_SHARE = 0.6
+"""A transfer's sample under our estimate but above this share of it changes nothing
+(see the module docstring)."""
+
+SLOW_STREAK = 2
+"""Transfer samples in a row under :data:`SLOW_SHARE` of our estimate before it follows
+them down (see the module docstring)."""
 
 
 class Wan:
@@ -135,8 +141,10 @@ class Wan:
             bps, rtt = rate, 0.0 if old is None else old[1]
         elif rate >= old[0]:  # a link carried at least this: believe it at once
             bps, rtt = rate, old[1]
+        elif rate >= SLOW_SHARE * old[0]:  # the transfer's own limits: nothing learned
+            bps, rtt = old
         elif (streak := self._slower.get((src, dst), 0) + 1) < SLOW_STREAK:
-            self._slower[src, dst] = streak  # the transfer's own limits, so far
+            self._slower[src, dst] = streak  # far slower, but once may be a busy sender
             bps, rtt = old
         else:  # slower time after time: the link degraded; follow by halves
             bps = self._alpha * rate + (1 - self._alpha) * old[0]
