@@ -12,7 +12,7 @@ import tensorhub.protocol.planner as planner_mod
 from tensorhub.errors import ConfigError, RemoteProtocolError
 from tensorhub.links import LinkSpec, parse_links
 from tensorhub.model import VersionKey
-from tensorhub.protocol.planner import Planner
+from tensorhub.protocol.planner import Planner, PlannerConfig
 from tensorhub.protocol.topology import NodeInfo, Topology, TopologyConfig, cut_bound
 from tensorhub.protocol.wan import MAX_LINK_REPORTS, SLOW_SHARE, SLOW_STREAK, LinkReport, Wan
 
@@ -92,7 +92,8 @@ def test_a_dc_behind_slow_links_gets_its_copy_along_several_dc_trees() -> None:
                           {("us", "eu"): 250, ("eu", "me"): 250, ("me", "ap"): 250,
                            ("us", "me"): 40, ("us", "ap"): 40, ("eu", "ap"): 40}, 1000)
     size, chunks = 1 << 30, 256
-    planner = Planner(KEY, size, chunks, topo, {"trainer": None}, fetchers)
+    config = PlannerConfig(dc_trees=True)
+    planner = Planner(KEY, size, chunks, topo, {"trainer": None}, fetchers, config=config)
     plan = planner.plan
     lengths = {hi - lo for lo, hi in planner._stripes}
     assert len(lengths) > 1  # cut by the trees' rates, not evenly
@@ -108,10 +109,14 @@ def test_a_dc_behind_slow_links_gets_its_copy_along_several_dc_trees() -> None:
     old_gain = planner_mod.LAYOUT_GAIN
     try:
         planner_mod.LAYOUT_GAIN = math.inf  # equal stripes only
-        equal = Planner(KEY, size, chunks, topo, {"trainer": None}, fetchers).plan
+        gated = Planner(KEY, size, chunks, topo, {"trainer": None}, fetchers,
+                        config=config).plan
     finally:
         planner_mod.LAYOUT_GAIN = old_gain
-    assert equal.estimate_s >= plan.estimate_s * planner_mod.LAYOUT_GAIN
+    assert gated.estimate_s >= plan.estimate_s * planner_mod.LAYOUT_GAIN
+    default = Planner(KEY, size, chunks, topo, {"trainer": None}, fetchers)
+    assert {hi - lo for lo, hi in default._stripes} == {chunks // default.statistics().stripes}
+    assert gated.estimate_s == pytest.approx(default.plan.estimate_s)  # off by default
 
 
 def test_the_cut_bound_by_hand() -> None:

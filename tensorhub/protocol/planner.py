@@ -25,9 +25,10 @@ K = 1..max_stripes are tried and the plan the fluid model finishes first is kept
 slow links, the version is better cut along several trees over the DCs at once, each
 stripe as large as its tree's rate allows (:mod:`.packing`: a DC fed over another DC and
 over its own slow links together, each carrying different bytes).  When every root is
-in one DC and three DCs or more take part, those layouts are tried beside the K equal
-stripes (each stripe's routes fixed to its tree); one is kept only when the fluid model
-finishes it :data:`LAYOUT_GAIN` times sooner than the best equal stripes.
+in one DC and three DCs or more take part, and ``PlannerConfig.dc_trees`` is on (off by
+default: measured slower so far), those layouts are tried beside the K equal stripes
+(each stripe's routes fixed to its tree); one is kept only when the fluid model finishes
+it :data:`LAYOUT_GAIN` times sooner than the best equal stripes.
 
 Fluid model (``Plan.estimate_s``): shares are proportional to bytes, so an edge takes
 max(parent load/uplink, size/downlink, pair bytes/link estimate, WAN bytes/WAN); a
@@ -309,12 +310,14 @@ class Planner:
         self._build(shapes[i], t)
 
     def _layouts(self) -> list[Layout]:
-        """Stripes along several DC trees at once (:mod:`.packing`), when every root is
-        in one DC, holds every chunk, and two DCs or more fetch: a DC behind slow links
+        """Stripes along several DC trees at once (:mod:`.packing`), when
+        ``PlannerConfig.dc_trees`` is on, every root is in one DC and holds every chunk,
+        and two DCs or more fetch: a DC behind slow links
         then gets its bytes over several paths, each stripe sized to its path's rate.
         Empty otherwise (or past :data:`MAX_PACKED_DCS` DCs)."""
         roots = set(self._held) | self._complete
-        if any(r != ((0, self._chunks),) for r in self._held.values()):
+        if not self._config.dc_trees or any(r != ((0, self._chunks),)
+                                            for r in self._held.values()):
             return []
         root_dcs = {self._nodes[r].dc for r in roots}
         dcs = sorted(root_dcs | {self._nodes[v].dc for v in self._fetchers})
