@@ -324,6 +324,22 @@ def test_a_probe_of_several_streams_is_their_tails_over_the_time_they_ran() -> N
     assert combine([]).tail_seconds == 0.0
 
 
+def test_a_probe_with_marks_reads_the_window_all_streams_shared() -> None:
+    """Two streams on a 10 MiB/s link: the first runs alone at 10 MiB/s from 0 to 1,
+    both at 5 MiB/s each from 1 to 3, the second alone from 3 to 3.5.  Each tail's own
+    rate sums to 20/3 + 15/2.5 = 12.7 MiB/s; the common window [1, 3] reads 10."""
+    first = [(0.0, 0), (1.0, 10 * MIB), (3.0, 20 * MIB)]
+    second = [(1.0, 0), (3.0, 10 * MIB), (3.5, 15 * MIB)]
+    streams = [(40 * MIB, 20 * MIB, 0.0, 3.0, 0.1), (30 * MIB, 15 * MIB, 1.0, 3.5, 0.1)]
+    s = combine(streams, [first, second])
+    assert s.tail_bytes / s.tail_seconds == pytest.approx(10 * MIB)
+    assert combine(streams).tail_bytes / combine(streams).tail_seconds > 12.5 * MIB  # high
+    # A common window under COMMON_SHARE of the longest tail: the old rule.
+    short = [(40 * MIB, 20 * MIB, 0.0, 3.0, 0.1), (30 * MIB, 15 * MIB, 2.9, 3.5, 0.1)]
+    marks = [first, [(2.9, 0), (3.0, 1 * MIB), (3.5, 15 * MIB)]]
+    assert combine(short, marks) == combine(short)
+
+
 @pytest.mark.parametrize("options", [
     {"wan_probe_bytes": 1}, {"wan_probe_bytes": (1 << 30) + 1}, {"wan_probe_after": -1.0},
     {"wan_probe_after": float("inf")}, {"wan_probe_every": 0.0},

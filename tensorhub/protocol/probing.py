@@ -31,11 +31,16 @@ Pure: the caller passes ``now``, the live members and the WAN model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from ..model import PeerInfo
 from .wan import Wan
+
+COMMON_SHARE = 0.25
+"""The least time all of a probe's tails must have run at once, as a share of the
+longest tail, for that common window alone to give the rate (:func:`combine`)."""
 
 PROBE_STREAMS = 4
 """Parallel connections of one probe: four slow starts side by side reach a long link's
@@ -54,11 +59,17 @@ class ProbeSample:
     rtt_s: float
 
 
-def combine(streams: Iterable[tuple[int, int, float, float, float]]) -> ProbeSample:
+def combine(streams: Iterable[tuple[int, int, float, float, float]],
+            marks: Sequence[Sequence[tuple[float, int]]] | None = None) -> ProbeSample:
     """One probe of several streams, each ``(bytes, tail bytes, tail start, end, round
-    trip)``: where all the tails overlapped, the sum of the tails' rates (each tail's
-    bytes over its own time: the link's rate while they all ran); else the tails over
-    the time from the first tail's start to the last end."""
+    trip)``.  With ``marks`` (per stream, ``(time, bytes of its tail so far)`` from its
+    tail's start to its end), where every tail ran at once for at least
+    :data:`COMMON_SHARE` of the longest tail: the bytes all streams got in that common
+    window over its length, the link's rate while they all shared it.  Else, where all
+    the tails overlapped, the sum of the tails' rates (each tail's bytes over its own
+    time: a tail that ran partly alone counts its lone speed, so this reads high: a 60
+    Mbit link read 82); else the tails over the time from the first tail's start to the
+    last end."""
     got = list(streams)
     if not got:
         return ProbeSample(0, 0, 0.0, 0.0)
@@ -66,6 +77,14 @@ def combine(streams: Iterable[tuple[int, int, float, float, float]]) -> ProbeSam
     rtt = min(r for _, _, _, _, r in got)
     start = min(s for _, _, s, _, _ in got)
     end = max(e for _, _, _, e, _ in got)
+    if marks is not None and len(marks) == len(got) and all(marks):
+        lo = max(s for _, _, s, _, _ in got)
+        hi = min(e for _, _, _, e, _ in got)
+        longest = max(e - s for _, _, s, e, _ in got)
+        if hi > lo and hi - lo >= COMMON_SHARE * longest:
+            common = sum(_at(m, hi) - _at(m, lo) for m in marks)
+            if common > 0:
+                return ProbeSample(nbytes, tail, tail * (hi - lo) / common, rtt)
     if max(s for _, _, s, _, _ in got) < min(e for _, _, _, e, _ in got) \
             and all(e > s for _, _, s, e, _ in got):
         # Every tail ran at once for a while: the link carried the sum of their rates
@@ -74,6 +93,16 @@ def combine(streams: Iterable[tuple[int, int, float, float, float]]) -> ProbeSam
         rate = sum(t / (e - s) for _, t, s, e, _ in got)
         return ProbeSample(nbytes, tail, tail / rate if rate > 0 else 0.0, rtt)
     return ProbeSample(nbytes, tail, max(0.0, end - start), rtt)
+
+
+def _at(marks: Sequence[tuple[float, int]], t: float) -> float:
+    """Bytes a stream had at time ``t``, between its marks (linearly)."""
+    if t <= marks[0][0]:
+        return float(marks[0][1])
+    for (t0, b0), (t1, b1) in pairwise(marks):
+        if t0 <= t <= t1:
+            return b0 + (b1 - b0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+    return float(marks[-1][1])
 
 
 def prober(members: Iterable[PeerInfo], dc: str) -> PeerInfo | None:

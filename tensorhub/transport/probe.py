@@ -21,6 +21,10 @@ from .frames import recv_frame, send_frame
 from .handshake import DataAuth
 from .tcp import TcpConnection
 
+MARK_BYTES = 64 << 10
+"""A stream notes its tail's progress every this many bytes (an 8 MiB stream: 64
+marks), so the window all streams shared can be cut out of each."""
+
 SCRATCH = 1 << 20
 """Bytes of the buffer each stream lands the zeros in, over and over."""
 
@@ -32,11 +36,14 @@ async def probe(address: str, peer: str, nbytes: int, timeout: float,
     refusal or the timeout raises :class:`TransportError`; a holder that breaks the
     protocol, :class:`RemoteProtocolError`."""
     got: list[tuple[int, int, float, float, float]] = []
+    marks: list[list[tuple[float, int]]] = []
 
     async def one() -> None:
         conn = await TcpConnection.connect(address, peer, timeout, auth)
         try:
-            got.append(await _timed(conn, nbytes))
+            mine: list[tuple[float, int]] = []
+            got.append(await _timed(conn, nbytes, mine))
+            marks.append(mine)
         finally:
             await conn.aclose()
 
@@ -54,11 +61,14 @@ async def probe(address: str, peer: str, nbytes: int, timeout: float,
         if isinstance(first, OSError):
             raise TransportError(f"the probe of {peer} failed: {first}") from None
         raise first from None
-    return combine(got)
+    return combine(got, marks)
 
 
-async def _timed(conn: TcpConnection, nbytes: int) -> tuple[int, int, float, float, float]:
-    """One stream: ``(bytes, tail bytes, tail start, end, round trip)``."""
+async def _timed(conn: TcpConnection, nbytes: int, marks: list[tuple[float, int]]
+                 ) -> tuple[int, int, float, float, float]:
+    """One stream: ``(bytes, tail bytes, tail start, end, round trip)``; ``marks`` gets
+    ``(time, tail bytes so far)`` from the tail's start, every :data:`MARK_BYTES` and
+    at the end."""
     sock = conn.sock
     sent = trio.current_time()
     await _ask(conn, ProbeRequest(1, 0), 0)
@@ -75,7 +85,13 @@ async def _timed(conn: TcpConnection, nbytes: int) -> tuple[int, int, float, flo
         got += k
         if got == half:
             tail_at = trio.current_time()
-    return length, length - half, tail_at, trio.current_time(), rtt
+            marks.append((tail_at, 0))
+        elif marks and (got - half - marks[-1][1] >= MARK_BYTES or got == length):
+            marks.append((trio.current_time(), got - half))
+    end = trio.current_time()
+    if not marks or marks[-1][1] != length - half:
+        marks.append((end, length - half))
+    return length, length - half, tail_at, end, rtt
 
 
 async def _ask(conn: TcpConnection, req: ProbeRequest, most: int) -> int:
