@@ -408,26 +408,28 @@ class TransferSession:
     def _first_run(self, now: float, holders: Callable[[], list[tuple[PeerInfo, Holding]]],
                    name: str) -> int | None:
         """Where ``name``'s next run starts in ``pending``: the lowest chunk it is the
-        source of that it already holds, as far as our view says (within
-        :data:`LOOKAHEAD` of the lowest it is the source of), else that lowest one.  A
-        parent still receiving gets its chunks in several stripes at once, from several
+        source of; but for a planned parent still receiving, the lowest of its planned
+        chunks it already holds, as far as our view says (within :data:`LOOKAHEAD` of
+        that lowest one; the view of holders is listed only then).  A parent still
+        receiving gets its chunks in several stripes at once, from several
         sources; asked strictly in order, a child waits on the slowest stripe while the
         others pile up at the parent, and fetches them all after it (in the emulated
         cluster: the two children of a seed fed at 100 Mbit over each of two links ended
         3 s after it, at 200 Mbit each)."""
+        first = next((i for i, c in enumerate(self.pending)
+                      if (found := self._source_for(now, c, holders, name)) is not None
+                      and found.name == name), None)
+        planned = None if first is None else self.planned.get(self.pending[first])
+        if first is None or planned is None or planned.name != name:
+            return first  # only a planned parent is asked ahead of what it holds
         holding = next((h for p, h in holders() if p.name == name), None)
-        partial = holding is not None and not holding.complete
+        if holding is None or holding.complete:
+            return first
         lacks = self.lacks.get(name, ())
-        first = None
-        for i, c in enumerate(self.pending):
-            if first is not None and (not partial or i > first + LOOKAHEAD):
-                break
-            found = self._source_for(now, c, holders, name)
-            if found is None or found.name != name:
-                continue
-            if first is None:
-                first = i
-            if partial and holding is not None and holding.has(c) and c not in lacks:
+        for i in range(first, min(len(self.pending), first + LOOKAHEAD + 1)):
+            c = self.pending[i]
+            mine = self.planned.get(c)
+            if mine is not None and mine.name == name and holding.has(c) and c not in lacks:
                 return i
         return first
 
