@@ -33,10 +33,6 @@ crosses it then (a 300 Mbit link once read 129 beside the other DCs' probes), an
 declaration the operator made deserves a second look before it is overruled."""
 
 
-def _rate(s: ProbeSample) -> float:
-    return s.tail_bytes / s.tail_seconds if s.tail_seconds > 0 else 0.0
-
-
 class LinkProbes:
     """This peer's probes of the links into its DC (see the module docstring)."""
 
@@ -77,15 +73,15 @@ class LinkProbes:
         try:
             s = await self._probe(target, self.config.wan_probe_bytes)
             if declared is not None and declared.how == "declared" and \
-                    _rate(s) < AGAIN_UNDER * declared.bps:
+                    s.bps < AGAIN_UNDER * declared.bps:
                 again = await self._probe(target, self.config.wan_probe_bytes)
-                s = max(s, again, key=_rate)
+                s = max(s, again, key=lambda x: x.bps)
         except (TransportError, RemoteProtocolError) as exc:
             self.notes[link] = f"from {target.name}: failed: {exc}"
             return
         counted = s.tail_seconds > 0 and self.control.wan.observe(
             dc, here, s.tail_bytes, s.tail_seconds, rtt_s=s.rtt_s, probe=True)
-        rate = s.tail_bytes / s.tail_seconds * 8 / 1e6 if s.tail_seconds > 0 else 0.0
+        rate = s.bps * 8 / 1e6
         self.notes[link] = (f"from {target.name}: {s.nbytes} bytes, {rate:.1f} Mbit over "
                             f"the second half, round trip {s.rtt_s * 1e3:.2f} ms"
                             + ("" if counted else " (too little timed: not counted)"))

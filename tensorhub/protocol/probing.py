@@ -58,6 +58,11 @@ class ProbeSample:
     tail_seconds: float
     rtt_s: float
 
+    @property
+    def bps(self) -> float:
+        """The rate it found, bytes a second (0: nothing was timed)."""
+        return self.tail_bytes / self.tail_seconds if self.tail_seconds > 0 else 0.0
+
 
 def combine(streams: Iterable[tuple[int, int, float, float, float]],
             marks: Sequence[Sequence[tuple[float, int]]] | None = None) -> ProbeSample:
