@@ -315,10 +315,10 @@ class Planner:
         and two DCs or more fetch: a DC behind slow links
         then gets its bytes over several paths, each stripe sized to its path's rate.
         Empty otherwise (or past :data:`MAX_PACKED_DCS` DCs)."""
-        roots = set(self._held) | self._complete
         if not self._config.dc_trees or any(r != ((0, self._chunks),)
                                             for r in self._held.values()):
             return []
+        roots = set(self._held) | self._complete
         root_dcs = {self._nodes[r].dc for r in roots}
         dcs = sorted(root_dcs | {self._nodes[v].dc for v in self._fetchers})
         if len(root_dcs) != 1 or not 3 <= len(dcs) <= MAX_PACKED_DCS:
