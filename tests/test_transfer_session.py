@@ -156,6 +156,33 @@ def test_a_parent_still_receiving_is_asked_first_for_the_chunks_it_holds() -> No
     assert s.next_run(0.0, stream, 2 * 64) == [2, 3]
 
 
+def test_a_parent_planned_for_several_stripes_is_asked_for_them_in_turn() -> None:
+    """Our children read [0, 8) and [8, 16) from us, each child one: fetched in order,
+    [8, 16) would start growing here only once [0, 8) had arrived whole."""
+    w = World(manifest(16), {"h1": None}, timeout=30.0, window=1,
+              plan=[("h1", 0, 8), ("h1", 8, 16)])
+    s = w.session
+    stream = s.open_stream(0.0, 0, info("h1"))
+    runs = [s.next_run(0.0, stream, 3 * 64) for _ in range(5)]
+    assert runs == [[0, 1, 2], [8, 9, 10], [3, 4, 5], [11, 12, 13], [6, 7]]
+    assert s.next_run(0.0, stream, 8 * 64) == [14, 15]  # never past a stripe's end
+    assert s.next_run(0.0, stream, 8 * 64) == []
+
+
+def test_a_parent_still_receiving_several_stripes_is_asked_where_it_holds_chunks() -> None:
+    w = World(manifest(16), {"h1": {9, 10}, "h0": None}, timeout=30.0, window=1,
+              plan=[("h1", 0, 8), ("h1", 8, 16)])
+    s = w.session
+    stream = s.open_stream(0.0, 0, info("h1"))
+    assert s.next_run(0.0, stream, 4 * 64) == [9, 10, 11, 12]  # held first, then pipelined
+    w.held["h1"] = set()  # holds nothing: the least advanced stripe, from its lowest
+    s.view_changed()
+    assert s.next_run(0.0, stream, 2 * 64) == [0, 1]
+    assert s.next_run(0.0, stream, 2 * 64) == [2, 3]  # 6 of 8 pending against 3 of 8
+    assert s.next_run(0.0, stream, 2 * 64) == [4, 5]  # 4 of 8 against 3 of 8
+    assert s.next_run(0.0, stream, 2 * 64) == [8]  # 9-12 are claimed already
+
+
 def test_a_newer_plan_moves_pending_chunks_and_ends_streams_it_sources_elsewhere() -> None:
     w = World(manifest(8), {"h1": None, "h2": None}, timeout=30.0, window=2,
               plan=[("h1", 0, 4), ("h2", 4, 8)])

@@ -159,14 +159,11 @@ class Planner:
         return self._sources(fetcher)
 
     def _sources(self, v: str) -> tuple[SourceRange, ...]:
-        merged: list[SourceRange] = []
-        for j, (lo, hi) in enumerate(self._stripes):
-            p = self._parent[j][v]
-            if merged and merged[-1].peer == p:
-                merged[-1] = SourceRange(p, merged[-1].first, hi)
-            else:
-                merged.append(SourceRange(p, lo, hi))
-        return tuple(merged)
+        """One range per stripe, also where one parent serves several: the fetcher asks
+        such a parent for its stripes in turn (``TransferSession``), so that each grows
+        from the start for the children that read it from the fetcher."""
+        return tuple(SourceRange(self._parent[j][v], lo, hi)
+                     for j, (lo, hi) in enumerate(self._stripes))
 
     @property
     def epoch(self) -> int:

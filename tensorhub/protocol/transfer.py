@@ -68,6 +68,7 @@ and bans come in as callables that only look at memory.  The counts of what happ
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -200,6 +201,9 @@ class TransferSession:
         """Named sources: asked for any chunk even before they advertise it."""
         self.planned: dict[int, PeerInfo] = {
             c: peer for peer, first, stop in plan for c in range(first, stop)}
+        self.stripes = _stripes(plan)
+        """Per planned source with more than one range of the plan: those ranges (the
+        plan's stripes), which its streams take turns at (:meth:`_first_run`)."""
         self.window = window
         self.window_cap = window_cap
         self.socket_window = socket_window
@@ -345,6 +349,7 @@ class TransferSession:
         self.abandon = frozenset(
             src for c, src in self.claimed.items() if name(new.get(c)) != src)
         self.planned = new
+        self.stripes = _stripes(plan)
         self.tally.replans += 1
         return moved
 
@@ -372,9 +377,10 @@ class TransferSession:
         if not self.usable(now, name):
             return []
         holders = self._holders(now)
-        at = self._first_run(now, holders, name)
-        if at is None:
+        found = self._first_run(now, holders, name)
+        if found is None:
             return []
+        at, stop = found
         chunk = self.pending[at]
         share = max(1, -(-len(self.pending) // self.window))
         out, size = [chunk], self._size(chunk)
@@ -384,7 +390,7 @@ class TransferSession:
             planned = self.planned.get(nxt)
             mine = planned.name == name if planned is not None else (
                 name in self.upstream or (holding is not None and holding.has(nxt)))
-            if nxt != out[-1] + 1 or not mine or nxt in self.lacks.get(name, ()) \
+            if nxt != out[-1] + 1 or nxt >= stop or not mine or nxt in self.lacks.get(name, ()) \
                     or size + self._size(nxt) > budget:
                 break
             out.append(nxt)
@@ -406,32 +412,85 @@ class TransferSession:
         return out
 
     def _first_run(self, now: float, holders: Callable[[], list[tuple[PeerInfo, Holding]]],
-                   name: str) -> int | None:
-        """Where ``name``'s next run starts in ``pending``: the lowest chunk it is the
-        source of; but for a planned parent still receiving, the lowest of its planned
-        chunks it already holds, as far as our view says (within :data:`LOOKAHEAD` of
-        that lowest one; the view of holders is listed only then).  A parent still
-        receiving gets its chunks in several stripes at once, from several
-        sources; asked strictly in order, a child waits on the slowest stripe while the
-        others pile up at the parent, and fetches them all after it (in the emulated
-        cluster: the two children of a seed fed at 100 Mbit over each of two links ended
-        3 s after it, at 200 Mbit each)."""
+                   name: str) -> tuple[int, int] | None:
+        """Where ``name``'s next run starts in ``pending``, and the chunk it stops before:
+        the lowest chunk it is the source of; but for a planned parent still receiving,
+        the lowest of its planned chunks it already holds, as far as our view says
+        (within :data:`LOOKAHEAD` of that lowest one; the view of holders is listed only
+        then).  A parent still receiving gets its chunks in several stripes at once, from
+        several sources; asked strictly in order, a child waits on the slowest stripe
+        while the others pile up at the parent, and fetches them all after it (in the
+        emulated cluster: the two children of a seed fed at 100 Mbit over each of two
+        links ended 3 s after it, at 200 Mbit each).
+
+        A source the plan names for several stripes is asked for them in turn: each run
+        comes from the stripe with the largest share of its chunks still pending, and
+        stops at that stripe's end.  Our own children read those stripes from us, each
+        child its own, so each must grow here from the start: fetched in order, the last
+        stripe reached a child only once the first had arrived whole (in the emulated
+        cluster, a DC fed that stripe through a relay two levels down got it 8 s late,
+        19.5 s against 12 s for the fan-out).  A stripe where a parent still receiving
+        holds a pending chunk goes before one where it holds none."""
+        ranges = self.stripes.get(name)
+        if ranges is not None:
+            found = self._stripe_run(now, holders, name, ranges)
+            if found is not None:
+                return found
         first = next((i for i, c in enumerate(self.pending)
-                      if (found := self._source_for(now, c, holders, name)) is not None
-                      and found.name == name), None)
-        planned = None if first is None else self.planned.get(self.pending[first])
-        if first is None or planned is None or planned.name != name:
-            return first  # only a planned parent is asked ahead of what it holds
+                      if (found_peer := self._source_for(now, c, holders, name)) is not None
+                      and found_peer.name == name), None)
+        if first is None:
+            return None
+        end = self.manifest.num_chunks
+        planned = self.planned.get(self.pending[first])
+        if planned is None or planned.name != name:
+            return first, end  # only a planned parent is asked ahead of what it holds
         holding = next((h for p, h in holders() if p.name == name), None)
         if holding is None or holding.complete:
-            return first
+            return first, end
+        held = self._held_in(name, holding, first, len(self.pending))
+        return (first if held is None else held), end
+
+    def _held_in(self, name: str, holding: Holding, at: int, stop_at: int) -> int | None:
+        """The first index of ``pending`` from ``at`` (within :data:`LOOKAHEAD`, before
+        index ``stop_at``) whose chunk is planned to ``name`` and held there."""
         lacks = self.lacks.get(name, ())
-        for i in range(first, min(len(self.pending), first + LOOKAHEAD + 1)):
+        for i in range(at, min(stop_at, at + LOOKAHEAD + 1)):
             c = self.pending[i]
             mine = self.planned.get(c)
             if mine is not None and mine.name == name and holding.has(c) and c not in lacks:
                 return i
-        return first
+        return None
+
+    def _stripe_run(self, now: float, holders: Callable[[], list[tuple[PeerInfo, Holding]]],
+                    name: str, ranges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+        """:meth:`_first_run` for a source planned for several stripes, or None when no
+        stripe has a pending chunk it may be asked for now."""
+        pending = self.pending
+        spans = []
+        for first, stop in ranges:
+            lo, hi = bisect.bisect_left(pending, first), bisect.bisect_left(pending, stop)
+            if lo < hi:
+                spans.append(((hi - lo) / (stop - first), -first, lo, hi, stop))
+        spans.sort(reverse=True)  # the least advanced stripe first, then the lowest
+        holding = None
+        start: tuple[int, int] | None = None
+        for _share, _first, lo, hi, stop in spans:
+            at = next((i for i in range(lo, hi)
+                       if (peer := self._source_for(now, pending[i], holders, name))
+                       is not None and peer.name == name), None)
+            if at is None:
+                continue
+            if holding is None:
+                holding = next((h for p, h in holders() if p.name == name), None)
+            if holding is None or holding.complete:
+                return at, stop
+            held = self._held_in(name, holding, at, hi)
+            if held is not None:
+                return held, stop
+            if start is None:
+                start = at, stop
+        return start
 
     def landed(self, now: float, stream: Stream, chunk: int, nbytes: int) -> None:
         """``chunk`` of ``stream`` arrived (``nbytes``) and passed its digest."""
@@ -629,3 +688,11 @@ class TransferSession:
 
 def _dc(stream: Stream) -> str:
     return stream.source.label("dc") or ""
+
+
+def _stripes(plan: Sequence[tuple[PeerInfo, int, int]]) -> dict[str, list[tuple[int, int]]]:
+    """Per source named for more than one range of ``plan``: its ranges, in order."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for peer, first, stop in plan:
+        ranges.setdefault(peer.name, []).append((first, stop))
+    return {name: sorted(r) for name, r in ranges.items() if len(r) > 1}
