@@ -131,7 +131,7 @@ def test_the_cut_bound_by_hand() -> None:
     assert cut_bound(80.0, [], [("a", 1.0, 1.0)], rate) == 0.0
 
 
-def test_measured_beats_declared_and_the_median_of_reporters_counts() -> None:
+def test_measured_beats_declared_and_the_lower_median_of_reporters_counts() -> None:
     wan = Wan([LinkSpec("a", "b", 100.0, 0.1)], min_sample_bytes=10)
     assert wan.estimate("a", "b").how == "declared"  # type: ignore[union-attr]
     assert wan.rate("b", "a") is None
@@ -143,7 +143,9 @@ def test_measured_beats_declared_and_the_median_of_reporters_counts() -> None:
     assert wan.rate("a", "b") == 500.0  # median of 500, 900 and 50
     assert not wan.hear("y", [LinkReport("a", "b", 50.0, 0.0)])  # nothing new
     wan.forget("x")
-    assert wan.rate("a", "b") == pytest.approx(275.0)
+    assert wan.rate("a", "b") == 50.0  # two: the lower middle (a fall is believed at once)
+    wan.forget("y")
+    assert wan.rate("a", "b") == 500.0
     assert [r.bps for r in wan.reports()] == [500.0]
 
 
@@ -205,3 +207,30 @@ def test_link_tables_parse_both_shapes_and_refuse_mistakes() -> None:
                       ({"between": ["a", "b"]}, "array of tables")):
         with pytest.raises(ConfigError, match=says):
             parse_links(bad)
+
+
+def test_a_link_that_falls_mid_transfer_moves_the_remaining_stripes() -> None:
+    """The plan crosses us -> eu at 150 Mbit; the fetchers' interim samples then make
+    the WAN model believe 40: the next ask tries a fresh plan, which moves stripes off
+    that link (to us -> as -> eu), under a new epoch; one fall costs one try."""
+    topo, fetchers = mesh({"us": 3, "eu": 3, "as": 2},
+                          {("us", "eu"): 150, ("us", "as"): 60, ("as", "eu"): 200})
+    planner = Planner(KEY, SIZE, 64, topo, {"trainer": None}, fetchers)
+    before, epoch = wan_bytes(planner, topo), planner.epoch
+    assert before[("us", "eu")] > before.get(("us", "as"), 0.0)
+    planner.reconsider()
+    assert planner.epoch == epoch and planner.link_replans == 0  # nothing fell
+    wan = topo.wan
+    wan.observe("us", "eu", int(140 * MBIT), 1.0, probe=True)  # a little slower: no news
+    planner.reconsider()
+    assert planner.epoch == epoch and planner.link_replans == 0
+    wan.observe("us", "eu", int(40 * MBIT), 1.0, probe=True)
+    planner.reconsider()
+    assert planner.link_replans == 1 and planner.epoch == epoch + 1
+    after = wan_bytes(planner, topo)
+    assert after[("us", "eu")] < before[("us", "eu")]
+    assert after[("us", "as")] > before.get(("us", "as"), 0.0)
+    assert sum(after.values()) == pytest.approx(2 * SIZE)  # still one copy into each DC
+    assert "40 Mbit" in planner.route_of("eu-0")
+    planner.reconsider()  # the same rates: no second try
+    assert planner.link_replans == 1 and planner.epoch == epoch + 1

@@ -18,6 +18,14 @@ chunk's time still includes its digest check, which only makes the estimate lowe
 the link, never higher.  Samples of
 fewer than ``Wan``'s ``min_sample_bytes`` are dropped there.
 
+*Interim samples.*  A link can slow down while a transfer runs; the plan can move the
+remaining stripes only once the WAN model believes it.  :meth:`LinkTime.interim` gives
+what moved since the last interim sample (time in flight counted up to ``now``, the
+chunks still on the wire not counted: a little under the link, never over), and
+:meth:`LinkTime.samples` then gives only what came after the last interim sample, so no
+byte is folded twice.  The read path takes one each time it asks the coordinator again
+(``PlanFollow``'s schedule: seconds apart).
+
 Pure: every event carries its ``now``.
 """
 
@@ -36,6 +44,8 @@ class LinkTime:
     seconds: dict[str, float] = field(default_factory=dict)
     _open: dict[str, tuple[int, float]] = field(default_factory=dict)
     """DC -> (chunks in flight, since when some have been)."""
+    _marks: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """DC -> (bytes, seconds) already given out by :meth:`interim`."""
 
     def claimed(self, now: float, dc: str, chunks: int) -> None:
         """``chunks`` more chunks from DC ``dc`` are asked for."""
@@ -62,6 +72,26 @@ class LinkTime:
 
     def samples(self) -> list[tuple[str, int, float]]:
         """``(source DC, bytes, seconds)`` of every DC whose reads are over and moved
-        bytes in measurable time."""
-        return [(dc, n, self.seconds[dc]) for dc, n in sorted(self.bytes.items())
-                if dc not in self._open and self.seconds.get(dc, 0.0) > 0]
+        bytes in measurable time since the last :meth:`interim` sample."""
+        out = []
+        for dc, n in sorted(self.bytes.items()):
+            b0, s0 = self._marks.get(dc, (0, 0.0))
+            seconds = self.seconds.get(dc, 0.0) - s0
+            if dc not in self._open and n > b0 and seconds > 0:
+                out.append((dc, n - b0, seconds))
+        return out
+
+    def interim(self, now: float) -> list[tuple[str, int, float]]:
+        """``(source DC, bytes, seconds)`` landed since the last interim sample, the
+        time in flight counted up to ``now`` (reads still going on included)."""
+        out = []
+        for dc in sorted(self.bytes.keys() | self._open.keys()):
+            busy = self.seconds.get(dc, 0.0)
+            if dc in self._open:
+                busy += max(0.0, now - self._open[dc][1])
+            n = self.bytes.get(dc, 0)
+            b0, s0 = self._marks.get(dc, (0, 0.0))
+            if n > b0 and busy > s0:  # no bytes yet: the time waits for them
+                out.append((dc, n - b0, busy - s0))
+                self._marks[dc] = (n, busy)
+        return out

@@ -57,8 +57,14 @@ O(n log n) per stripe and budget step, :mod:`.candidates`): after a join's try a
 fetchers the next waits for n/4 more joiners, so all cost a constant times one plan of
 the final size; the joiners in
 between get one try when a fetcher asks again (:meth:`Planner.reconsider`, once per
-join's try); none above ``PlannerConfig.rebuild_max_peers`` participants.  Pure: no
-clock, no I/O.
+join's try); none above ``PlannerConfig.rebuild_max_peers`` participants.
+
+*Links that fall.*  The rate of each DC link the plan crosses is noted when it is made.
+Fetchers fold what they measured into the WAN model each time they ask again, so when
+a link slows down mid-transfer the model follows it within a few asks; once it believes
+a crossed link under :data:`LINK_FALL` of its noted rate, the next ask tries a fresh
+plan, as a suspect join does (kept if :data:`REBUILD_GAIN` better), and notes the rates
+again.  Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -106,6 +112,11 @@ this much sooner.  The model does not see what several uneven stripes cost a rea
 fan-out: in the emulated cluster, where it put layouts 5% (03-two-hop-beats-direct)
 and 12% (04-relay-only) ahead of equal stripes, the fan-outs took 11.7 s against 8.2 s
 and 15.2 s against 10.0 s."""
+LINK_FALL = 0.75
+"""A DC link the plan crosses that the WAN model now believes under this share of the
+rate the plan was made with makes the next ask of a fetcher try a fresh plan
+(:meth:`Planner.reconsider`).  The model follows a link down only after two transfer
+samples in a row far under it (:mod:`.wan`), so any fall it believes is news."""
 Layout = tuple[tuple[int, frozenset[Edge]], ...]
 """Stripes along DC trees: each stripe's chunk count and its tree's (from DC, to DC)
 links, in chunk order."""
@@ -138,6 +149,12 @@ class Planner:
         self._rebuilds_last = False  # whether the last try replaced the plan
         self._sticky: frozenset[str] = frozenset()  # seeds a rebuild keeps where it can
         self._packed: tuple[object, list[dict[frozenset[Edge], float]]] | None = None
+        self._crossing: tuple[int, list[dict[str, str]], set[tuple[str, str]]] | None \
+            = None
+        self._planned_rates: dict[tuple[str, str], float] = {}
+        """Each DC link the plan crosses: the rate it was planned with."""
+        self.link_replans = 0
+        """Fresh plans tried because a link the plan crossed fell (:data:`LINK_FALL`)."""
         self._fresh()
 
     # -- public -------------------------------------------------------------------
@@ -208,12 +225,48 @@ class Planner:
         """A fetcher asks again: the joins that came since the last rebuild was tried
         (too soon after it to try one) get one try now, if the plan is suspect.  Once
         per join's try, so the tries stay within twice the joins' (see the module
-        docstring); the coordinator calls it when a fetcher of the plan asks again."""
+        docstring); the coordinator calls it when a fetcher of the plan asks again.
+
+        Also when a DC link the plan crosses is now believed under :data:`LINK_FALL` of
+        the rate it was planned with (a link slowed down mid-transfer, and the fetchers'
+        interim samples said so): a fresh plan is tried, and kept when clearly better,
+        as for joins; the stripes still to come then take other paths.  The links'
+        rates are taken as planned again either way, so one fall costs one try."""
         if self._catch_up and self._joined and self._rebuild(grew=False):
             self._catch_up = False
             if self._rebuilds_last:
                 self._epoch += 1
+        elif self._links_fell():
+            self.link_replans += 1
+            self._rebuild(grew=True)
+            self._note_rates()
+            if self._rebuilds_last:
+                self._epoch += 1
         return self.plan
+
+    def _crossed(self) -> set[tuple[str, str]]:
+        """The (from DC, to DC) links some edge of the plan crosses (kept per epoch and
+        build: every fetcher's ask looks, and the plan changes far less often)."""
+        if self._crossing is None or self._crossing[0] != self._epoch \
+                or self._crossing[1] is not self._parent:
+            nodes = self._nodes
+            crossed = {(nodes[p].dc, nodes[v].dc) for parent in self._parent
+                       for v, p in parent.items() if nodes[p].dc != nodes[v].dc}
+            self._crossing = (self._epoch, self._parent, crossed)
+        return self._crossing[2]
+
+    def _note_rates(self) -> None:
+        self._planned_rates = {ab: self._topo.dc_link(*ab)[0] for ab in self._crossed()}
+
+    def _links_fell(self) -> bool:
+        """Whether a link the plan crosses is believed under :data:`LINK_FALL` of the
+        rate it was planned with (links crossed since then are noted as they are)."""
+        fell = False
+        for ab in self._crossed():
+            now = self._topo.dc_link(*ab)[0]
+            was = self._planned_rates.setdefault(ab, now)
+            fell |= now < LINK_FALL * was
+        return fell
 
     def mark_complete(self, name: str) -> Plan:
         """``name`` holds every chunk verified: it stops pulling and becomes a root."""
@@ -305,6 +358,7 @@ class Planner:
             best = equal  # a layout must win clearly (see LAYOUT_GAIN)
         _, i, t = best
         self._build(shapes[i], t)
+        self._note_rates()
 
     def _layouts(self) -> list[Layout]:
         """Stripes along several DC trees at once (:mod:`.packing`), when

@@ -30,8 +30,12 @@ Three kinds of knowledge, best last:
   travel in its reference-table entry, so they reach every peer by the same anti-entropy
   that carries holdings; :meth:`Wan.hear` keeps, per origin, the reports of its newest
   entry.  A pair measured by anyone is estimated as the median of the measurements (ours
-  and each origin's), which a single slow or lying reporter cannot move far; otherwise
-  the declaration stands.
+  and each origin's), the lower of the two middle ones where they are even in number,
+  which a single slow or lying reporter cannot move far; otherwise the declaration
+  stands.  The lower middle: with two reporters, a link that one of them just saw slow
+  down (an interim sample of a transfer still running, :mod:`.linktime`) is believed
+  slow at once, not halfway; a link believed slower than it is costs a detour, one
+  believed faster than it is stalls every stripe planned over it.
 
 Everything that comes from the wire is range-checked in :meth:`Wan.hear`; origins and
 reports are bounded (:data:`MAX_ORIGINS`, :data:`MAX_LINK_REPORTS`), so gossip cannot
@@ -214,8 +218,8 @@ class Wan:
         if measured:
             rtts = [r for _, r in measured if r > 0]
             rtt = statistics.median(rtts) if rtts else (declared[1] if declared else 0.0)
-            return LinkEstimate(statistics.median(b for b, _ in measured), rtt, "measured",
-                                len(measured))
+            return LinkEstimate(statistics.median_low(b for b, _ in measured), rtt,
+                                "measured", len(measured))
         if declared is not None:
             return LinkEstimate(declared[0], declared[1], "declared")
         return None

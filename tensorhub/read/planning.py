@@ -41,12 +41,18 @@ async def ask_plan(ports: Ports, me: str, key: VersionKey, size: int, chunks: in
 
 
 async def run_following(transfer: Transfer, follow: PlanFollow,
-                        ask: Callable[[], Awaitable[PlanAnswer]]) -> FetchReport:
+                        ask: Callable[[], Awaitable[PlanAnswer]],
+                        measure: Callable[[], None] | None = None) -> FetchReport:
     """Run ``transfer``; meanwhile ask again (``ask``) as ``follow`` schedules, take a
-    plan newer than the one followed, and keep the report's ``plan`` note and route."""
+    plan newer than the one followed, and keep the report's ``plan`` note and route.
+    ``measure`` runs before each ask: what the transfer measured of the links so far
+    goes to the WAN model, so that a link slowing down now reaches the coordinator,
+    which may move the remaining stripes (``Planner.reconsider``)."""
     async def follow_plan() -> None:
         while True:
             await trio.sleep(follow.next_delay())  # a schedule, not a wait for an event
+            if measure is not None:
+                measure()
             answer = await ask()
             if answer.stamp is None or not follow.newer(answer.stamp):
                 continue

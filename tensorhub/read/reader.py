@@ -482,7 +482,8 @@ class Reader:
                     report = await run_following(
                         transfer, PlanFollow(trio.current_time(), stamp, plan_note),
                         functools.partial(ask_plan, self.ports, self.me.name, key,
-                                          manifest.total_bytes, manifest.num_chunks))
+                                          manifest.total_bytes, manifest.num_chunks),
+                        functools.partial(self._measured, transfer, interim=True))
             add_to_report(report, delta, delta_seconds)
             self.links.remember(transfer.session.windows.items())
         except BaseException:
@@ -567,14 +568,17 @@ class Reader:
             self._transfers.discard(transfer)
         self._measured(transfer)
 
-    def _measured(self, transfer: Transfer) -> None:
+    def _measured(self, transfer: Transfer, interim: bool = False) -> None:
         """For each other DC the transfer read from: its bytes over the time reads from
         that DC were in flight (:mod:`~tensorhub.protocol.linktime`), a sample of the
-        link into ours."""
+        link into ours; ``interim``: what came since the last such sample, the transfer
+        still running."""
         here = self.me.label("dc")
         if not here:
             return
-        for dc, nbytes, seconds in transfer.session.link_time.samples():
+        times = transfer.session.link_time
+        for dc, nbytes, seconds in (times.interim(trio.current_time()) if interim
+                                    else times.samples()):
             if dc and dc != here:
                 self.ports.measured(dc, here, nbytes, seconds)
 
