@@ -183,6 +183,29 @@ def test_a_parent_still_receiving_several_stripes_is_asked_where_it_holds_chunks
     assert s.next_run(0.0, stream, 2 * 64) == [8]  # 9-12 are claimed already
 
 
+def test_a_planned_parent_still_receiving_that_stalls_is_asked_again_not_passed_over(
+        ) -> None:
+    """Its slowness is its own sources': the others that hold the chunk are upstream of
+    it, across a DC link or at the trainer.  Once complete, a stall is its own."""
+    w = World(manifest(8), {"h1": {0}, "h0": None}, timeout=30.0, window=1,
+              plan=[("h1", 0, 8)])
+    s = w.session
+    stream = s.open_stream(0.0, 0, info("h1"))
+    run = s.next_run(0.0, stream, 2 * 64)
+    s.landed(0.5, stream, run[0], 64)
+    limit = s.stall_limit("h1")
+    assert s.stream_ended(0.5 + limit, stream, "stalled")
+    assert s.tally.stall_retries == {"h1": 1} and "h1" not in s.benched
+    assert s.pick(0.5 + limit) == (1, info("h1"))  # not h0: asked again
+    assert s.stall_limit("h1") == 2 * limit
+    w.held["h1"] = None  # complete now: a stall is the source's own
+    again = s.open_stream(1.0 + limit, 1, info("h1"))
+    s.next_run(1.0 + limit, again, 2 * 64)
+    s.stream_ended(1.0 + 3 * limit, again, "stalled")
+    assert s.benched["h1"] > 1.0 + 3 * limit
+    assert s.pick(1.0 + 3 * limit) == (1, info("h0"))
+
+
 def test_a_newer_plan_moves_pending_chunks_and_ends_streams_it_sources_elsewhere() -> None:
     w = World(manifest(8), {"h1": None, "h2": None}, timeout=30.0, window=2,
               plan=[("h1", 0, 4), ("h2", 4, 8)])

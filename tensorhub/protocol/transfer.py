@@ -51,7 +51,8 @@ source's measured pace, never under a floor that holds on a loaded host) is ``st
 the limit applies to progress, chunk by chunk, not to a whole run.  The stalled source
 gets twice as long next time; its chunks go to another holder that has them, and only
 when there is none is the same source asked again at once: a slow but live sole source is
-never dropped.  What ends a fetch is a real timeout: no chunk landed for
+never dropped.  Nor is a planned parent still receiving (:meth:`~TransferSession.
+_relaying`): it goes at its own sources' pace, and the other holders are upstream of it.  What ends a fetch is a real timeout: no chunk landed for
 ``stall_timeout`` with nothing in flight and no stream opened for as long
 (:meth:`~TransferSession.expired`: a stream still connecting has claimed nothing yet,
 and a worker that finds no job meanwhile must not end the fetch; one that never gets
@@ -590,11 +591,26 @@ class TransferSession:
         self.pace.stalled(name)
         if now - self.last_progress >= self.stall_timeout:  # a real timeout
             self._drop(now, name, why, self.stall_timeout)
-        elif self._others_have(now, name, chunk):
+        elif self._others_have(now, name, chunk) and not self._relaying(name, chunk):
             self._drop(now, name, why, self.stall_limit(name))
-        else:  # the only source: ask it again, with twice the time
+        else:  # the only source, or our relay: ask it again, with twice the time
             r = self.tally.stall_retries
             r[name] = r.get(name, 0) + 1
+
+    def _relaying(self, name: str, chunk: int) -> bool:
+        """Whether ``name`` is ``chunk``'s planned parent and still receiving.  Such a
+        parent is slow when its own sources are: it goes at the plan's pace, and the
+        other holders of the chunk are upstream of it, across a DC link or at the
+        trainer, whose uplinks the plan has already given out.  Read there, the chunk
+        crossed the WAN a second time (in the emulated cluster, fan-outs whose relays
+        stalled moved 1.3-1.5x the inter-DC bytes they needed).  So it is asked again,
+        with twice the time; if it is gone, membership takes it out of the view and the
+        coordinator out of the plan, and a fetch with no progress at all still ends."""
+        planned = self.planned.get(chunk)
+        if planned is None or planned.name != name:
+            return False
+        held = next((h for p, h in self.holders() if p.name == name), None)
+        return held is not None and not held.complete
 
     def _others_have(self, now: float, name: str, chunk: int) -> bool:
         """Whether a usable holder other than ``name`` could serve ``chunk``."""
