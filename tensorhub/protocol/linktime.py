@@ -24,7 +24,14 @@ what moved since the last interim sample (time in flight counted up to ``now``, 
 chunks still on the wire not counted: a little under the link, never over), and
 :meth:`LinkTime.samples` then gives only what came after the last interim sample, so no
 byte is folded twice.  The read path takes one each time it asks the coordinator again
-(``PlanFollow``'s schedule: seconds apart).
+(``PlanFollow``'s schedule: seconds apart), but only once reads have been in flight for
+:data:`INTERIM_SECONDS` and :data:`INTERIM_CHUNKS` chunks landed since the last one.  A
+window's bytes are off by the chunks on the wire at its two ends; over a short window
+that is most of them (an interim sample of 0.4 s read a 60 Mbit link as 231, which the
+WAN model believed, as it believes any faster sample), and a stream's start (slow
+start, the first requests) would pass for a slow link.  The WAN model takes interim
+samples only as news of a link slowing down (``Wan.observe(interim=True)``): the
+sample of the whole transfer, at its end, is the one that can raise an estimate.
 
 Pure: every event carries its ``now``.
 """
@@ -35,6 +42,12 @@ from dataclasses import dataclass, field
 
 from ..errors import LocalProtocolError
 
+INTERIM_SECONDS = 2.0
+"""Seconds in flight an interim sample covers at least (see the module docstring)."""
+INTERIM_CHUNKS = 4
+"""Chunks landed that an interim sample covers at least: one chunk more or less on the
+wire then moves it by a quarter at most."""
+
 
 @dataclass
 class LinkTime:
@@ -44,8 +57,10 @@ class LinkTime:
     seconds: dict[str, float] = field(default_factory=dict)
     _open: dict[str, tuple[int, float]] = field(default_factory=dict)
     """DC -> (chunks in flight, since when some have been)."""
-    _marks: dict[str, tuple[int, float]] = field(default_factory=dict)
-    """DC -> (bytes, seconds) already given out by :meth:`interim`."""
+    landed: dict[str, int] = field(default_factory=dict)
+    """Chunks landed per DC."""
+    _marks: dict[str, tuple[int, float, int]] = field(default_factory=dict)
+    """DC -> (bytes, seconds, chunks landed) already given out by :meth:`interim`."""
 
     def claimed(self, now: float, dc: str, chunks: int) -> None:
         """``chunks`` more chunks from DC ``dc`` are asked for."""
@@ -64,6 +79,7 @@ class LinkTime:
             raise LocalProtocolError(f"{chunks} chunks from DC {dc!r} ended, {n} in flight")
         if nbytes:
             self.bytes[dc] = self.bytes.get(dc, 0) + nbytes
+            self.landed[dc] = self.landed.get(dc, 0) + chunks
         if n == chunks:
             del self._open[dc]
             self.seconds[dc] = self.seconds.get(dc, 0.0) + max(0.0, now - since)
@@ -75,7 +91,7 @@ class LinkTime:
         bytes in measurable time since the last :meth:`interim` sample."""
         out = []
         for dc, n in sorted(self.bytes.items()):
-            b0, s0 = self._marks.get(dc, (0, 0.0))
+            b0, s0, _ = self._marks.get(dc, (0, 0.0, 0))
             seconds = self.seconds.get(dc, 0.0) - s0
             if dc not in self._open and n > b0 and seconds > 0:
                 out.append((dc, n - b0, seconds))
@@ -83,15 +99,17 @@ class LinkTime:
 
     def interim(self, now: float) -> list[tuple[str, int, float]]:
         """``(source DC, bytes, seconds)`` landed since the last interim sample, the
-        time in flight counted up to ``now`` (reads still going on included)."""
+        time in flight counted up to ``now`` (reads still going on included); a DC
+        whose reads were in flight less than :data:`INTERIM_SECONDS`, or landed fewer than
+        :data:`INTERIM_CHUNKS`, since then waits."""
         out = []
         for dc in sorted(self.bytes.keys() | self._open.keys()):
             busy = self.seconds.get(dc, 0.0)
             if dc in self._open:
                 busy += max(0.0, now - self._open[dc][1])
-            n = self.bytes.get(dc, 0)
-            b0, s0 = self._marks.get(dc, (0, 0.0))
-            if n > b0 and busy > s0:  # no bytes yet: the time waits for them
+            n, landed = self.bytes.get(dc, 0), self.landed.get(dc, 0)
+            b0, s0, l0 = self._marks.get(dc, (0, 0.0, 0))
+            if landed - l0 >= INTERIM_CHUNKS and busy - s0 >= INTERIM_SECONDS:
                 out.append((dc, n - b0, busy - s0))
-                self._marks[dc] = (n, busy)
+                self._marks[dc] = (n, busy, landed)  # else it waits for more
         return out

@@ -52,7 +52,8 @@ the limit applies to progress, chunk by chunk, not to a whole run.  The stalled 
 gets twice as long next time; its chunks go to another holder that has them, and only
 when there is none is the same source asked again at once: a slow but live sole source is
 never dropped.  Nor is a planned parent still receiving (:meth:`~TransferSession.
-_relaying`): it goes at its own sources' pace, and the other holders are upstream of it.  What ends a fetch is a real timeout: no chunk landed for
+_relaying`): it goes at its own sources' pace, and the other holders are upstream of it.
+What ends a fetch is a real timeout: no chunk landed for
 ``stall_timeout`` with nothing in flight and no stream opened for as long
 (:meth:`~TransferSession.expired`: a stream still connecting has claimed nothing yet,
 and a worker that finds no job meanwhile must not end the fetch; one that never gets

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..model import PeerInfo, VersionKey
 from ..protocol.bans import Ban
@@ -18,6 +19,13 @@ from ..protocol.coordination import CoordinatorAnswer
 from ..protocol.reading import View
 from ..protocol.refs import Holding
 from ..transport.handshake import DataAuth
+
+
+class Measured(Protocol):
+    """``Wan.observe``, as the read path calls it."""
+
+    def __call__(self, src: str, dst: str, nbytes: int, seconds: float, *,
+                 interim: bool = False) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,8 @@ class Ports:
     data_auth: Callable[[], DataAuth | None]
     """How this peer proves itself on a data connection it opens (it changes when the
     peer rotates its identity); None without keys."""
-    measured: Callable[[str, str, int, float], object]
+    measured: Measured
     """A transfer moved ``nbytes`` from DC ``src`` into DC ``dst`` in ``seconds`` of
     reading from ``src``: a sample of that link for the WAN model (``(src, dst, nbytes,
-    seconds)``; one under its ``min_sample_bytes`` does not count)."""
+    seconds)``, ``interim=True`` for part of a transfer still running; one under its
+    ``min_sample_bytes`` does not count)."""

@@ -580,7 +580,7 @@ class Reader:
         for dc, nbytes, seconds in (times.interim(trio.current_time()) if interim
                                     else times.samples()):
             if dc and dc != here:
-                self.ports.measured(dc, here, nbytes, seconds)
+                self.ports.measured(dc, here, nbytes, seconds, interim=interim)
 
     def _count_integrity(self, report: FetchReport) -> None:
         for src, n in report.integrity_failures.items():
