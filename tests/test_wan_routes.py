@@ -185,6 +185,23 @@ def test_interim_samples_only_bring_news_of_a_link_slowing_down() -> None:
     assert wan.rate("a", "b") == 250.0
 
 
+def test_a_first_sample_is_weighed_against_what_we_hear_and_reports_only_news() -> None:
+    """A short tail read after a relay completed must not become a report of its own:
+    the median of two reports is their mean."""
+    wan = Wan(min_sample_bytes=1)
+    wan.hear("prober", [LinkReport("a", "b", 300.0, 0.08)])
+    assert wan.observe("a", "b", 200, 1.0)  # slower, but within the share: no news
+    assert wan.reports() == () and wan.rate("a", "b") == 300.0
+    wan.observe("a", "b", 60, 1.0)  # far slower, once
+    assert wan.reports() == () and wan.rate("a", "b") == 300.0
+    wan.observe("a", "b", 60, 1.0)  # twice in a row: halfway from what we heard
+    assert [r.bps for r in wan.reports()] == [180.0]
+    assert wan.rate("a", "b") == 240.0 and wan.estimate("a", "b").rtt_s == 0.08  # type: ignore[union-attr]
+    other = Wan([LinkSpec("a", "b", 100.0, 0.1)], min_sample_bytes=1)
+    assert other.observe("a", "b", 400, 1.0)  # faster than declared: believed
+    assert other.rate("a", "b") == 400.0
+
+
 def test_reports_from_the_wire_are_checked_and_bounded() -> None:
     wan = Wan()
     for bad in (LinkReport("a", "a", 1.0), LinkReport("a", "b", math.nan),

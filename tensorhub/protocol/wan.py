@@ -24,7 +24,11 @@ Three kinds of knowledge, best last:
   degrades is followed within a few transfers, to within ``1 / SLOW_SHARE`` of its
   rate.  (Taking every slower sample halfway, 300 Mbit links probed right at 303-317
   were believed at 182-227 after two fan-outs, and the planner routed around them; with
-  three slower ones in a row and no share, the third fan-out did.)  A probe at join
+  three slower ones in a row and no share, the third fan-out did.)  A peer's first
+  sample of a link is weighed the same way against what it hears or was declared, and
+  makes a report of its own only when it is news: otherwise a short tail read after a
+  relay completed (300 Mbit read as 60) became a second report, the median of two is
+  their mean, and the next version was planned at 180.  A probe at join
   (:mod:`.probing`) reads the link and nothing else: its sample replaces the estimate.
   A peer's own measurements (:meth:`Wan.reports`, at most :data:`MAX_LINK_REPORTS`)
   travel in its reference-table entry, so they reach every peer by the same anti-entropy
@@ -146,23 +150,29 @@ class Wan:
         if src == dst or not src or not dst or nbytes < max(1, self._min_bytes):
             return False
         rate = min(nbytes / seconds, MAX_LINK_BPS)
-        if interim and ((known := self._mine.get((src, dst))) is None or rate >= known[0]):
+        old = self._mine.get((src, dst))
+        base = old  # what the sample is weighed against: ours, else what we hear
+        if old is None and not probe and (known := self.estimate(src, dst)) is not None:
+            base = (known.bps, known.rtt_s)
+        if interim and (base is None or rate >= base[0]):
             return False
-        old = self._mine.pop((src, dst), None)  # re-inserted last: the most recent
-        if old is None or probe:
+        self._mine.pop((src, dst), None)  # re-inserted last: the most recent
+        if base is None or probe:
             bps, rtt = rate, 0.0 if old is None else old[1]
-        elif rate >= old[0]:  # a link carried at least this: believe it at once
-            bps, rtt = rate, old[1]
-        elif rate >= SLOW_SHARE * old[0]:  # the transfer's own limits: nothing learned
-            bps, rtt = old
+        elif rate >= base[0]:  # a link carried at least this: believe it at once
+            bps, rtt = rate, base[1]
+        elif rate >= SLOW_SHARE * base[0]:  # the transfer's own limits: nothing learned
+            bps, rtt = base
         elif (streak := self._slower.get((src, dst), 0) + 1) < SLOW_STREAK:
             self._slower[src, dst] = streak  # far slower, but once may be a busy sender
-            bps, rtt = old
+            bps, rtt = base
         else:  # slower time after time: the link degraded; follow by halves
-            bps = self._alpha * rate + (1 - self._alpha) * old[0]
-            rtt = old[1]
-        if old is None or probe or rate >= old[0]:
+            bps = self._alpha * rate + (1 - self._alpha) * base[0]
+            rtt = base[1]
+        if base is None or probe or rate >= base[0]:
             self._slower.pop((src, dst), None)
+        if old is None and base is not None and not probe and (bps, rtt) == base:
+            return True  # nothing learned: our first report waits for news
         if rtt_s is not None and math.isfinite(rtt_s) and 0 <= rtt_s <= MAX_LINK_RTT_S:
             rtt = rtt_s if rtt == 0 else self._alpha * rtt_s + (1 - self._alpha) * rtt
         if old == (bps, rtt):
