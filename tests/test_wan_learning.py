@@ -78,13 +78,14 @@ def test_sources_of_one_dc_read_side_by_side_count_once_at_their_summed_rate() -
         t.ended(12.0, "east", 1)  # nothing in flight
 
 
-def test_interim_samples_split_a_running_transfer_and_no_byte_counts_twice() -> None:
+def test_interim_samples_split_a_running_transfer_the_last_sample_is_whole() -> None:
     t = LinkTime()
     t.claimed(0.0, "east", 12)
     for i in range(4):
         t.ended(0.5 * (i + 1), "east", 1, MIB)
     assert t.interim(1.5) == []  # a stream's start: too short to tell a link by
     assert t.interim(2.5) == [("east", 4 * MIB, 2.5)]  # in flight until now: time counts
+    assert t.interim(2.5) == []  # nothing new
     t.ended(3.0, "east", 3, 3 * MIB)
     assert t.interim(5.0) == []  # three chunks: one more or less on the wire is a third
     t.ended(5.5, "east", 1, MIB)  # the link slowed down
@@ -92,12 +93,11 @@ def test_interim_samples_split_a_running_transfer_and_no_byte_counts_twice() -> 
     t.claimed(9.0, "east", 1)  # idle from 6 to 9: not counted
     assert t.interim(10.0) == [("east", 4 * MIB, 4.5)]
     t.ended(11.0, "east", 1, MIB)
-    assert t.samples() == [("east", MIB, 1.0)]  # only what came after the last interim
+    assert t.samples() == [("east", 9 * MIB, 8.0)]  # the whole transfer, at its end
     t.claimed(12.0, "west", 5)
     t.ended(14.0, "west", 1, MIB)
     assert t.interim(14.5) == []  # west: 1 chunk landed; east: nothing new
     t.ended(15.0, "west", 4, 4 * MIB)
-    assert t.samples() == [("east", MIB, 1.0), ("west", 5 * MIB, 3.0)]
     assert t.interim(15.0) == [("west", 5 * MIB, 3.0)]
 
 

@@ -20,18 +20,17 @@ fewer than ``Wan``'s ``min_sample_bytes`` are dropped there.
 
 *Interim samples.*  A link can slow down while a transfer runs; the plan can move the
 remaining stripes only once the WAN model believes it.  :meth:`LinkTime.interim` gives
-what moved since the last interim sample (time in flight counted up to ``now``, the
-chunks still on the wire not counted: a little under the link, never over), and
-:meth:`LinkTime.samples` then gives only what came after the last interim sample, so no
-byte is folded twice.  The read path takes one each time it asks the coordinator again
-(``PlanFollow``'s schedule: seconds apart), but only once reads have been in flight for
-:data:`INTERIM_SECONDS` and :data:`INTERIM_CHUNKS` chunks landed since the last one.  A
-window's bytes are off by the chunks on the wire at its two ends; over a short window
-that is most of them (an interim sample of 0.4 s read a 60 Mbit link as 231, which the
-WAN model believed, as it believes any faster sample), and a stream's start (slow
-start, the first requests) would pass for a slow link.  The WAN model takes interim
-samples only as news of a link slowing down (``Wan.observe(interim=True)``): the
-sample of the whole transfer, at its end, is the one that can raise an estimate.
+what moved since the last interim sample (time in flight counted up to ``now``), each
+time the read path asks the coordinator again (``PlanFollow``'s schedule: seconds
+apart), but only once reads have been in flight for :data:`INTERIM_SECONDS` and
+:data:`INTERIM_CHUNKS` chunks landed since the last one.  A window's bytes are off by
+the chunks on the wire at its two ends; over a short window that is most of them (an
+interim sample of 0.4 s read a 60 Mbit link as 231, which the WAN model believed, as it
+believes any faster sample), and a stream's start (slow start, the first requests)
+would pass for a slow link.  So the WAN model takes interim samples only as news of a
+link slowing down (``Wan.observe(interim=True)``), and :meth:`LinkTime.samples`, at the
+end, is the whole transfer's, not what came after the last interim sample: such a tail
+is a window like any other (tails of a few chunks read 80 Mbit links as 178).
 
 Pure: every event carries its ``now``.
 """
@@ -88,14 +87,9 @@ class LinkTime:
 
     def samples(self) -> list[tuple[str, int, float]]:
         """``(source DC, bytes, seconds)`` of every DC whose reads are over and moved
-        bytes in measurable time since the last :meth:`interim` sample."""
-        out = []
-        for dc, n in sorted(self.bytes.items()):
-            b0, s0, _ = self._marks.get(dc, (0, 0.0, 0))
-            seconds = self.seconds.get(dc, 0.0) - s0
-            if dc not in self._open and n > b0 and seconds > 0:
-                out.append((dc, n - b0, seconds))
-        return out
+        bytes in measurable time: the whole transfer's, interim samples or not."""
+        return [(dc, n, self.seconds[dc]) for dc, n in sorted(self.bytes.items())
+                if dc not in self._open and self.seconds.get(dc, 0.0) > 0]
 
     def interim(self, now: float) -> list[tuple[str, int, float]]:
         """``(source DC, bytes, seconds)`` landed since the last interim sample, the
