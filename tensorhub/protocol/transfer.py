@@ -204,8 +204,8 @@ class TransferSession:
         self.planned: dict[int, PeerInfo] = {
             c: peer for peer, first, stop in plan for c in range(first, stop)}
         self.stripes = _stripes(plan)
-        """Per planned source with more than one range of the plan: those ranges (the
-        plan's stripes), which its streams take turns at (:meth:`_first_run`)."""
+        """Per planned source: its ranges of the plan (the plan's stripes), which its
+        streams take turns at (:meth:`_first_run`)."""
         self.window = window
         self.window_cap = window_cap
         self.socket_window = socket_window
@@ -438,20 +438,11 @@ class TransferSession:
             found = self._stripe_run(now, holders, name, ranges)
             if found is not None:
                 return found
+        # off the plan (none of our planned chunks can be asked of it now): the lowest
         first = next((i for i, c in enumerate(self.pending)
-                      if (found_peer := self._source_for(now, c, holders, name)) is not None
-                      and found_peer.name == name), None)
-        if first is None:
-            return None
-        end = self.manifest.num_chunks
-        planned = self.planned.get(self.pending[first])
-        if planned is None or planned.name != name:
-            return first, end  # only a planned parent is asked ahead of what it holds
-        holding = next((h for p, h in holders() if p.name == name), None)
-        if holding is None or holding.complete:
-            return first, end
-        held = self._held_in(name, holding, first, len(self.pending))
-        return (first if held is None else held), end
+                      if (peer := self._source_for(now, c, holders, name)) is not None
+                      and peer.name == name), None)
+        return None if first is None else (first, self.manifest.num_chunks)
 
     def _held_in(self, name: str, holding: Holding, at: int, stop_at: int) -> int | None:
         """The first index of ``pending`` from ``at`` (within :data:`LOOKAHEAD`, before
@@ -466,8 +457,8 @@ class TransferSession:
 
     def _stripe_run(self, now: float, holders: Callable[[], list[tuple[PeerInfo, Holding]]],
                     name: str, ranges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-        """:meth:`_first_run` for a source planned for several stripes, or None when no
-        stripe has a pending chunk it may be asked for now."""
+        """:meth:`_first_run` for a planned source, or None when none of its stripes has
+        a pending chunk it may be asked for now."""
         pending = self.pending
         spans = []
         for first, stop in ranges:
@@ -708,8 +699,8 @@ def _dc(stream: Stream) -> str:
 
 
 def _stripes(plan: Sequence[tuple[PeerInfo, int, int]]) -> dict[str, list[tuple[int, int]]]:
-    """Per source named for more than one range of ``plan``: its ranges, in order."""
+    """Per source named in ``plan``: its ranges, in order."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     for peer, first, stop in plan:
         ranges.setdefault(peer.name, []).append((first, stop))
-    return {name: sorted(r) for name, r in ranges.items() if len(r) > 1}
+    return {name: sorted(r) for name, r in ranges.items()}
